@@ -1,0 +1,232 @@
+"""The Redis contract shared by api, worker and dashboard: every key, field and status.
+
+Imports nothing heavy (no JAX, no numpy) so the API and dashboard can use it freely.
+Every write helper takes a redis client *or* pipeline so callers compose atomic steps.
+
+Delivery is at least once. A request entry is acknowledged (XACK + XDEL) only when it is
+finished; output entries carry a per-request sequence number `seq` and readers drop any
+`seq` they have already seen. A worker that takes over a dead worker's request reads the
+output stream to learn what was already emitted, re-prefills prompt + emitted tokens, and
+continues numbering where the stream left off.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+PREFIX = "redjax"
+
+# Stream of requests, one entry each; field "data" holds a RequestMessage as JSON.
+# Workers read it through the consumer group below. Finished entries are XACKed and XDELed,
+# so XLEN counts requests that are waiting or in flight.
+REQUESTS = f"{PREFIX}:requests"
+WORKERS_GROUP = "workers"
+
+# Pub/sub channel: message = request id to cancel. Also sets cancelled_key(id) (TTL below) so
+# a worker that pulls the request later, or missed the message, still sees the cancel.
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
+CANCEL_TTL_S = 3600
+
+# Set of worker names ever seen; liveness is whether worker_key(name) still exists.
+WORKERS = f"{PREFIX}:workers"
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5  # a worker whose hash expired is gone; its pending entries may be claimed
+
+# Stream of finished-request records (RequestEvent as fields), capped; never prompt or output text.
+EVENTS = f"{PREFIX}:events"
+EVENTS_MAXLEN = 10_000
+
+# Hash of fleet-wide monotonically increasing counters (see TOTAL_* and histogram fields).
+TOTALS = f"{PREFIX}:totals"
+TOTAL_PROMPT_TOKENS = "prompt_tokens"
+TOTAL_GENERATION_TOKENS = "generation_tokens"
+TOTAL_PREEMPTIONS = "preemptions"
+TOTAL_REJECTED = "rejected"  # requests refused with 429 by the API
+TOTAL_ENQUEUED = "enqueued"
+# Requests finished, per reason: field "finished:<reason>".
+# Latency histograms, Prometheus-style cumulative buckets: field "<name>:le:<bound>", plus
+# "<name>:sum" and "<name>:count". Names: ttft_s, tpot_s, e2e_s, queue_s.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+OUTPUT_TTL_S = 600  # an output stream expires this long after its final entry
+
+
+def out_stream(request_id: str) -> str:
+    """Stream of OutputDelta entries (field "data", JSON) for one request."""
+    return f"{PREFIX}:out:{request_id}"
+
+
+def cancelled_key(request_id: str) -> str:
+    return f"{PREFIX}:cancelled:{request_id}"
+
+
+def worker_key(name: str) -> str:
+    """Hash of WorkerStats fields, refreshed every HEARTBEAT_INTERVAL_S, TTL HEARTBEAT_TTL_S."""
+    return f"{PREFIX}:worker:{name}"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context limit
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the worker could not run it; `error` says why
+
+
+class WorkerState(str, Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"  # got SIGTERM: takes no new work
+
+
+@dataclass
+class RequestMessage:
+    id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams.to_dict(); seed is always set by the API
+    enqueued_at: float = field(default_factory=time.time)
+    attempt: int = 0  # incremented each time a worker claims it from a dead one
+
+    def encode(self) -> dict[str, str]:
+        return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "RequestMessage":
+        return cls(**json.loads(_str(fields.get(b"data", fields.get("data")))))
+
+
+@dataclass
+class OutputDelta:
+    """One entry of out_stream(id). `seq` numbers entries from 0; duplicates are dropped by readers.
+
+    A delta belongs to choice `index` (0..n-1). `finish_reason` set means that choice ended.
+    The last entry of a request has `done=True` and `usage`; an `error` entry is also final.
+    """
+
+    seq: int
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # per token: {"token_id", "logprob", "top": [[token_id, logprob], ...]}; only when requested
+    logprobs: list[dict[str, Any]] | None = None
+    # first entry only when prompt logprobs were requested: one dict per prompt token (first is null)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    done: bool = False
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    error: str | None = None
+
+    def encode(self) -> dict[str, str]:
+        data = {k: v for k, v in asdict(self).items() if v not in (None, "", [], False) or k in ("seq", "index")}
+        return {"data": json.dumps(data, separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "OutputDelta":
+        return cls(**json.loads(_str(fields.get(b"data", fields.get("data")))))
+
+
+@dataclass
+class WorkerStats:
+    """Heartbeat hash of one worker (all values stored as strings)."""
+
+    name: str
+    model: str
+    state: str
+    pid: int
+    started_at: float
+    updated_at: float
+    pages_used: int
+    pages_total: int
+    running: int  # sequences in the running batch
+    waiting: int  # sequences admitted to the worker but not yet running
+    tokens_per_s: float  # generated tokens per second over the last few seconds
+    prompt_tokens_per_s: float
+    preemptions: int  # total since start
+    requests_finished: int  # total since start
+    mean_batch_size: float  # sequences per engine step over the last few seconds
+    max_num_seqs: int
+
+    def encode(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "WorkerStats":
+        raw = {_str(k): _str(v) for k, v in fields.items()}
+        out: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__.values():
+            value = raw.get(f.name, "0")
+            out[f.name] = {"int": int, "float": float}.get(f.type, str)(float(value) if f.type == "int" else value)
+        return cls(**out)
+
+
+@dataclass
+class RequestEvent:
+    """A finished request, as recorded in EVENTS. Times in seconds; never text."""
+
+    id: str
+    worker: str
+    model: str
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    enqueued_at: float
+    queue_s: float  # enqueue -> first scheduled
+    ttft_s: float  # enqueue -> first token published
+    tpot_s: float  # mean time per output token after the first
+    e2e_s: float  # enqueue -> finished
+    finished_at: float
+
+    def encode(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "RequestEvent":
+        raw = {_str(k): _str(v) for k, v in fields.items()}
+        conv = {"int": int, "float": float, "str": str}
+        return cls(**{name: conv[f.type](raw[name]) for name, f in cls.__dataclass_fields__.items()})
+
+
+def record_finished(pipe, event: RequestEvent) -> None:
+    """Append the event and move every fleet counter it touches (call inside a pipeline)."""
+    pipe.xadd(EVENTS, event.encode(), maxlen=EVENTS_MAXLEN, approximate=True)
+    pipe.hincrby(TOTALS, f"finished:{event.finish_reason}", 1)
+    observations = {"ttft_s": event.ttft_s, "e2e_s": event.e2e_s, "queue_s": event.queue_s}
+    if event.output_tokens > 1:
+        observations["tpot_s"] = event.tpot_s
+    for name, value in observations.items():
+        observe(pipe, name, value)
+
+
+def observe(pipe, name: str, value: float) -> None:
+    """Add one observation to the cumulative histogram `name` in TOTALS."""
+    for bound in LATENCY_BUCKETS_S:
+        if value <= bound:
+            pipe.hincrby(TOTALS, f"{name}:le:{_bound(bound)}", 1)
+    pipe.hincrbyfloat(TOTALS, f"{name}:sum", value)
+    pipe.hincrby(TOTALS, f"{name}:count", 1)
+
+
+def histogram_field(name: str, bound: float) -> str:
+    return f"{name}:le:{_bound(bound)}"
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+def ensure_group(client) -> None:
+    """Create the request stream and its consumer group if missing (idempotent)."""
+    try:
+        client.xgroup_create(REQUESTS, WORKERS_GROUP, id="0", mkstream=True)
+    except Exception as exc:  # redis.ResponseError BUSYGROUP: already exists
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
