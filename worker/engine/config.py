@@ -1,0 +1,40 @@
+"""EngineConfig: the one frozen object that sizes an engine. Host side: no JAX import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences in one step at most
+    max_num_batched_tokens: int = 512  # tokens (prefill chunks + decodes) in one step at most
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # KV pages per layer; None: derived from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.5  # share of free device (or host) memory given to KV pages
+    max_model_len: int | None = None  # context limit; None: the model's max_position_embeddings
+    enable_prefix_cache: bool = True  # reuse full prompt pages across requests (and n > 1 choices)
+    decode_steps: int = 4  # decode steps fused in one jitted call when no prefill is pending
+    async_overlap: bool = True  # dispatch step k+1 before reading back step k
+    max_logprobs: int = 20  # top-N alternatives computed on device
+    dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
+    seed: int = 0  # seed for requests that carry none (offline API)
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_num_seqs must be >= 1": self.max_num_seqs >= 1,
+            "max_num_batched_tokens must be >= max_num_seqs": self.max_num_batched_tokens >= self.max_num_seqs,
+            "page_size must be a power of two in [1, 256]": self.page_size in {2**i for i in range(9)},
+            "num_pages must be >= 2": self.num_pages is None or self.num_pages >= 2,
+            "kv_cache_memory_fraction must be in (0, 1)": 0.0 < self.kv_cache_memory_fraction < 1.0,
+            "max_model_len must be >= 1": self.max_model_len is None or self.max_model_len >= 1,
+            "decode_steps must be >= 1": self.decode_steps >= 1,
+            "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise ValueError(message)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.page_size)
