@@ -1,0 +1,165 @@
+"""The Llama family in Flax (nnx): Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+Parameter names and layouts mirror Hugging Face (`model.layers.0.self_attn.q_proj.weight`,
+weights `[out_features, in_features]`), so checkpoint loading is a near-identity name table.
+
+The trunk is written once. How attention reads and writes keys/values is a function passed in
+(`Attend`): the plain forward uses causal attention over the whole sequence, the serving path
+(worker/engine) writes K/V into pages and attends through page tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from worker.models.config import ModelConfig
+from worker.models.rope import apply_rope, inverse_frequencies
+
+# attend(layer, q [..., H, D], k [..., KV, D], v [..., KV, D], cache) -> (out [..., H, D], new cache)
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+_init = nnx.initializers.normal(0.02)
+
+
+class Linear(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, bias: bool, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_init(rngs.params(), (d_out, d_in), param_dtype))  # [out, in]
+        self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if bias else None  # [out]
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, param_dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_init(rngs.params(), (vocab, dim), param_dtype))  # [vocab, dim]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))  # [dim]
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim], normalised in float32 like HF
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(h, cfg.num_heads * d, cfg.qkv_bias, **kw)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, **kw)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, **kw)
+        self.o_proj = Linear(cfg.num_heads * d, h, cfg.o_bias, **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.cfg = cfg
+
+    def __call__(self, layer: int, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
+        """x: [..., T, hidden], positions: i32[..., T] -> ([..., T, hidden], cache)."""
+        cfg = self.cfg
+        q = self.q_proj(x).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)  # [..., T, H, D]
+        k = self.k_proj(x).reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)  # [..., T, KV, D]
+        v = self.v_proj(x).reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)  # [..., T, KV, D]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = jnp.asarray(inverse_frequencies(cfg))
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out, cache = attend(layer, q, k, v, cache)  # [..., T, H, D]
+        return self.o_proj(out.reshape(*x.shape[:-1], cfg.num_heads * cfg.head_dim)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, **kw)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, **kw)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., hidden] -> [..., hidden]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, layer: int, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
+        attn, cache = self.self_attn(layer, self.input_layernorm(x), positions, attend, cache)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.dtype = dtype
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = param_dtype or dtype
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Plain forward, the reference path: tokens i32[B, T] -> logits f32[B, T, vocab].
+
+        Rows are causal and independent, so right-padded batches give exact logits for the
+        real tokens of every row.
+        """
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+        hidden, _ = self.trunk(tokens, positions, self._causal_attend, None)
+        return self.logits(hidden)
+
+    def trunk(self, tokens: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
+        """tokens i32[..., T], positions i32[..., T] -> (final-normed hidden [..., T, hidden], cache)."""
+        x = jnp.take(self.model.embed_tokens.weight[...], tokens, axis=0).astype(self.model.dtype)  # [..., T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            x, cache = layer(i, x, positions, attend, cache)
+        return self.model.norm(x), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., hidden] -> logits f32[..., vocab]."""
+        weight = self.model.embed_tokens.weight[...] if self.cfg.tie_word_embeddings else self.lm_head.weight[...]
+        return jnp.einsum("...h,vh->...v", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+    def _causal_attend(self, layer: int, q, k, v, cache):
+        return causal_attention(q, k, v, self.cfg.window(layer)), cache
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+    """q [B, T, H, D], k/v [B, T, KV, D] -> [B, T, H, D]; key j visible to query i iff j <= i (and i - j < window)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)  # [B, T, KV, G, D]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+    i = jnp.arange(t)[:, None]
+    j = jnp.arange(t)[None, :]
+    visible = j <= i
+    if window is not None:
+        visible &= (i - j) < window
+    scores = jnp.where(visible, scores, -jnp.inf)  # [B, KV, G, T, T]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)

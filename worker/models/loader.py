@@ -1,0 +1,136 @@
+"""Checkpoint I/O for the Llama family, kept out of the model code.
+
+Parameters are named exactly like Hugging Face tensors (the nnx path joined by dots), so the
+name table is the identity plus the few exceptions in `IGNORED` and tied embeddings.
+
+Loading builds the model abstractly (no random init), then fills it one tensor at a time from
+the safetensors files, so host memory never holds two full copies of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from worker.models.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; derived from the config here
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model its config describes."""
+
+
+def build_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0) -> LlamaForCausalLM:
+    """Dummy weights: random init from the config alone (like `--load-format dummy`), made on device."""
+    jdtype = DTYPES[dtype or cfg.dtype]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _new(cfg, jdtype, 0)))
+
+    @jax.jit
+    def init():
+        return nnx.state(_new(cfg, jdtype, seed))
+
+    return nnx.merge(graphdef, init())
+
+
+def load_model(path: str | Path, dtype: str | None = None) -> LlamaForCausalLM:
+    """Load a local Hugging Face checkpoint directory (config.json + *.safetensors)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: model directory does not exist")
+    cfg = ModelConfig.from_dir(path)
+    jdtype = DTYPES[dtype or cfg.dtype]
+    abstract = nnx.eval_shape(lambda: _new(cfg, jdtype, 0))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    expected = {".".join(map(str, key)): key for key in flat}
+    tied_head = "lm_head.weight"
+    filled: set[str] = set()
+    for file, names in _tensor_files(path).items():
+        with safe_open(file, framework="flax") as f:
+            for name in names:
+                if name.endswith(IGNORED) or (cfg.tie_word_embeddings and name == tied_head):
+                    continue
+                if name not in expected:
+                    raise CheckpointError(f"{file}: tensor {name!r} is not used by {cfg.architecture}")
+                variable = flat[expected[name]]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(variable.value.shape):
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} has shape {shape}, the config implies {tuple(variable.value.shape)}"
+                    )
+                variable.value = f.get_tensor(name).astype(jdtype)
+                filled.add(name)
+    missing = sorted(set(expected) - filled)
+    if missing:
+        raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def save_checkpoint(model: LlamaForCausalLM, out_dir: str | Path, dtype: str | None = None) -> None:
+    """Write config.json + model.safetensors with Hugging Face names (for the demo model and tests)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    jdtype = DTYPES[dtype or cfg.dtype]
+    tensors = {
+        ".".join(map(str, key)): jnp.asarray(var.value, jdtype)
+        for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = dtype or cfg.dtype
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved beside the weights, through transformers (never from a hub)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"{path}: no usable tokenizer files ({exc})") from exc
+
+
+def _new(cfg: ModelConfig, dtype, seed: int) -> LlamaForCausalLM:
+    return LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def _tensor_files(path: Path) -> dict[Path, list[str]]:
+    """Map each safetensors file to the tensor names it holds (single file or sharded index)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map'")
+        files: dict[Path, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(path / file, []).append(name)
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: shard named in {index.name} does not exist")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="flax") as f:
+            return {single: list(f.keys())}
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{path}: no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file")
+    files = {}
+    for file in found:
+        with safe_open(file, framework="flax") as f:
+            files[file] = list(f.keys())
+    return files
