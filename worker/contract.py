@@ -60,6 +60,16 @@ def out_stream(request_id: str) -> str:
     return f"{PREFIX}:out:{request_id}"
 
 
+def api_wake_stream(instance: str) -> str:
+    """Private to one API process (capped at 1 entry, TTL WAKE_TTL_S): the API XADDs to it with every
+    enqueue so its single output reader, blocked in XREAD on the active out_streams, wakes to add
+    the new request's stream."""
+    return f"{PREFIX}:api-wake:{instance}"
+
+
+WAKE_TTL_S = 3600
+
+
 def cancelled_key(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{request_id}"
 

@@ -66,11 +66,11 @@ def load_model(path: str | Path, dtype: str | None = None) -> LlamaForCausalLM:
                     raise CheckpointError(f"{file}: tensor {name!r} is not used by {cfg.architecture}")
                 variable = flat[expected[name]]
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(variable.value.shape):
+                if shape != tuple(variable.get_value().shape):
                     raise CheckpointError(
-                        f"{file}: tensor {name!r} has shape {shape}, the config implies {tuple(variable.value.shape)}"
+                        f"{file}: tensor {name!r} has shape {shape}, the config implies {tuple(variable.get_value().shape)}"
                     )
-                variable.value = f.get_tensor(name).astype(jdtype)
+                variable.set_value(f.get_tensor(name).astype(jdtype))
                 filled.add(name)
     missing = sorted(set(expected) - filled)
     if missing:
@@ -85,7 +85,7 @@ def save_checkpoint(model: LlamaForCausalLM, out_dir: str | Path, dtype: str | N
     cfg = model.cfg
     jdtype = DTYPES[dtype or cfg.dtype]
     tensors = {
-        ".".join(map(str, key)): jnp.asarray(var.value, jdtype)
+        ".".join(map(str, key)): jnp.asarray(var.get_value(), jdtype)
         for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})

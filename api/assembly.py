@@ -1,0 +1,151 @@
+"""OutputDeltas -> OpenAI choices: stream chunks, and the whole response built from the same pieces.
+
+A streamed response is the pieces one by one; a plain response is the pieces of each choice
+concatenated, so both carry the same text and logprobs by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.errors import ApiError
+from api.model_info import ModelInfo
+from api.protocol import ParsedRequest
+from worker.contract import FinishReason, OutputDelta
+
+JSON_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class Piece:
+    """A contiguous part of one choice: text, its logprobs in the response's format, maybe the end."""
+
+    index: int
+    text: str
+    logprobs: dict[str, list] | None
+    finish_reason: str | None
+
+
+@dataclass
+class _Choice:
+    started: bool = False
+    text_len: int = 0  # characters already in this choice's text (for text_offset)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Request:
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    completion_tokens: int = 0
+    usage: dict[str, int] | None = None
+    done: bool = False
+
+
+@dataclass
+class Assembler:
+    parsed: ParsedRequest
+    model: ModelInfo
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    requests: list[_Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.requests = [_Request() for _ in self.parsed.requests]
+
+    @property
+    def done(self) -> bool:
+        return all(r.done for r in self.requests)
+
+    def feed(self, sub: int, delta: OutputDelta) -> list[Piece]:
+        """Pieces of the response carried by one delta of sub-request `sub`; raises ApiError on failure."""
+        request = self.requests[sub]
+        if delta.error or delta.finish_reason in (FinishReason.ERROR.value, FinishReason.ABORT.value):
+            request.done = True
+            if delta.finish_reason == FinishReason.ABORT.value:
+                raise ApiError(503, "the request was aborted by the server; retry it", code="aborted")
+            raise ApiError(500, f"the worker could not run the request: {delta.error or 'unknown error'}",
+                           code="worker_error")  # fmt: skip
+        if delta.prompt_logprobs is not None:
+            request.prompt_logprobs = delta.prompt_logprobs
+        request.completion_tokens += len(delta.token_ids)
+        if delta.usage:
+            request.usage = delta.usage
+        request.done = request.done or delta.done
+        index = sub * self.parsed.n + delta.index
+        choice = self.choices.setdefault(index, _Choice())
+        pieces = []
+        if not choice.started:
+            choice.started = True
+            if self.parsed.echo:
+                pieces.append(self._echo_piece(sub, index, choice))
+        if delta.text or delta.logprobs or delta.finish_reason:
+            logprobs = self._format(delta.logprobs or [], [e["token_id"] for e in delta.logprobs or []], choice.text_len)
+            choice.text_len += len(delta.text)
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
+            pieces.append(Piece(index, delta.text, logprobs, delta.finish_reason))
+        return pieces
+
+    def usage(self) -> dict[str, int]:
+        prompt = completion = 0
+        for message, request in zip(self.parsed.requests, self.requests):
+            usage = request.usage or {}
+            prompt += usage.get("prompt_tokens", len(message.prompt_token_ids))
+            completion += usage.get("completion_tokens", request.completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _echo_piece(self, sub: int, index: int, choice: _Choice) -> Piece:
+        text = self.parsed.prompt_texts[sub]
+        ids = self.parsed.requests[sub].prompt_token_ids
+        entries = self.requests[sub].prompt_logprobs or [None] * len(ids)
+        logprobs = self._format(entries, ids, 0)
+        choice.text_len = len(text)
+        return Piece(index, text, logprobs, None)
+
+    def _format(self, entries: list[dict[str, Any] | None], ids: list[int], offset: int) -> dict[str, list] | None:
+        if self.parsed.logprobs is None:
+            return None
+        if self.parsed.kind == "chat":
+            return {"content": [_chat_logprob(e, self.model) for e in entries if e is not None]}
+        return _completion_logprobs(entries, ids, offset, self.model)
+
+
+def _completion_logprobs(entries: list[dict[str, Any] | None], ids: list[int], offset: int, model: ModelInfo) -> dict:
+    """OpenAI legacy format: tokens, token_logprobs, top_logprobs, text_offset (None where unknown)."""
+    strings = model.token_strings(ids)
+    out: dict[str, list] = {"tokens": strings, "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry, string in zip(entries, strings):
+        out["text_offset"].append(offset)
+        offset += len(string)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_finite(entry["logprob"]))
+        top_ids = [int(t) for t, _ in entry.get("top", [])]
+        top = dict(zip(model.token_strings(top_ids), (_finite(lp) for _, lp in entry.get("top", []))))
+        top.setdefault(string, _finite(entry["logprob"]))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def _chat_logprob(entry: dict[str, Any], model: ModelInfo) -> dict[str, Any]:
+    token = model.token_strings([entry["token_id"]])[0]
+    top_ids = [int(t) for t, _ in entry.get("top", [])]
+    top = [
+        {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
+        for s, (_, lp) in zip(model.token_strings(top_ids), entry.get("top", []))
+    ]
+    return {"token": token, "logprob": _finite(entry["logprob"]), "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def _finite(value: float) -> float:
+    return max(float(value), JSON_MIN_LOGPROB) if not math.isnan(value) else JSON_MIN_LOGPROB
+
+
+def merge_logprobs(parts: list[dict[str, list] | None]) -> dict[str, list] | None:
+    """Concatenate the logprobs of a choice's pieces (both formats are dicts of lists)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    return {key: [item for p in present for item in p[key]] for key in present[0]}

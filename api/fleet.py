@@ -1,0 +1,47 @@
+"""FleetWatch: one background task that knows since when no live worker serves our model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from api.queue import live_workers
+from worker.contract import HEARTBEAT_INTERVAL_S
+
+log = logging.getLogger("redjax.api")
+
+
+class FleetWatch:
+    def __init__(self, client: Redis, model: str, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.client = client
+        self.model = model
+        self.interval_s = interval_s
+        self.dead_since: float | None = None  # time.monotonic() when workers were first seen missing
+        self.workers: list[str] = []
+
+    def missing_for(self, since: float) -> float:
+        """Seconds without a live worker, counted from `since` (a time.monotonic() value) at the earliest."""
+        if self.dead_since is None:
+            return 0.0
+        return time.monotonic() - max(self.dead_since, since)
+
+    async def poll(self) -> None:
+        self.workers = await live_workers(self.client, self.model)
+        if self.workers:
+            self.dead_since = None
+        elif self.dead_since is None:
+            self.dead_since = time.monotonic()
+            log.warning("no live worker serves %s", self.model)
+
+    async def run(self) -> None:
+        """Poll until cancelled; Redis errors leave the last known state (requests see them directly)."""
+        while True:
+            try:
+                await self.poll()
+            except (RedisError, OSError) as exc:
+                log.debug("fleet watch: redis error %s", type(exc).__name__)
+            await asyncio.sleep(self.interval_s)

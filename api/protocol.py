@@ -1,0 +1,305 @@
+"""Request bodies of /v1/completions and /v1/chat/completions -> validated RequestMessages.
+
+Every value check on sampling lives in SamplingParams; this module checks JSON types, the fields
+this API knows (unknown ones are refused by name), the model name and the context limit, and
+tokenizes. Parsing is synchronous (tokenizers are CPU work): call it from a thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from api.errors import ApiError
+from api.model_info import ModelInfo
+from worker.contract import RequestMessage
+from worker.engine.sampling_params import SamplingParams
+
+SAMPLING_FIELDS = {
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "n", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens",
+}  # fmt: skip
+COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    kind: Literal["completion", "chat"]
+    response_id: str  # "cmpl-..." or "chatcmpl-..."
+    created: int  # unix seconds
+    model: str
+    requests: list[RequestMessage]  # one per prompt; a completions prompt list fans out
+    prompt_texts: list[str]  # the prompt of each request as text (echo)
+    n: int  # choices per prompt; choice index in the response = prompt index * n + choice
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    echo: bool  # completions: the prompt is prepended to each choice's text
+    logprobs: int | None  # alternatives per token when logprobs were asked for, else None
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse_completion(body: dict[str, Any], model: ModelInfo, max_prompts: int) -> ParsedRequest:
+    _check_fields(body, COMPLETION_FIELDS)
+    _check_model(body, model)
+    logprobs = _get(body, "logprobs", int)
+    echo = bool(_get(body, "echo", bool))
+    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+    raw_prompts = _prompts(_require(body, "prompt"))
+    if len(raw_prompts) > max_prompts:
+        raise ApiError(400, f"at most {max_prompts} prompts per request (got {len(raw_prompts)})", param="prompt")
+    prompt_ids = [_encode_prompt(p, model) for p in raw_prompts]
+    texts = [p if isinstance(p, str) else model.decode(ids, skip_special_tokens=False) for p, ids in zip(raw_prompts, prompt_ids)]
+    return _build("completion", body, model, params, prompt_ids, texts, echo=echo, logprobs=logprobs)
+
+
+def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
+    _check_fields(body, CHAT_FIELDS)
+    _check_model(body, model)
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+    want_logprobs = bool(_get(body, "logprobs", bool))
+    top = _get(body, "top_logprobs", int)
+    if top is not None and not want_logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    if not model.has_chat_template:
+        raise ApiError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
+    messages = _messages(_require(body, "messages"))
+    try:
+        ids = model.render_chat(messages)
+    except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order) belong to the client
+        raise ApiError(400, f"chat template rejected the messages: {exc}", param="messages") from None
+    limit = {}  # an explicit max_tokens is read by _sampling_params
+    if body.get("max_tokens") is None:
+        max_tokens = _get(body, "max_completion_tokens", int)
+        if max_tokens is None:  # chat default: up to the context limit, which must leave room for a token
+            _check_context(len(ids), None, model.max_model_len)
+            max_tokens = model.max_model_len - len(ids)
+        limit = {"max_tokens": max_tokens}
+    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **limit)
+    return _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
+
+
+def _build(
+    kind: Literal["completion", "chat"],
+    body: dict[str, Any],
+    model: ModelInfo,
+    params: SamplingParams,
+    prompt_ids: list[list[int]],
+    texts: list[str],
+    *,
+    echo: bool,
+    logprobs: int | None,
+) -> ParsedRequest:
+    for ids in prompt_ids:
+        _check_context(len(ids), params.max_tokens, model.max_model_len)
+    stream = bool(_get(body, "stream", bool))
+    include_usage = _stream_options(body, stream)
+    if params.seed is None:  # always seeded, so another worker can resume the same random stream
+        params = dataclasses.replace(params, seed=secrets.randbelow(2**31))
+    now = time.time()
+    requests = [
+        RequestMessage(id=uuid.uuid4().hex, model=model.name, prompt_token_ids=ids, params=params.to_dict(), enqueued_at=now)
+        for ids in prompt_ids
+    ]
+    prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
+    return ParsedRequest(
+        kind=kind, response_id=prefix + requests[0].id, created=int(now), model=model.name, requests=requests,
+        prompt_texts=texts, n=params.n, stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
+    )  # fmt: skip
+
+
+def _sampling_params(body: dict[str, Any], model: ModelInfo, **extra: Any) -> SamplingParams:
+    """Typed fields of the body -> SamplingParams, whose own checks give the range errors."""
+    kwargs: dict[str, Any] = {}
+    for name in ("max_tokens", "top_k", "n"):
+        if (value := _get(body, name, int)) is not None:
+            kwargs[name] = value
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if (value := _get(body, name, float)) is not None:
+            kwargs[name] = value
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if (value := _get(body, name, bool)) is not None:
+            kwargs[name] = value
+    if (seed := _get(body, "seed", int)) is not None:
+        if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise ApiError(400, "seed must fit in a signed 64-bit integer", param="seed")
+        kwargs["seed"] = seed
+    if (stop := body.get("stop")) is not None:
+        kwargs["stop"] = (stop,) if isinstance(stop, str) else _list_of(stop, str, "stop", "strings")
+    if (ids := body.get("stop_token_ids")) is not None:
+        kwargs["stop_token_ids"] = _list_of(ids, int, "stop_token_ids", "integers")
+    if (bias := body.get("logit_bias")) is not None:
+        kwargs["logit_bias"] = _logit_bias(bias)
+    kwargs.update(extra)
+    try:
+        params = SamplingParams(**kwargs)
+        params.check_vocab(model.vocab_size)
+    except ValueError as exc:
+        message = str(exc)
+        raise ApiError(400, message, param=message.split()[0]) from None
+    return params
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    wanted = prompt_len + (max_tokens if max_tokens is not None else 1)
+    if prompt_len == 0:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    if wanted > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {wanted} tokens "
+            f"({prompt_len} in the prompt, {wanted - prompt_len} for the completion). "
+            "Please reduce the prompt or max_tokens.",
+            param="max_tokens" if prompt_len < max_model_len else "prompt",
+            code="context_length_exceeded",
+        )
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown or unsupported parameter: {unknown[0]}", param=unknown[0], code="unknown_parameter")
+
+
+def _check_model(body: dict[str, Any], model: ModelInfo) -> None:
+    name = _require(body, "model")
+    if not isinstance(name, str):
+        raise ApiError(400, "model must be a string", param="model")
+    if name != model.name:
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model.name}`", param="model",
+                       code="model_not_found")  # fmt: skip
+
+
+def _require(body: dict[str, Any], name: str) -> Any:
+    if body.get(name) is None:
+        raise ApiError(400, f"missing required parameter: {name}", param=name)
+    return body[name]
+
+
+def _get(body: dict[str, Any], name: str, kind: type) -> Any:
+    """body[name] checked against a JSON type (int excludes bool; float accepts int); None if absent/null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+    }[kind]
+    if not ok:
+        names = {bool: "a boolean", int: "an integer", float: "a number"}
+        raise ApiError(400, f"{name} must be {names[kind]}, got {type(value).__name__}", param=name)
+    return float(value) if kind is float else value
+
+
+def _list_of(value: Any, kind: type, name: str, what: str) -> tuple:
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise ApiError(400, f"{name} must be a list of {what}", param=name)
+    return tuple(value)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"<token id>": bias} -> ((token_id, bias), ...)."""
+    if not isinstance(value, dict):
+        raise ApiError(400, "logit_bias must be an object mapping token ids (as strings) to biases", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise ApiError(400, f"logit_bias value for {key} must be a number", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    _check_fields({f"stream_options.{k}": v for k, v in options.items()}, {"stream_options.include_usage"})
+    return bool(_get(options, "include_usage", bool))
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str):
+        return [value]
+    if is_ids(value):
+        return [value]
+    if isinstance(value, list) and value and (all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)):
+        return list(value)
+    raise ApiError(
+        400, "prompt must be a string, a list of strings, a list of token ids, or a list of token id lists",
+        param="prompt",
+    )  # fmt: skip
+
+
+def _encode_prompt(prompt: str | list[int], model: ModelInfo) -> list[int]:
+    if isinstance(prompt, str):
+        ids = model.encode(prompt)
+        bos = getattr(model.tokenizer, "bos_token_id", None)
+        return ids if ids or bos is None else [bos]
+    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary ({model.vocab_size})", param="prompt")
+    return list(prompt)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages -> [{"role", "content"(, "name")}] with text-only content."""
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} must be an object", param=where)
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise ApiError(400, f"unsupported field {where}.{extra[0]}", param=f"{where}.{extra[0]}")
+        if message.get("role") not in CHAT_ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
+        entry = {"role": message["role"], "content": _content(message.get("content"), where)}
+        if message.get("name") is not None:
+            if not isinstance(message["name"], str):
+                raise ApiError(400, f"{where}.name must be a string", param=f"{where}.name")
+            entry["name"] = message["name"]
+        out.append(entry)
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+        raise ApiError(400, f"{where}.content: only text parts are supported", param=f"{where}.content")
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")

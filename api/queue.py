@@ -1,0 +1,82 @@
+"""The request queue as the API sees it: enqueue (or 429), withdraw (cancel), worker liveness."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from api.errors import ApiError
+from worker import contract
+from worker.contract import RequestMessage
+
+# KEYS: requests stream, totals hash, wake stream. ARGV: group, max_queue_len, rejected field,
+# enqueued field, wake ttl, then one encoded RequestMessage per request.
+# Atomic, so concurrent enqueues cannot push the queue past its limit. Returns the entry ids, or
+# an empty list when the queue is full.
+_ENQUEUE = """
+redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+local count = #ARGV - 5
+if redis.call('XLEN', KEYS[1]) + count > tonumber(ARGV[2]) then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], count)
+  return {}
+end
+local ids = {}
+for i = 6, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
+redis.call('HINCRBY', KEYS[2], ARGV[4], count)
+redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'n', '1')
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
+return ids
+"""
+
+# KEYS: requests stream. ARGV: group, entry id. Deletes the entry when no worker has taken it
+# (it is in no consumer's pending list). Returns 1 if deleted.
+_REMOVE_UNDELIVERED = """
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if type(pending) == 'table' and pending.err == nil and #pending > 0 then return 0 end
+return redis.call('XDEL', KEYS[1], ARGV[2])
+"""
+
+
+class RequestQueue:
+    def __init__(self, client: Redis, max_queue_len: int, wake_stream: str) -> None:
+        self.client = client
+        self.max_queue_len = max_queue_len
+        self.wake_stream = wake_stream
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._remove = client.register_script(_REMOVE_UNDELIVERED)
+
+    async def enqueue(self, messages: list[RequestMessage]) -> list[str]:
+        """XADD every message (all or none); their stream entry ids. 429 when the queue is full."""
+        args = [contract.WORKERS_GROUP, self.max_queue_len, contract.TOTAL_REJECTED, contract.TOTAL_ENQUEUED,
+                contract.WAKE_TTL_S] + [m.encode()["data"] for m in messages]  # fmt: skip
+        keys = [contract.REQUESTS, contract.TOTALS, self.wake_stream]
+        ids = await self._enqueue(keys=keys, args=args)
+        if not ids:
+            raise ApiError(
+                429, f"the server is busy ({self.max_queue_len} requests queued or running); retry later",
+                code="queue_full", headers={"Retry-After": "1"},
+            )  # fmt: skip
+        return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+
+    async def withdraw(self, request_id: str, entry_id: str) -> bool:
+        """Cancel a request: take it off the queue if no worker has it yet, and tell workers to drop it.
+
+        Returns whether the entry was removed before any worker took it.
+        """
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(contract.cancelled_key(request_id), "1", ex=contract.CANCEL_TTL_S)
+            pipe.publish(contract.CANCEL_CHANNEL, request_id)
+            await pipe.execute()
+        removed = await self._remove(keys=[contract.REQUESTS], args=[contract.WORKERS_GROUP, entry_id])
+        return bool(removed)
+
+
+async def live_workers(client: Redis, model: str) -> list[str]:
+    """Names of workers whose heartbeat hash exists and that serve `model`."""
+    names = sorted(n.decode() if isinstance(n, bytes) else n for n in await client.smembers(contract.WORKERS))
+    if not names:
+        return []
+    async with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hget(contract.worker_key(name), "model")
+        models = await pipe.execute()
+    return [n for n, m in zip(names, models) if m is not None and m.decode() == model]

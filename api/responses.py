@@ -1,0 +1,54 @@
+"""OpenAI response bodies: stream chunks and whole responses for completions and chat."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.assembly import Piece, merge_logprobs
+from api.protocol import ParsedRequest
+
+
+def _envelope(parsed: ParsedRequest, stream: bool) -> dict[str, Any]:
+    kind = {("completion", False): "text_completion", ("completion", True): "text_completion",
+            ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}[(parsed.kind, stream)]  # fmt: skip
+    return {"id": parsed.response_id, "object": kind, "created": parsed.created, "model": parsed.model}
+
+
+def role_chunk(parsed: ParsedRequest) -> dict[str, Any]:
+    """First chat chunk: every choice's assistant role."""
+    choices = [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        for i in range(parsed.n * len(parsed.requests))
+    ]
+    return {**_envelope(parsed, True), "choices": choices, **({"usage": None} if parsed.include_usage else {})}
+
+
+def piece_chunk(parsed: ParsedRequest, piece: Piece) -> dict[str, Any]:
+    if parsed.kind == "chat":
+        delta = {"content": piece.text} if piece.text or not piece.finish_reason else {}
+        choice = {"index": piece.index, "delta": delta}
+    else:
+        choice = {"index": piece.index, "text": piece.text}
+    choice |= {"logprobs": piece.logprobs, "finish_reason": piece.finish_reason}
+    return {**_envelope(parsed, True), "choices": [choice], **({"usage": None} if parsed.include_usage else {})}
+
+
+def usage_chunk(parsed: ParsedRequest, usage: dict[str, int]) -> dict[str, Any]:
+    """Last chunk when stream_options.include_usage: no choices, the request's usage."""
+    return {**_envelope(parsed, True), "choices": [], "usage": usage}
+
+
+def full_response(parsed: ParsedRequest, pieces: list[Piece], usage: dict[str, int]) -> dict[str, Any]:
+    """The non-streamed body: each choice's pieces joined."""
+    choices = []
+    for index in range(parsed.n * len(parsed.requests)):
+        own = [p for p in pieces if p.index == index]
+        text = "".join(p.text for p in own)
+        finish = next((p.finish_reason for p in reversed(own) if p.finish_reason), "stop")
+        logprobs = merge_logprobs([p.logprobs for p in own]) if parsed.logprobs is not None else None
+        if parsed.kind == "chat":
+            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": index, "text": text}
+        choices.append(choice | {"logprobs": logprobs, "finish_reason": finish})
+    return {**_envelope(parsed, False), "choices": choices, "usage": usage}

@@ -1,0 +1,128 @@
+"""Sequence: one choice of one request; SequenceGroup: the n choices of a request. No JAX.
+
+Async overlap: when a step that samples is dispatched, the sequence gets a placeholder output
+token (-1); its real id is read back later and `resolve_placeholder` fills the oldest one in.
+A placeholder counts in `num_tokens`: the device already knows the sampled token and computes
+its K/V in the next step from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from worker.engine.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # output token sampled on device, not read back yet
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"  # in the waiting queue (new or preempted); holds no pages
+    RUNNING = "running"  # admitted; holds pages for its computed tokens
+    FINISHED = "finished"  # done; pages released, `finish_reason` set
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int  # engine-unique
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int = 0  # choice number within the request
+    group: SequenceGroup | None = None
+    output_token_ids: list[int] = field(default_factory=list)  # PLACEHOLDER where not read back
+    num_computed_tokens: int = 0  # leading tokens whose K/V are in the pages
+    page_table: list[int] = field(default_factory=list)  # token t lives in page_table[t // page_size]
+    page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the leading full pages
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival: int = 0  # admission order, stamped by Scheduler.add
+    num_placeholders: int = 0  # trailing output tokens still PLACEHOLDER
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at last admission
+    finish_reason: str | None = None  # "stop", "length", "abort" (worker.contract.FinishReason)
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (all but the trailing placeholders)."""
+        return self.num_tokens - self.num_placeholders
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """`token_ids[start:end]` without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def append_placeholder(self, count: int = 1) -> None:
+        """Record `count` tokens sampled on device whose ids are not read back yet."""
+        self.output_token_ids.extend([PLACEHOLDER] * count)
+        self.num_placeholders += count
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """Replace the oldest placeholder with the token id read back from the device."""
+        if self.num_placeholders == 0:
+            raise ValueError(f"sequence {self.seq_id} has no placeholder to resolve")
+        self.output_token_ids[len(self.output_token_ids) - self.num_placeholders] = token_id
+        self.num_placeholders -= 1
+
+    def drop_placeholders(self) -> None:
+        """Forget tokens still in flight (used when the sequence finishes early)."""
+        if self.num_placeholders:
+            del self.output_token_ids[-self.num_placeholders :]
+            self.num_placeholders = 0
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """The `params.n` choices of one request; they share the prompt (and its cached pages)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # seconds (caller's clock) when the request arrived
+    sequences: list[Sequence] = field(default_factory=list)
+    prefilled: bool = False  # a choice has computed the whole prompt (others may hit its pages)
+    first_token_time: float | None = None  # seconds, set by the engine when the first token is out
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_seq_id: int,
+        arrival_time: float,
+    ) -> SequenceGroup:
+        """A group of `params.n` waiting sequences with ids `first_seq_id, first_seq_id + 1, ...`."""
+        group = cls(request_id, list(prompt_token_ids), params, arrival_time)
+        group.sequences = [
+            Sequence(first_seq_id + i, request_id, group.prompt_token_ids, params, index=i, group=group)
+            for i in range(params.n)
+        ]
+        return group
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)
