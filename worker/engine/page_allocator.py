@@ -36,8 +36,6 @@ class PageAllocator:
         self._key_of: dict[int, int] = {}  # page -> key
         self._page_of: dict[int, int] = {}  # key -> page
         self._tokens_of: dict[int, tuple[int, ...]] = {}  # page -> its tokens (guards hash collisions)
-        self.queried_pages = 0  # full pages looked up in the prefix cache (stats)
-        self.hit_pages = 0  # of which found
 
     @property
     def num_usable_pages(self) -> int:
@@ -108,7 +106,6 @@ class PageAllocator:
             return [], []
         pages, keys, previous, size = [], [], None, self.page_size
         limit = min(max_pages, len(token_ids) // size)
-        self.queried_pages += limit
         for i in range(limit):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             key = page_key(previous, tokens)
@@ -121,7 +118,6 @@ class PageAllocator:
             pages.append(page)
             keys.append(key)
             previous = key
-        self.hit_pages += len(pages)
         return pages, keys
 
     def register(self, page: int, key: int, tokens: tuple[int, ...]) -> None:

@@ -1,0 +1,60 @@
+"""Incremental detokenization: text deltas that never split a UTF-8 character. No JAX.
+
+How a token decodes can depend on its neighbours (SentencePiece drops the leading space of the
+first token in a string; byte-level BPE spreads one character over several tokens). So each
+step decodes a short window twice, with and without the tokens not emitted yet, and emits the
+difference. While the longer text ends in U+FFFD (an incomplete character) nothing is emitted.
+After an emission the tokens just emitted become the next window's context.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT = 6  # prompt tokens decoded as left context for the first output tokens
+MAX_WINDOW = 32  # tokens that decoded to nothing (skipped specials) kept as context at most
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], **kwargs) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT:])  # context, then tokens not emitted
+        self._read = len(self._ids)  # _ids[:read] is context (emitted text or prompt)
+        self.text = ""  # all output text emitted so far
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append new output tokens; returns the text they complete (possibly "")."""
+        self._ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is held back, incomplete characters included."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        before = self._decode(self._ids[: self._read])
+        after = self._decode(self._ids)
+        if after.endswith(REPLACEMENT) and not final:
+            return ""
+        if after.startswith(before):
+            delta = after[len(before) :]
+        else:  # the prompt's tail ended inside a character the output completes
+            delta = after[len(before.rstrip(REPLACEMENT)) :]
+        if delta or self._read > MAX_WINDOW:
+            del self._ids[: self._read]  # the tokens emitted now are the next context
+        self._read = len(self._ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )

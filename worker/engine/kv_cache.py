@@ -1,0 +1,58 @@
+"""KV pages on device, one key and one value array per layer, and how many pages fit."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from worker.engine.config import EngineConfig
+from worker.models.config import ModelConfig
+
+RESERVED_PAGES = 1  # page 0: padding tokens write there
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    keys: tuple[jax.Array, ...]  # per layer [num_pages, page_size, kv_heads, head_dim]
+    values: tuple[jax.Array, ...]  # per layer [num_pages, page_size, kv_heads, head_dim]
+
+    @classmethod
+    def create(cls, model: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
+        shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
+        make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)))
+        return cls(make(), make())
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[0]
+
+
+def page_bytes(model: ModelConfig, page_size: int, itemsize: int) -> int:
+    """Bytes one page takes across all layers, keys and values."""
+    return 2 * model.num_layers * page_size * model.num_kv_heads * model.head_dim * itemsize
+
+
+def choose_num_pages(engine: EngineConfig, model: ModelConfig, max_model_len: int, itemsize: int) -> int:
+    """Pages to allocate: the configured number, or a share of free device memory.
+
+    Never more than every sequence at full context could use, never fewer than one
+    full-context sequence needs.
+    """
+    if engine.num_pages is not None:
+        return engine.num_pages
+    per_seq = engine.pages_for(max_model_len)
+    useful = engine.max_num_seqs * per_seq + RESERVED_PAGES
+    budget = int(free_device_bytes() * engine.kv_cache_memory_fraction) // page_bytes(model, engine.page_size, itemsize)
+    return max(min(budget, useful), per_seq + RESERVED_PAGES)
+
+
+def free_device_bytes() -> int:
+    """Free memory of the first device (accelerator stats, or host RAM on CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,296 @@
+"""LLMEngine: requests in, token deltas out. One step reads: schedule -> run -> postprocess.
+
+With async overlap the step dispatched now is read back on the next call, so the host's
+scheduling and batch building for step k+1 run while the device computes step k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from worker.contract import FinishReason
+from worker.engine.batch import bucket
+from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
+from worker.engine.page_allocator import PageAllocator
+from worker.engine.runner import InFlight, ModelRunner, to_host
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceGroup
+from worker.engine.stop_checker import StopChecker
+from worker.models.loader import DTYPES, load_model, load_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one choice of one request (deltas, not totals)."""
+
+    request_id: str
+    index: int  # choice
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[str, Any]] | None = None  # per new token: token_id, logprob, top [[id, lp], ...]
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # once, first entry None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far for this choice
+    request_finished: bool = False  # every choice of the request is done
+
+
+@dataclass
+class _Track:
+    """Host-side text state of one sequence."""
+
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    prompt_logprobs: list[dict[str, Any] | None] = field(default_factory=list)
+    prompt_sent: bool = False
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, config: EngineConfig):
+        cfg = model.cfg
+        self.config = config
+        self.model_config = cfg
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        dtype = DTYPES[config.dtype or cfg.dtype]
+        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(dtype).itemsize)
+        self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
+        self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
+        kv = KVCache.create(cfg, num_pages, config.page_size, dtype)
+        self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs)
+        self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self._groups: dict[str, SequenceGroup] = {}
+        self._tracks: dict[int, _Track] = {}
+        self._seq_ids = itertools.count()
+        self._inflight: InFlight | None = None
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_steps = 0
+        self.num_step_seqs = 0  # sum of sequences over steps (mean batch size)
+
+    @classmethod
+    def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
+        config = config or EngineConfig()
+        return cls(load_model(path, config.dtype), load_tokenizer(path), config)
+
+    # ---- requests ----
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        params.check_vocab(self.model_config.vocab_size)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the model allows {self.max_model_len}")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=hash((self.config.seed, request_id)) & 0x7FFFFFFF)
+        first = next(self._seq_ids)
+        for _ in range(params.n - 1):
+            next(self._seq_ids)
+        group = SequenceGroup.create(request_id, prompt_token_ids, params, first, arrival_time or time.time())
+        self._groups[request_id] = group
+        for seq in group.sequences:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            self._tracks[seq.seq_id] = _Track(detok, StopChecker(params.stop, params.include_stop_str_in_output))
+        self.scheduler.add(group)
+
+    def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       emitted: dict[int, list[int]], arrival_time: float | None = None) -> None:
+        """Continue a request another worker started: `emitted[choice]` tokens were already sent."""
+        self.add_request(request_id, prompt_token_ids, params, arrival_time)
+        for seq in self._groups[request_id].sequences:
+            tokens = emitted.get(seq.index, [])
+            seq.output_token_ids.extend(tokens)
+            track = self._tracks[seq.seq_id]
+            track.prompt_sent = True
+            text = track.detok.add(tokens) if tokens else ""
+            track.stops.add(text)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request now: its pages are free when this returns."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        self.scheduler.abort(request_id)
+        return [self._finish_output(seq) for seq in group.sequences if seq.finish_reason == FinishReason.ABORT]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # ---- the step ----
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch the next step, then read back the previous one."""
+        outputs: list[RequestOutput] = []
+        batch = self.scheduler.schedule(self._decode_steps())
+        launched = None
+        if batch is not None:
+            outputs += [self._finish_output(seq) for seq in batch.finished]
+            if batch.chunks:
+                launched = self.runner.dispatch(batch)
+                self.scheduler.advance(batch)
+                self.num_steps += 1
+                self.num_step_seqs += len(batch.chunks)
+        if self._inflight is not None:
+            outputs += self._postprocess(self._inflight)
+            self._inflight = None
+        if launched is not None:
+            if self.config.async_overlap:
+                self._inflight = launched
+            else:
+                outputs += self._postprocess(launched)
+        return outputs
+
+    def _decode_steps(self) -> int:
+        """Fuse decode steps only when no request needs host-side per-token data on device."""
+        if self.config.decode_steps == 1:
+            return 1
+        for seq in self.scheduler.running:
+            p = seq.params
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                return 1
+        return self.config.decode_steps
+
+    def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
+        out = to_host(flight.out)
+        results: list[RequestOutput] = []
+        for row, chunk in enumerate(flight.rows):
+            if chunk is None or chunk.seq.is_finished:
+                continue
+            seq, track = chunk.seq, self._tracks[chunk.seq.seq_id]
+            if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens:
+                self._collect_prompt_logprobs(seq, track, chunk, row, flight, out)
+            if seq.num_output_tokens == 0 and seq.params.max_tokens == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+                results.append(self._finish_output(seq))
+                continue
+            if not chunk.samples:
+                continue
+            results.append(self._take_tokens(seq, track, [int(out.tokens[k, row]) for k in range(chunk.num_steps)],
+                                             [(out.logprobs[k, row], out.top_ids[k, row], out.top_logprobs[k, row])
+                                              for k in range(chunk.num_steps)]))
+        return results
+
+    def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list) -> RequestOutput:
+        """Resolve read-back tokens one by one, checking every stop condition after each."""
+        ids, logprobs, text, reason = [], [], "", None
+        for token, (lp, top_ids, top_lps) in zip(tokens, lps):
+            seq.resolve_placeholder(token)
+            ids.append(token)
+            if seq.params.logprobs is not None:
+                top = [[int(i), float(x)] for i, x in zip(top_ids, top_lps)][: seq.params.logprobs]
+                logprobs.append({"token_id": token, "logprob": float(lp), "top": top})
+            reason = self._stop_reason(seq, token)
+            stop_token = reason is not None and reason[0] == FinishReason.STOP
+            delta = "" if stop_token else track.detok.add([token])  # EOS / stop tokens are not text
+            if reason is not None:
+                delta += track.detok.flush()
+            check = track.stops.add(delta)
+            text += check.text
+            if check.stop is not None:
+                reason = (FinishReason.STOP, check.stop)
+                break
+            if reason is not None:
+                text += track.stops.flush()
+                break
+        return self._emit(seq, track, ids, logprobs, text, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
+        p = seq.params
+        if token in p.stop_token_ids:
+            return FinishReason.STOP, token
+        if token in self.eos_ids and not p.ignore_eos:
+            return FinishReason.STOP, None
+        if p.max_tokens is not None and seq.num_output_tokens - seq.num_placeholders >= p.max_tokens:
+            return FinishReason.LENGTH, None
+        if seq.num_tokens - seq.num_placeholders >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def _emit(self, seq: Sequence, track: _Track, ids: list[int], logprobs: list, text: str, reason) -> RequestOutput:
+        self.num_generated_tokens += len(ids)
+        if seq.group.first_token_time is None:
+            seq.group.first_token_time = time.time()
+        if reason is not None:
+            self.scheduler.finish(seq, reason[0], reason[1])
+        return self._output(seq, track, ids, text, logprobs if seq.params.logprobs is not None else None)
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        """A choice that ended without a new token (length limit, abort, max_tokens=0)."""
+        track = self._tracks[seq.seq_id]
+        text = track.stops.flush() if seq.finish_reason != FinishReason.ABORT else ""
+        return self._output(seq, track, [], text, [] if seq.params.logprobs is not None else None)
+
+    def _output(self, seq: Sequence, track: _Track, ids: list[int], text: str, logprobs) -> RequestOutput:
+        prompt_lps = self._take_prompt_logprobs(seq, track)
+        done = seq.group.is_finished
+        if done:
+            self._groups.pop(seq.request_id, None)
+            for s in seq.group.sequences:
+                self._tracks.pop(s.seq_id, None)
+        return RequestOutput(
+            request_id=seq.request_id, index=seq.index, token_ids=ids, text=text, logprobs=logprobs,
+            prompt_logprobs=prompt_lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            request_finished=done,
+        )
+
+    def _collect_prompt_logprobs(self, seq, track: _Track, chunk, row: int, flight: InFlight, out) -> None:
+        """Gather the logprob of each next prompt token this chunk computed (first prompt token: None)."""
+        if track.prompt_sent:
+            return
+        if not track.prompt_logprobs:
+            track.prompt_logprobs.append(None)
+        shape = flight.shape
+        base = row if row < shape.num_decode else shape.num_decode + (row - shape.num_decode) * shape.prefill_len
+        n = seq.params.prompt_logprobs
+        for i in range(chunk.num_tokens):
+            pos = chunk.start + i
+            if pos + 1 >= seq.num_prompt_tokens or len(track.prompt_logprobs) > pos + 1:
+                continue
+            t = base + i
+            top = [[int(a), float(b)] for a, b in zip(out.prompt_top_ids[t], out.prompt_top_logprobs[t])][:n]
+            track.prompt_logprobs.append(
+                {"token_id": seq.prompt_token_ids[pos + 1], "logprob": float(out.prompt_logprobs[t]), "top": top}
+            )
+
+    def _take_prompt_logprobs(self, seq: Sequence, track: _Track):
+        """Prompt logprobs go out once, with the choice's first output."""
+        if seq.params.prompt_logprobs is None or track.prompt_sent:
+            return None
+        track.prompt_sent = True
+        return track.prompt_logprobs
+
+    # ---- stats ----
+
+    @property
+    def pages_total(self) -> int:
+        return self.allocator.num_usable_pages
+
+    @property
+    def pages_used(self) -> int:
+        return self.allocator.num_usable_pages - self.allocator.num_free_pages

@@ -1,0 +1,153 @@
+"""ModelRunner: turns a ScheduledBatch into padded device arrays and runs the jitted step.
+
+Layout of one step's flattened tokens `i32[T]`: decode tokens first (one per sequence, Sd rows
+padded), then prefill chunks (Sp sequences, each padded to Qp tokens): T = Sd + Sp * Qp.
+Sd, Sp, Qp and the page-table width P are rounded up to powers of two, so the number of
+compiled variants is bounded by the product of those short ladders (and the sampler flags).
+
+A decode token whose id is still on device (async overlap) is read from the previous step's
+sampled tokens through `src`; the host never waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from worker.engine.batch import DeviceBatch, StepShape, build_batch
+from worker.engine.kv_cache import KVCache
+from worker.engine.paged_attention import paged_attention, write_kv
+from worker.engine.sampler import SamplerFlags, sample
+from worker.engine.scheduler import ScheduledBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: jax.Array  # i32[K, MAXR]: sampled token per row for each of K fused steps
+    logprobs: jax.Array  # f32[K, MAXR]
+    top_ids: jax.Array  # i32[K, MAXR, N]
+    top_logprobs: jax.Array  # f32[K, MAXR, N]
+    prompt_logprobs: jax.Array  # f32[T] (or [0]): logprob of the next prompt token at each position
+    prompt_top_ids: jax.Array  # i32[T, N]
+    prompt_top_logprobs: jax.Array  # f32[T, N]
+
+
+@dataclass
+class InFlight:
+    """A dispatched step whose results have not been read back."""
+
+    batch: ScheduledBatch
+    rows: list  # ScheduledChunk per sampled row, in row order
+    shape: StepShape
+    out: StepOutput
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int):
+        self.graphdef, self.params = nnx.split(model)
+        self.cfg = model.cfg
+        self.kv = kv
+        self.page_size = page_size
+        self.max_rows = max_rows  # sampled rows of any step fit here (fixed: no recompiles)
+        self.max_logprobs = max_logprobs
+        self.prev_tokens = jnp.zeros((max_rows,), jnp.int32)  # last sampled token per row
+        self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
+        self.compiled: set[tuple] = set()  # distinct (shape, flags) variants seen
+
+    def dispatch(self, batch: ScheduledBatch) -> InFlight:
+        """Build the device batch and launch the step; returns without waiting for it."""
+        db, shape, flags, rows = build_batch(batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs)
+        self.compiled.add((shape, flags))
+        self.kv, out = _step(self.graphdef, self.params, self.kv, db, self.prev_tokens, shape, flags)
+        self.prev_tokens = out.tokens[-1]
+        self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
+        return InFlight(batch, rows, shape, out)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "shape", "flags"), donate_argnames=("kv",))
+def _step(graphdef, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: StepShape, flags: SamplerFlags):
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    tokens = jnp.where(db.src >= 0, prev_tokens[jnp.maximum(db.src, 0)], db.tokens)  # i32[T]
+
+    def forward(kv: KVCache, tokens, positions, slots, context_lens, prompt_lp: bool):
+        def attend(layer, q, k, v, cache):  # q [T, H, D], k/v [T, KV, D]
+            keys, values = cache
+            kp, vp = write_kv(keys[layer], k, slots), write_kv(values[layer], v, slots)
+            out = _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer))
+            return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
+
+        hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values))  # [T, hidden]
+        logits = model.logits(hidden[db.sample_rows])  # f32[R, V]
+        full = model.logits(hidden) if prompt_lp else None  # f32[T, V]
+        return KVCache(keys, values), logits, full
+
+    kv, logits, full = forward(kv, tokens, db.positions, db.slots, db.context_lens, shape.prompt_logprobs)
+    if flags.penalties:  # the newest generated token may still be on device only
+        pending = jnp.where(db.sampling.pending >= 0, prev_tokens[jnp.maximum(db.sampling.pending, 0)], -1)
+        db = replace(db, sampling=replace(db.sampling, output_ids=jnp.concatenate(
+            [db.sampling.output_ids, pending[:, None]], axis=1)))
+    sampled = [sample(logits, db.sampling, flags)]
+    if shape.decode_steps > 1:  # fused decode: every row is a decode row
+        def body(carry, i):
+            kv, last = carry
+            positions = db.positions + i
+            page = jnp.take_along_axis(db.page_tables, (positions // shape.page_size)[:, None], axis=1)[:, 0]
+            slots = page * shape.page_size + positions % shape.page_size
+            kv, logits, _ = forward(kv, last, positions, slots, db.context_lens + i, False)
+            st = replace(db.sampling, out_pos=db.sampling.out_pos + i)
+            out = sample(logits, st, flags)
+            return (kv, out[0]), out
+
+        (kv, _), rest = jax.lax.scan(body, (kv, sampled[0][0]), jnp.arange(1, shape.decode_steps))
+        stacked = [jnp.concatenate([a[None], b]) for a, b in zip(sampled[0], rest)]
+    else:
+        stacked = [a[None] for a in sampled[0]]
+    pad = shape.max_rows - stacked[0].shape[1]
+    stacked = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in stacked]
+    prompt = _prompt_logprobs(full, db.targets, flags.num_logprobs) if full is not None else _no_prompt(flags)
+    return kv, StepOutput(*stacked, *prompt)
+
+
+def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, shape: StepShape, window):
+    """Decode rows (one query each) then prefill rows (Qp queries each) -> [T, H, D]."""
+    sd, sp, qp = shape.num_decode, shape.num_prefill, shape.prefill_len
+    h, d = q.shape[1:]
+    outs = []
+    if sd:
+        outs.append(
+            paged_attention(
+                q[:sd, None], k_pages, v_pages, page_tables[:sd], positions[:sd, None], context_lens[:sd], window
+            ).reshape(sd, h, d)
+        )
+    if sp:
+        outs.append(
+            paged_attention(
+                q[sd:].reshape(sp, qp, h, d), k_pages, v_pages, page_tables[sd:], positions[sd:].reshape(sp, qp),
+                context_lens[sd:], window,
+            ).reshape(sp * qp, h, d)
+        )
+    return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+
+
+def _prompt_logprobs(full, targets, n: int):
+    """full f32[T, V], targets i32[T] (-1: none) -> logprob of each target and top-n alternatives."""
+    lp = jax.nn.log_softmax(full, axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(lp, n) if n else (jnp.zeros((lp.shape[0], 0)), jnp.zeros((lp.shape[0], 0), jnp.int32))
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def _no_prompt(flags: SamplerFlags):
+    return jnp.zeros((0,)), jnp.zeros((0, flags.num_logprobs), jnp.int32), jnp.zeros((0, flags.num_logprobs))
+
+
+def to_host(out: StepOutput) -> StepOutput:
+    """Block until the step is done and copy its results to numpy."""
+    return StepOutput(*(np.asarray(x) for x in jax.device_get(tuple(vars(out).values()))))

@@ -1,0 +1,116 @@
+"""On-device sampling: penalties, logit bias, temperature, top-k, top-p, min-p, seeded draws.
+
+Every row's random key is derived from (seed, choice index, output position) only, so a
+request draws the same tokens whatever shares its batch and whichever step it joined, and a
+request resumed on another worker continues identically. Nothing here waits on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per sampled row (one per scheduled sequence, padded to R rows)."""
+
+    temperature: jax.Array  # f32[R]; 0 = greedy
+    top_k: jax.Array  # i32[R]; 0 = off
+    top_p: jax.Array  # f32[R]
+    min_p: jax.Array  # f32[R]
+    seed: jax.Array  # u32[R]
+    choice: jax.Array  # i32[R]: choice index within the request
+    out_pos: jax.Array  # i32[R]: index of the output token being sampled
+    presence: jax.Array  # f32[R]
+    frequency: jax.Array  # f32[R]
+    repetition: jax.Array  # f32[R]
+    bias_ids: jax.Array  # i32[R, B]
+    bias_vals: jax.Array  # f32[R, B]; padding entries are 0
+    output_ids: jax.Array  # i32[R, L]: generated tokens so far (-1 padding), for penalties
+    prompt_ids: jax.Array  # i32[R, Lp]: prompt tokens (-1 padding), for the repetition penalty
+    pending: jax.Array  # i32[R]: row of the previous step holding a generated token not yet on the host, or -1
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """Static switches: each combination is one compiled variant; all off is the cheap path."""
+
+    all_greedy: bool = True
+    needs_sort: bool = False  # some row uses top-k or top-p
+    penalties: bool = False
+    bias: bool = False
+    num_logprobs: int = 0  # top-N alternatives to return (0: sampled token's logprob only when logprobs)
+    logprobs: bool = False
+
+
+def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags):
+    """logits f32[R, V] -> (tokens i32[R], logprobs f32[R], top_ids i32[R, N], top_logprobs f32[R, N]).
+
+    Logprobs are of the model's own distribution (raw log-softmax), as OpenAI reports them.
+    """
+    r, v = logits.shape
+    raw = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
+    if flags.penalties:
+        logits = apply_penalties(logits, t)
+    if flags.bias:
+        rows = jnp.arange(r)[:, None]
+        logits = logits.at[rows, t.bias_ids].add(t.bias_vals)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if flags.all_greedy:
+        tokens = greedy
+    else:
+        masked = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags)
+        drawn = jax.vmap(_draw)(masked, t.seed, t.choice, t.out_pos)
+        tokens = jnp.where(t.temperature == 0.0, greedy, drawn)
+    if not flags.logprobs:
+        zeros = jnp.zeros((r, 0))
+        return tokens, jnp.zeros((r,)), zeros.astype(jnp.int32), zeros
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(raw, flags.num_logprobs) if flags.num_logprobs else (jnp.zeros((r, 0)), jnp.zeros((r, 0), jnp.int32))
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Presence/frequency on generated tokens (OpenAI), repetition on prompt + generated (HF)."""
+    r, v = logits.shape
+    rows = jnp.arange(r)[:, None]
+    counts = jnp.zeros((r, v + 1), jnp.float32).at[rows, jnp.where(t.output_ids < 0, v, t.output_ids)].add(1.0)[:, :v]
+    in_prompt = jnp.zeros((r, v + 1), bool).at[rows, jnp.where(t.prompt_ids < 0, v, t.prompt_ids)].set(True)[:, :v]
+    seen = in_prompt | (counts > 0)
+    rep = t.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - t.frequency[:, None] * counts - t.presence[:, None] * (counts > 0)
+
+
+def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; logits already temperature-scaled."""
+    r, v = logits.shape
+    if flags.needs_sort:
+        ordered = -jnp.sort(-logits, axis=-1)  # [R, V] descending
+        k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, v), v)
+        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [R, 1]
+        ordered = jnp.where(jnp.arange(v)[None] < k[:, None], ordered, -jnp.inf)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        keep = (before < t.top_p[:, None]) | (jnp.arange(v)[None] == 0)
+        last_kept = jnp.max(jnp.where(keep, jnp.arange(v)[None], 0), axis=-1)
+        p_cut = jnp.take_along_axis(ordered, last_kept[:, None], axis=-1)  # [R, 1]
+        logits = jnp.where((logits < kth) | (logits < p_cut), -jnp.inf, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    floor = t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs < floor, -jnp.inf, logits)
+
+
+def row_key(seed: jax.Array, choice: jax.Array, out_pos: jax.Array) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed), choice)
+    return jax.random.fold_in(key, out_pos)
+
+
+def _draw(logits: jax.Array, seed, choice, out_pos) -> jax.Array:
+    """One categorical draw by the Gumbel-max trick: argmax(logits + Gumbel noise)."""
+    noise = jax.random.gumbel(row_key(seed, choice, out_pos), logits.shape, jnp.float32)
+    return jnp.argmax(logits + noise).astype(jnp.int32)

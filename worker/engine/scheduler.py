@@ -1,0 +1,327 @@
+"""Continuous batching: admission, chunked prefill, preemption by recompute. No JAX.
+
+Engine protocol, once per step:
+  1. `batch = schedule()`; `None` means nothing to do right now (if `has_unfinished()`, read
+     back the steps in flight, which resolves placeholders or finishes sequences, then retry).
+     Report `batch.finished` (sequences the scheduler ended with "length"). Run the device only
+     when `batch.chunks` is non-empty.
+  2. Dispatch the chunks, then call `advance(batch)` before the next `schedule()`: it marks
+     their tokens computed, appends one placeholder per sampled token and caches full pages.
+  3. When sampled ids come back, `seq.resolve_placeholder(id)` for each (oldest first); skip
+     sequences already finished (their late results are dropped). End a sequence with
+     `finish(seq, reason)` (EOS, stop, max_tokens) or `abort(request_id)`.
+
+Rules: running sequences first, oldest first (a decode token or their next prefill chunk), then
+waiting ones in arrival order. A running sequence short of pages first shrinks its chunk, then
+preempts the newest running sequence; only a sequence with no placeholders in flight is
+preempted (otherwise the needy one and everything newer sit this step out while those
+placeholders drain). Nothing is preempted for a newer sequence, so the oldest always progresses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.contract import FinishReason
+from worker.engine.config import EngineConfig
+from worker.engine.page_allocator import PageAllocator, page_key
+from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduledChunk:
+    """Compute tokens `[start, start + num_tokens)` of `seq.token_ids` (their K/V go to the pages).
+
+    `samples`: the chunk reaches the end of the known tokens, so the step samples the next one.
+    `num_steps > 1` (single-token sampling chunks only): fused decode; step i computes position
+    `start + i` from the token sampled in step i - 1 and samples again, `num_steps` tokens in all.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+    num_steps: int = 1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.samples
+
+
+@dataclass
+class ScheduledBatch:
+    chunks: list[ScheduledChunk]
+    finished: list[Sequence] = field(default_factory=list)  # ended here with "length": report them
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in the first (or only) step."""
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def num_steps(self) -> int:
+        return max((c.num_steps for c in self.chunks), default=1)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return bool(self.chunks) and all(c.is_decode for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator, max_model_len: int):
+        if allocator.page_size != config.page_size:
+            raise ValueError("allocator page_size differs from config.page_size")
+        self.config = config
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest (smallest arrival) first
+        self.num_preemptions = 0
+        self.num_lookup_tokens = 0  # tokens of admitted sequences (prefix-cache hit rate: hit / lookup)
+        self.num_hit_tokens = 0  # of which served from the prefix cache
+        self._groups: dict[str, SequenceGroup] = {}
+        self._next_arrival = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queue every unfinished sequence of `group`, stamping its arrival order."""
+        if group.request_id in self._groups:
+            raise ValueError(f"request {group.request_id!r} is already scheduled")
+        self._groups[group.request_id] = group
+        for seq in group.sequences:
+            seq.arrival = self._next_arrival
+            self._next_arrival += 1
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish the request's unfinished sequences with "abort"; returns them."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        seqs = [s for s in group.sequences if not s.is_finished]
+        for seq in seqs:
+            self.finish(seq, FinishReason.ABORT)
+        return seqs
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End `seq` now: free its pages, drop placeholders still in flight. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.drop_placeholders()
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq.group is None or seq.group.is_finished:
+            self._groups.pop(seq.request_id, None)
+
+    def schedule(self, max_decode_steps: int = 1) -> ScheduledBatch | None:
+        """Pick this step's chunks (pages allocated). With `max_decode_steps > 1`, a pure decode
+        batch with nobody waiting gets fused steps (`ScheduledChunk.num_steps`)."""
+        chunks: list[ScheduledChunk] = []
+        finished: list[Sequence] = []
+        budget = self.config.max_num_batched_tokens
+        budget, stalled = self._schedule_running(chunks, finished, budget)
+        if not stalled:
+            self._schedule_waiting(chunks, finished, budget)
+        if max_decode_steps > 1 and not self.waiting and chunks and all(c.is_decode for c in chunks):
+            chunks = [self._fuse(c, max_decode_steps) for c in chunks]
+        if not chunks and not finished:
+            return None
+        return ScheduledBatch(chunks, finished)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After dispatching `batch`: count its tokens computed, add a placeholder per sampled
+        token, and put newly full pages of known tokens into the prefix cache."""
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue
+            if chunk.start != seq.num_computed_tokens:
+                raise ValueError(f"chunk of sequence {seq.seq_id} is stale (advanced twice?)")
+            seq.num_computed_tokens = chunk.end + chunk.num_steps - 1
+            if chunk.samples:
+                seq.append_placeholder(chunk.num_steps)
+            self._register_full_pages(seq)
+            if seq.group is not None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                seq.group.prefilled = True
+
+    def room(self, seq: Sequence) -> int:
+        """Tokens `seq` may still sample (max_tokens and max_model_len, placeholders counted)."""
+        limit = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.params.max_tokens - seq.num_output_tokens)
+        return max(limit, 0)
+
+    def _target(self, seq: Sequence) -> int:
+        """Tokens that should have K/V: all while it may sample; the prompt alone when it wants
+        only prompt logprobs (max_tokens 0); else 0, nothing left to do."""
+        if seq.num_tokens > self.max_model_len:
+            return 0
+        if self.room(seq) > 0:
+            return seq.num_tokens
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            return seq.num_prompt_tokens
+        return 0
+
+    def _schedule_running(
+        self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int
+    ) -> tuple[int, bool]:
+        """Chunks for running sequences, oldest first. Returns (token budget left, stalled)."""
+        size, i = self.config.page_size, 0
+        while i < len(self.running):
+            seq = self.running[i]
+            later = len(self.running) - i - 1  # newer ones keep one token each of the budget
+            target = self._target(seq)
+            start = seq.num_computed_tokens
+            if start >= target:
+                if seq.num_placeholders == 0:  # nothing to compute or sample any more
+                    self._finish_length(seq, finished)
+                else:  # limit reached; the engine finishes it once its tokens are back
+                    i += 1
+                continue
+            if self.config.pages_for(target) > self.allocator.num_usable_pages:  # cannot fit even alone
+                if seq.num_placeholders == 0:
+                    self._finish_length(seq, finished)
+                else:  # its last sampled tokens are still coming back
+                    i += 1
+                continue
+            end = start + min(target - start, budget - later)
+            if end <= start:  # no token left in the budget (cannot happen: budget >= max_num_seqs)
+                i += 1
+                continue
+            while self._pages_short(seq, start + 1) and self.running[-1] is not seq:
+                victim = self.running[-1]
+                if victim.num_placeholders:
+                    return budget, True
+                self._preempt(victim)
+            if self._pages_short(seq, start + 1):
+                return budget, True  # older sequences hold the pages
+            end = min(end, (len(seq.page_table) + self.allocator.num_free_pages) * size)
+            self._grow(seq, end)
+            samples = end == seq.num_tokens and self.room(seq) > 0
+            chunks.append(ScheduledChunk(seq, start, end - start, samples))
+            budget -= end - start
+            i += 1
+        return budget, False
+
+    def _schedule_waiting(self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int) -> None:
+        """Admit waiting sequences in arrival order while seats, tokens and pages last."""
+        size, deferred = self.config.page_size, []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self._waits_for_prefill(seq):
+                deferred.append(self.waiting.popleft())
+                continue
+            target = self._target(seq)
+            if target == 0:
+                self._finish_length(seq, finished)
+                continue
+            if self.config.pages_for(target) > self.allocator.num_usable_pages:
+                self._finish_length(seq, finished)  # cannot fit even alone
+                continue
+            hits, keys = [], []
+            if seq.params.prompt_logprobs is None or seq.num_output_tokens > 0:
+                max_hits = (target - 1) // size  # leave a token to compute, so the step samples
+                hits, keys = self.allocator.lookup(seq.token_range(0, max_hits * size), max_hits)
+            start = len(hits) * size
+            end = start + min(target - start, budget)
+            if not self.allocator.can_allocate(self.config.pages_for(end) - len(hits)):
+                self.allocator.free(hits)
+                break  # first come, first served: nobody jumps the queue for pages
+            self.waiting.popleft()
+            seq.page_table, seq.page_keys = hits, keys
+            seq.num_computed_tokens = seq.num_cached_tokens = start
+            self.num_lookup_tokens += target
+            self.num_hit_tokens += start
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            self._grow(seq, end)
+            chunks.append(ScheduledChunk(seq, start, end - start, end == seq.num_tokens and self.room(seq) > 0))
+            budget -= end - start
+        self.waiting.extendleft(reversed(deferred))
+
+    def _waits_for_prefill(self, seq: Sequence) -> bool:
+        """n > 1: later choices wait for the first one's prompt pages to reach the cache."""
+        group = seq.group
+        return (
+            group is not None
+            and seq.index > 0
+            and not group.prefilled
+            and self.allocator.enable_prefix_cache
+            and seq.params.prompt_logprobs is None
+            and not group.sequences[0].is_finished
+        )
+
+    def _fuse(self, chunk: ScheduledChunk, max_steps: int) -> ScheduledChunk:
+        """Extend a decode chunk to up to `max_steps` fused steps, as room and pages allow."""
+        seq, size = chunk.seq, self.config.page_size
+        capacity = (len(seq.page_table) + self.allocator.num_free_pages) * size
+        steps = max(1, min(max_steps, self.room(seq), capacity - chunk.start))
+        self._grow(seq, chunk.start + steps)
+        return dataclasses.replace(chunk, num_steps=steps)
+
+    def _pages_short(self, seq: Sequence, end: int) -> bool:
+        return not self.allocator.can_allocate(self.config.pages_for(end) - len(seq.page_table))
+
+    def _grow(self, seq: Sequence, end: int) -> None:
+        """Allocate pages so `seq` can hold tokens `[0, end)`."""
+        need = self.config.pages_for(end) - len(seq.page_table)
+        if need > 0:
+            seq.page_table.extend(self.allocator.allocate(need))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the newest running sequence's pages; it recomputes from the waiting queue's front."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.page_table)
+        seq.page_table, seq.page_keys = [], []
+        seq.num_computed_tokens = 0
+
+    def _finish_length(self, seq: Sequence, finished: list[Sequence]) -> None:
+        self.finish(seq, FinishReason.LENGTH)
+        finished.append(seq)
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Key the pages that are full of computed, known tokens (prefix cache)."""
+        if not self.allocator.enable_prefix_cache:
+            return
+        size = self.config.page_size
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // size
+        previous = seq.page_keys[-1] if seq.page_keys else None
+        for i in range(len(seq.page_keys), full):
+            tokens = tuple(seq.token_range(i * size, (i + 1) * size))
+            previous = page_key(previous, tokens)
+            self.allocator.register(seq.page_table[i], previous, tokens)
+            seq.page_keys.append(previous)
