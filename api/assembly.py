@@ -32,7 +32,6 @@ class Piece:
 class _Choice:
     started: bool = False
     text_len: int = 0  # characters already in this choice's text (for text_offset)
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -40,7 +39,6 @@ class _Request:
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     completion_tokens: int = 0
     usage: dict[str, int] | None = None
-    done: bool = False
 
 
 @dataclass
@@ -53,15 +51,10 @@ class Assembler:
     def __post_init__(self) -> None:
         self.requests = [_Request() for _ in self.parsed.requests]
 
-    @property
-    def done(self) -> bool:
-        return all(r.done for r in self.requests)
-
     def feed(self, sub: int, delta: OutputDelta) -> list[Piece]:
         """Pieces of the response carried by one delta of sub-request `sub`; raises ApiError on failure."""
         request = self.requests[sub]
         if delta.error or delta.finish_reason in (FinishReason.ERROR.value, FinishReason.ABORT.value):
-            request.done = True
             if delta.finish_reason == FinishReason.ABORT.value:
                 raise ApiError(503, "the request was aborted by the server; retry it", code="aborted")
             raise ApiError(500, f"the worker could not run the request: {delta.error or 'unknown error'}",
@@ -71,7 +64,6 @@ class Assembler:
         request.completion_tokens += len(delta.token_ids)
         if delta.usage:
             request.usage = delta.usage
-        request.done = request.done or delta.done
         index = sub * self.parsed.n + delta.index
         choice = self.choices.setdefault(index, _Choice())
         pieces = []
@@ -80,9 +72,9 @@ class Assembler:
             if self.parsed.echo:
                 pieces.append(self._echo_piece(sub, index, choice))
         if delta.text or delta.logprobs or delta.finish_reason:
-            logprobs = self._format(delta.logprobs or [], [e["token_id"] for e in delta.logprobs or []], choice.text_len)
+            entries = delta.logprobs or []
+            logprobs = self._format(entries, [e["token_id"] for e in entries], choice.text_len)
             choice.text_len += len(delta.text)
-            choice.finish_reason = delta.finish_reason or choice.finish_reason
             pieces.append(Piece(index, delta.text, logprobs, delta.finish_reason))
         return pieces
 

@@ -74,7 +74,9 @@ class ApiConfig:
         return self.served_model_name or Path(self.model_dir.rstrip("/")).name
 
     @classmethod
-    def from_env(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "ApiConfig":
+    def from_env(
+        cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> "ApiConfig":
         """Flags (`overrides`; None values ignored) win over `REDJAX_*` variables, which win over defaults."""
         environ = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}

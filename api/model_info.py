@@ -46,7 +46,9 @@ class ModelInfo:
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, as shown in logprobs (special tokens kept)."""
-        return self.tokenizer.batch_decode([[t] for t in token_ids], skip_special_tokens=False)
+        if not token_ids:  # batch_decode([]) is not an empty list in every transformers version
+            return []
+        return list(self.tokenizer.batch_decode([[t] for t in token_ids], skip_special_tokens=False))
 
     @property
     def has_chat_template(self) -> bool:

@@ -69,7 +69,7 @@ class OutputReader:
             try:
                 replies = await self.client.xread(streams, count=BATCH, block=BLOCK_MS)
             except (RedisError, OSError) as exc:
-                log.warning("output reader: redis error %s; failing %d waiting requests", type(exc).__name__, self.active)
+                log.warning("output reader: redis error %s; failing %d requests", type(exc).__name__, self.active)
                 for sub in list(self._subs.values()):
                     sub.queue.put_nowait((sub.request_id, ReaderFailed(str(exc))))
                 self._subs.clear()

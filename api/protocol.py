@@ -67,7 +67,8 @@ def parse_completion(body: dict[str, Any], model: ModelInfo, max_prompts: int) -
     if len(raw_prompts) > max_prompts:
         raise ApiError(400, f"at most {max_prompts} prompts per request (got {len(raw_prompts)})", param="prompt")
     prompt_ids = [_encode_prompt(p, model) for p in raw_prompts]
-    texts = [p if isinstance(p, str) else model.decode(ids, skip_special_tokens=False) for p, ids in zip(raw_prompts, prompt_ids)]
+    texts = [p if isinstance(p, str) else model.decode(ids, skip_special_tokens=False)
+             for p, ids in zip(raw_prompts, prompt_ids)]  # fmt: skip
     return _build("completion", body, model, params, prompt_ids, texts, echo=echo, logprobs=logprobs)
 
 
@@ -112,13 +113,14 @@ def _build(
 ) -> ParsedRequest:
     for ids in prompt_ids:
         _check_context(len(ids), params.max_tokens, model.max_model_len)
+    _get(body, "user", str)  # accepted for OpenAI compatibility; advisory, so not used further
     stream = bool(_get(body, "stream", bool))
     include_usage = _stream_options(body, stream)
     if params.seed is None:  # always seeded, so another worker can resume the same random stream
         params = dataclasses.replace(params, seed=secrets.randbelow(2**31))
     now = time.time()
     requests = [
-        RequestMessage(id=uuid.uuid4().hex, model=model.name, prompt_token_ids=ids, params=params.to_dict(), enqueued_at=now)
+        RequestMessage(uuid.uuid4().hex, model.name, prompt_token_ids=ids, params=params.to_dict(), enqueued_at=now)
         for ids in prompt_ids
     ]
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
@@ -178,7 +180,8 @@ def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) 
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise ApiError(400, f"unknown or unsupported parameter: {unknown[0]}", param=unknown[0], code="unknown_parameter")
+        message = f"unknown or unsupported parameter: {unknown[0]}"
+        raise ApiError(400, message, param=unknown[0], code="unknown_parameter")
 
 
 def _check_model(body: dict[str, Any], model: ModelInfo) -> None:
@@ -202,12 +205,13 @@ def _get(body: dict[str, Any], name: str, kind: type) -> Any:
     if value is None:
         return None
     ok = {
+        str: isinstance(value, str),
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
     }[kind]
     if not ok:
-        names = {bool: "a boolean", int: "an integer", float: "a number"}
+        names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
         raise ApiError(400, f"{name} must be {names[kind]}, got {type(value).__name__}", param=name)
     return float(value) if kind is float else value
 

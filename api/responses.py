@@ -9,8 +9,10 @@ from api.protocol import ParsedRequest
 
 
 def _envelope(parsed: ParsedRequest, stream: bool) -> dict[str, Any]:
-    kind = {("completion", False): "text_completion", ("completion", True): "text_completion",
-            ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}[(parsed.kind, stream)]  # fmt: skip
+    if parsed.kind == "completion":
+        kind = "text_completion"
+    else:
+        kind = "chat.completion.chunk" if stream else "chat.completion"
     return {"id": parsed.response_id, "object": kind, "created": parsed.created, "model": parsed.model}
 
 

@@ -17,7 +17,7 @@ from worker import contract
 from worker.contract import RequestEvent
 
 SPAN_S = 600.0  # the charts' window
-THROUGHPUT_BUCKET_S = 2.0
+THROUGHPUT_BUCKET_S = 5.0
 LATENCY_BUCKET_S = 30.0
 PERCENTILE_WINDOW_S = 60.0
 READ_BATCH = 1000
@@ -27,7 +27,7 @@ READ_BATCH = 1000
 class Finished:
     """What the charts need of one RequestEvent."""
 
-    logged_at: float  # stream entry time (Redis clock); orders and prunes the window
+    logged_at: float  # stream entry time (Redis clock): orders and prunes the window; charts use event times
     first_token_at: float
     finished_at: float
     prompt_tokens: int
@@ -109,7 +109,7 @@ class EventWindow:
 
     def latency(self, now: float, window_s: float = PERCENTILE_WINDOW_S) -> dict:
         """p50/p90/p99 of TTFT, time per output token and end-to-end time over the last window_s."""
-        recent = [item for item in self._items if item.logged_at >= now - window_s]
+        recent = [item for item in self._items if item.finished_at >= now - window_s]
         columns = {
             "ttft_s": [item.ttft_s for item in recent],
             "tpot_s": [item.tpot_s for item in recent if item.tpot_s is not None],
@@ -122,14 +122,17 @@ class EventWindow:
         return out
 
     def latency_series(self, now: float, bucket_s: float = LATENCY_BUCKET_S) -> dict:
-        """p50 and p99 of TTFT and time per output token per bucket (None where a bucket is empty)."""
-        end = math.floor(now / bucket_s) * bucket_s
+        """p50 and p99 of TTFT and time per output token per bucket of finish time (None where empty).
+
+        The last bucket is the current one, still filling.
+        """
+        end = math.ceil(now / bucket_s) * bucket_s
         count = int(self.span_s / bucket_s)
         start = end - count * bucket_s
         ttft: list[list[float]] = [[] for _ in range(count)]
         tpot: list[list[float]] = [[] for _ in range(count)]
         for item in self._items:
-            i = math.floor((item.logged_at - start) / bucket_s)
+            i = math.floor((item.finished_at - start) / bucket_s)
             if 0 <= i < count:
                 ttft[i].append(item.ttft_s)
                 if item.tpot_s is not None:

@@ -17,7 +17,7 @@ from dashboard.history import EventWindow
 from worker import contract
 from worker.contract import RequestEvent
 
-RECENT_REQUESTS = 25
+RECENT_REQUESTS = 15
 
 
 class SnapshotSource:
@@ -25,15 +25,22 @@ class SnapshotSource:
         self._config = config
         self._clients = clients
         self._window = EventWindow()
-        self._lock = asyncio.Lock()
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._cached: tuple[float, dict[str, Any]] | None = None
 
     async def snapshot(self) -> dict[str, Any]:
-        async with self._lock:
+        async with self._loop_lock():
             fresh_for = self._config.refresh_s / 2
             if self._cached is None or time.monotonic() - self._cached[0] >= fresh_for:
                 self._cached = (time.monotonic(), await self._build())
             return self._cached[1]
+
+    def _loop_lock(self) -> asyncio.Lock:
+        """One lock per event loop (an asyncio.Lock must not be shared between loops)."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        return self._lock[1]
 
     async def _build(self) -> dict[str, Any]:
         client = self._clients.get()

@@ -47,7 +47,7 @@
     const ih = h - m.t - m.b;
     const n = Math.max(1, ...opts.series.map((s) => s.values.length));
     const all = opts.series.flatMap((s) => s.values).filter((v) => v !== null && Number.isFinite(v));
-    const top = niceCeil(Math.max(0, ...all) * 1.08);
+    const top = 4 * niceCeil((Math.max(0, ...all) * 1.08) / 4); // four gridlines at round values
     const x = (i) => m.l + (iw * (i + 1)) / n;
     const y = (v) => m.t + ih - (ih * v) / top;
 

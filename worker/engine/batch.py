@@ -49,6 +49,7 @@ class DeviceBatch:
     context_lens: np.ndarray  # i32[R]: tokens in the pages once this step's are written
     sample_rows: np.ndarray  # i32[R]: index into T of each row's last token
     targets: np.ndarray  # i32[T]: next prompt token at each position (prompt logprobs), or -1
+    row_steps: np.ndarray  # i32[R]: fused decode steps of each row (a row stops writing after its own)
     sampling: SamplingTensors
 
 
@@ -74,6 +75,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     tokens, src = np.zeros(t, np.int32), np.full(t, -1, np.int32)
     positions, slots, targets = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
     tables, ctx, sample_rows = np.zeros((r, pages), np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
+    row_steps = np.zeros(r, np.int32)
     rows: list[ScheduledChunk] = decode + prefill
     offsets = list(range(len(decode))) + [sd + j * qp for j in range(len(prefill))]
     row_ids = list(range(len(decode))) + [sd + j for j in range(len(prefill))]
@@ -92,6 +94,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         tables[row, : len(table)] = table
         ctx[row] = chunk.end
         sample_rows[row] = off + n - 1
+        row_steps[row] = chunk.num_steps
         if want_prompt and seq.params.prompt_logprobs is not None:
             nxt = pos + 1
             inside = nxt < seq.num_prompt_tokens
@@ -100,7 +103,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     for chunk, row in zip(rows, row_ids):
         by_row[row] = chunk
     sampling, flags = _sampling(by_row, max_logprobs, prev_rows)
-    db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, sampling)
+    db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, sampling)
     return db, shape, flags, by_row
 
 

@@ -109,18 +109,22 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             self._tracks[seq.seq_id] = _Track(detok, StopChecker(params.stop, params.include_stop_str_in_output))
         self.scheduler.add(group)
+        self.num_prompt_tokens += len(prompt_token_ids)
 
     def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       emitted: dict[int, list[int]], arrival_time: float | None = None) -> None:
-        """Continue a request another worker started: `emitted[choice]` tokens were already sent."""
+                       emitted: dict[int, list[int]], finished: dict[int, str] | None = None,
+                       arrival_time: float | None = None) -> None:
+        """Continue a request another worker started: `emitted[choice]` tokens were already sent,
+        `finished[choice]` says which choices had ended. Prompt + emitted tokens are recomputed."""
         self.add_request(request_id, prompt_token_ids, params, arrival_time)
         for seq in self._groups[request_id].sequences:
             tokens = emitted.get(seq.index, [])
             seq.output_token_ids.extend(tokens)
             track = self._tracks[seq.seq_id]
             track.prompt_sent = True
-            text = track.detok.add(tokens) if tokens else ""
-            track.stops.add(text)
+            track.stops.add(track.detok.add(tokens) if tokens else "")
+            if finished and seq.index in finished:
+                self.scheduler.finish(seq, finished[seq.index])
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request now: its pages are free when this returns."""
@@ -184,7 +188,7 @@ class LLMEngine:
             seq, track = chunk.seq, self._tracks[chunk.seq.seq_id]
             if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens:
                 self._collect_prompt_logprobs(seq, track, chunk, row, flight, out)
-            if seq.num_output_tokens == 0 and seq.params.max_tokens == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if seq.num_output_tokens == 0 and seq.params.max_tokens == 0 and chunk.end >= seq.num_prompt_tokens:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
                 results.append(self._finish_output(seq))
                 continue

@@ -98,8 +98,10 @@ def _step(graphdef, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: St
         def body(carry, i):
             kv, last = carry
             positions = db.positions + i
-            page = jnp.take_along_axis(db.page_tables, (positions // shape.page_size)[:, None], axis=1)[:, 0]
-            slots = page * shape.page_size + positions % shape.page_size
+            column = jnp.minimum(positions // shape.page_size, shape.pages - 1)
+            page = jnp.take_along_axis(db.page_tables, column[:, None], axis=1)[:, 0]
+            live = i < db.row_steps  # a row past its own step count writes to the reserved page 0
+            slots = jnp.where(live, page * shape.page_size + positions % shape.page_size, 0)
             kv, logits, _ = forward(kv, last, positions, slots, db.context_lens + i, False)
             st = replace(db.sampling, out_pos=db.sampling.out_pos + i)
             out = sample(logits, st, flags)

@@ -9,7 +9,11 @@ Engine protocol, once per step:
      their tokens computed, appends one placeholder per sampled token and caches full pages.
   3. When sampled ids come back, `seq.resolve_placeholder(id)` for each (oldest first); skip
      sequences already finished (their late results are dropped). End a sequence with
-     `finish(seq, reason)` (EOS, stop, max_tokens) or `abort(request_id)`.
+     `finish(seq, reason)` (EOS, stop string or token, max_tokens or max_model_len reached by
+     known tokens) or `abort(request_id)`. A prompt-logprobs-only request (max_tokens 0) is
+     prefilled without sampling; finish it ("length") when the chunk reaching the end of its
+     prompt is read back. A sequence the engine leaves at its limit is finished by the
+     scheduler once no placeholder is left.
 
 Rules: running sequences first, oldest first (a decode token or their next prefill chunk), then
 waiting ones in arrival order. A running sequence short of pages first shrinks its chunk, then
@@ -201,9 +205,9 @@ class Scheduler:
             target = self._target(seq)
             start = seq.num_computed_tokens
             if start >= target:
-                if seq.num_placeholders == 0:  # nothing to compute or sample any more
+                if target == 0 and seq.num_placeholders == 0:  # nothing to compute or sample
                     self._finish_length(seq, finished)
-                else:  # limit reached; the engine finishes it once its tokens are back
+                else:  # limit reached: the engine finishes it once its last results are back
                     i += 1
                 continue
             if self.config.pages_for(target) > self.allocator.num_usable_pages:  # cannot fit even alone

@@ -1,0 +1,123 @@
+"""The HTTP endpoints: completions, chat completions, models, health and readiness."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from redis.exceptions import RedisError
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from api.assembly import Assembler, Piece
+from api.errors import ApiError, redis_unavailable
+from api.generation import Run, unless_disconnected
+from api.protocol import ParsedRequest, parse_chat, parse_completion, parse_json
+from api.queue import live_workers
+from api.responses import full_response, piece_chunk, role_chunk, usage_chunk
+from api.services import ApiServices
+
+
+async def completions(request: Request) -> Response:
+    services: ApiServices = request.app.state.services
+    body = parse_json(await request.body())
+    parsed = await run_in_threadpool(parse_completion, body, services.model, services.config.max_prompts_per_request)
+    return await _generate(request, services, parsed)
+
+
+async def chat_completions(request: Request) -> Response:
+    services: ApiServices = request.app.state.services
+    body = parse_json(await request.body())
+    parsed = await run_in_threadpool(parse_chat, body, services.model)
+    return await _generate(request, services, parsed)
+
+
+async def _generate(request: Request, services: ApiServices, parsed: ParsedRequest) -> Response:
+    run = Run(services, parsed)
+    await run.start(getattr(request.state, "request_id", ""))
+    assembler = Assembler(parsed, services.model)
+    try:
+        if parsed.stream:
+            # Wait for the first output before answering 200, so queue-side failures keep their status.
+            first = await unless_disconnected(request.receive, _next_pieces(run, assembler))
+            stream = _sse(run, assembler, first)
+            # run.close() is idempotent: the generator calls it; the background task covers a stream never started.
+            ping = services.config.sse_ping_s
+            return EventSourceResponse(stream, ping=ping, sep="\n", background=BackgroundTask(run.close))
+        pieces = await unless_disconnected(request.receive, _all_pieces(run, assembler))
+    except BaseException:
+        await run.close()
+        raise
+    await run.close()
+    return JSONResponse(full_response(parsed, pieces, assembler.usage()))
+
+
+async def _next_pieces(run: Run, assembler: Assembler) -> list[Piece]:
+    """Pieces of the next deltas that carry any (empty once the run has finished)."""
+    while not run.finished:
+        pieces = assembler.feed(*await run.next_event())
+        if pieces:
+            return pieces
+    return []
+
+
+async def _all_pieces(run: Run, assembler: Assembler) -> list[Piece]:
+    pieces: list[Piece] = []
+    while not run.finished:
+        pieces += assembler.feed(*await run.next_event())
+    return pieces
+
+
+async def _sse(run: Run, assembler: Assembler, first: list[Piece]) -> AsyncIterator[str]:
+    """OpenAI stream: chunks as `data:` events, then `data: [DONE]`. Errors after 200 become an error event.
+
+    A client that goes away cancels this generator; `run.close()` then withdraws the request.
+    """
+    parsed = assembler.parsed
+    try:
+        if parsed.kind == "chat":
+            yield json.dumps(role_chunk(parsed))
+        pieces = first
+        while True:
+            for piece in pieces:
+                yield json.dumps(piece_chunk(parsed, piece))
+            if run.finished:
+                break
+            pieces = await _next_pieces(run, assembler)
+        if parsed.include_usage:
+            yield json.dumps(usage_chunk(parsed, assembler.usage()))
+        yield "[DONE]"
+    except ApiError as exc:
+        yield exc.sse_data()
+        yield "[DONE]"
+    finally:
+        await run.close()
+
+
+async def models(request: Request) -> Response:
+    services: ApiServices = request.app.state.services
+    card = {
+        "id": services.model.name, "object": "model", "created": request.app.state.started_at, "owned_by": "redjax",
+        "root": services.model.name, "max_model_len": services.model.max_model_len,
+    }  # fmt: skip
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    """200 when Redis answers and at least one live worker serves the model; else 503."""
+    services: ApiServices = request.app.state.services
+    try:
+        await services.client.ping()
+        workers = await live_workers(services.client, services.model.name)
+    except (RedisError, OSError):
+        raise redis_unavailable() from None
+    if not workers:
+        raise ApiError(503, f"no live worker serves {services.model.name}", code="no_worker")
+    return JSONResponse({"status": "ready", "model": services.model.name, "workers": workers})

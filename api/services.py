@@ -1,0 +1,56 @@
+"""ApiServices: what the routes share (config, model, Redis, queue, reader, fleet watch), on app.state."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+
+from api.config import ApiConfig
+from api.fleet import FleetWatch
+from api.model_info import ModelInfo
+from api.outputs import BLOCK_MS, OutputReader
+from api.queue import RequestQueue
+from worker.contract import api_wake_stream
+
+REDIS_TIMEOUT_S = 5.0  # connect and command timeout of the ordinary client
+
+
+@dataclass
+class ApiServices:
+    config: ApiConfig
+    model: ModelInfo
+    client: Redis  # short commands
+    reader_client: Redis  # the output reader's blocking XREAD
+    queue: RequestQueue
+    reader: OutputReader
+    fleet: FleetWatch
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, config: ApiConfig, model: ModelInfo) -> "ApiServices":
+        """Build clients (no connection is made yet: Redis may come up after the API)."""
+        timeouts = {"socket_timeout": REDIS_TIMEOUT_S, "socket_connect_timeout": REDIS_TIMEOUT_S}
+        client = Redis.from_url(config.redis_url, **timeouts)
+        reader_client = Redis.from_url(
+            config.redis_url, socket_timeout=REDIS_TIMEOUT_S + BLOCK_MS / 1000, socket_connect_timeout=REDIS_TIMEOUT_S
+        )
+        wake = api_wake_stream(uuid.uuid4().hex)
+        return cls(
+            config=config, model=model, client=client, reader_client=reader_client,
+            queue=RequestQueue(client, config.max_queue_len, wake), reader=OutputReader(reader_client, wake),
+            fleet=FleetWatch(client, config.model_name),
+        )  # fmt: skip
+
+    async def start(self) -> None:
+        self.tasks = [asyncio.create_task(self.reader.run(), name="output-reader"),
+                      asyncio.create_task(self.fleet.run(), name="fleet-watch")]  # fmt: skip
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.client.aclose()
+        await self.reader_client.aclose()

@@ -1,0 +1,85 @@
+"""A tiny but real servable model folder (random Llama weights + a trained tokenizer) and a live stack.
+
+The stack is the real thing: `redjax worker` processes and an API server started by the CLI,
+against the test session's redis-server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import transformers
+
+from tests.api_support import make_model_dir
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_served_model(path: Path, seed: int = 0) -> Path:
+    """Tokenizer and chat template from the API tests, plus random Llama weights sized to its vocabulary."""
+    make_model_dir(path)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # spread the logits so greedy choices are far from ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(str(path))
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def start_worker(model_dir: Path, redis_url: str, name: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", str(model_dir), "--redis", redis_url,
+           "--name", name, "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--page-size", "8",
+           "--num-pages", "128", *extra]
+    return subprocess.Popen(cmd, env=_env(), cwd=REPO)
+
+
+def start_api(model_dir: Path, redis_url: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "worker.cli", "api", "--model", str(model_dir), "--redis", redis_url,
+           "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=timeout)
+
+
+def wait_until(check, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception as exc:  # not up yet
+            last = exc
+        time.sleep(0.2)
+    raise TimeoutError(f"condition not met in {timeout_s}s (last error: {last!r})")

@@ -1,0 +1,68 @@
+"""ApiConfig, request parsing without a server, and the no-JAX import rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from api.config import ApiConfig
+from api.errors import ApiError
+from api.protocol import parse_chat, parse_completion
+from tests.api_support import MODEL_NAME, tiny_model, tiny_model_dir  # noqa: F401
+from worker.engine.sampling_params import SamplingParams
+
+
+def test_from_env_flags_win_and_key_is_hidden():
+    env = {"REDJAX_MODEL_DIR": "/models/llama", "REDJAX_API_PORT": "9000", "REDJAX_API_KEY": "sekrit",
+           "REDJAX_NO_WORKER_TIMEOUT_S": "2.5", "REDJAX_MAX_MODEL_LEN": "4096"}  # fmt: skip
+    config = ApiConfig.from_env({"port": 9100, "host": None}, environ=env)
+    assert config.port == 9100 and config.host == "127.0.0.1" and config.no_worker_timeout_s == 2.5
+    assert config.max_model_len == 4096 and config.model_name == "llama" and config.api_key == "sekrit"
+    assert "sekrit" not in repr(config) and "sekrit" not in str(config)
+    with pytest.raises(ValueError, match="REDJAX_API_PORT"):
+        ApiConfig.from_env(environ={**env, "REDJAX_API_PORT": "x"})
+    with pytest.raises(ValueError, match="model_dir"):
+        ApiConfig.from_env(environ={})
+    with pytest.raises(ValueError, match="max_queue_len"):
+        ApiConfig(model_dir="/m", max_queue_len=0)
+
+
+def test_importing_api_never_imports_jax():
+    code = ("import sys, api, api.app, api.server, api.routes\n"
+            "assert not any(m.split('.')[0] in ('jax', 'flax') for m in sys.modules)")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_completion_maps_to_sampling_params(tiny_model):
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, "temperature": 0, "top_p": 0.9, "top_k": 5,
+            "min_p": 0.1, "stop": "x", "stop_token_ids": [1], "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.1, "logit_bias": {"7": -100, "8": 5}, "n": 2, "ignore_eos": True,
+            "include_stop_str_in_output": True, "skip_special_tokens": False, "user": "u1", "logprobs": 3,
+            "echo": True, "seed": None}  # fmt: skip
+    parsed = parse_completion(body, tiny_model, max_prompts=4)
+    params = SamplingParams.from_dict(parsed.requests[0].params)
+    assert params == SamplingParams(
+        n=2, max_tokens=3, temperature=0.0, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5,
+        frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias=((7, -100.0), (8, 5.0)), seed=params.seed,
+        stop=("x",), stop_token_ids=(1,), include_stop_str_in_output=True, ignore_eos=True, logprobs=3,
+        prompt_logprobs=3, skip_special_tokens=False,
+    )  # fmt: skip
+    assert isinstance(params.seed, int) and parsed.echo and parsed.logprobs == 3 and parsed.prompt_texts == ["hello"]
+
+
+def test_chat_parsing(tiny_model):
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "logprobs": True, "max_completion_tokens": 7}  # fmt: skip
+    parsed = parse_chat(body, tiny_model)
+    request = parsed.requests[0]
+    assert request.prompt_token_ids == tiny_model.render_chat([{"role": "user", "content": "hi"}])
+    assert request.params["max_tokens"] == 7 and request.params["logprobs"] == 0 and parsed.logprobs == 0
+    assert parsed.response_id.startswith("chatcmpl-")
+
+
+def test_unknown_field_is_named(tiny_model):
+    with pytest.raises(ApiError) as info:
+        parse_completion({"model": MODEL_NAME, "prompt": "x", "frobnicate": 1}, tiny_model, max_prompts=4)
+    assert info.value.status == 400 and info.value.param == "frobnicate" and "frobnicate" in info.value.message

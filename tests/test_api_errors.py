@@ -1,0 +1,171 @@
+"""Bad requests get the right status in OpenAI's error format and never reach the request stream."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.api_support import MODEL_NAME, api_server, start_api, tiny_model, tiny_model_dir  # noqa: F401
+from worker import contract
+
+LONG_PROMPT = "hello world " * 100  # about 200 tokens; the tiny model allows 128
+
+COMPLETION_CASES = [
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": 101}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "n": True}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "hi", "user": 5}, 400, "user"),
+    ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"bogus": 1}}, 400, "stream_options.bogus"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["a", [1]]}, 400, "prompt"),
+    ({"prompt": [1, 99999]}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": LONG_PROMPT}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 200}, 400, "max_tokens"),
+    ({"prompt": ["hi"] * 65}, 400, "prompt"),
+]
+
+CHAT_CASES = [
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "max_completion_tokens": 1}, 400,
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "prompt"),
+]
+
+
+def _assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["x-request-id"]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.fixture(scope="module")
+def shared_api(redis_url, tiny_model_dir, tiny_model):
+    with api_server(redis_url, tiny_model_dir, tiny_model) as server:
+        yield server.url
+
+
+@pytest.fixture
+def api(shared_api, redis_client):
+    yield shared_api
+    assert redis_client.xlen(contract.REQUESTS) == 0  # nothing was enqueued
+
+
+@pytest.mark.parametrize("body,status,param", COMPLETION_CASES)
+def test_bad_completion(api, body, status, param):
+    response = httpx.post(f"{api}/v1/completions", json={"model": MODEL_NAME, **body})
+    assert _assert_openai_error(response, status)["param"] == param
+
+
+@pytest.mark.parametrize("body,status,param", CHAT_CASES)
+def test_bad_chat(api, body, status, param):
+    response = httpx.post(f"{api}/v1/chat/completions", json={"model": MODEL_NAME, **body})
+    assert _assert_openai_error(response, status)["param"] == param
+
+
+def test_context_length_message(api):
+    response = httpx.post(f"{api}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 200})
+    error = _assert_openai_error(response, 400)
+    assert error["code"] == "context_length_exceeded" and "maximum context length is 128" in error["message"]
+
+
+def test_unknown_model_is_404(api):
+    response = httpx.post(f"{api}/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert _assert_openai_error(response, 404)["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=f"{api}/v1", api_key="x", max_retries=0).completions.create(model="gpt-9", prompt="hi")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_malformed_json(api, raw):
+    response = httpx.post(f"{api}/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert _assert_openai_error(response, 400)["code"] == "invalid_json"
+
+
+def test_routes_and_methods(api):
+    _assert_openai_error(httpx.get(f"{api}/v1/nothing"), 404)
+    _assert_openai_error(httpx.get(f"{api}/v1/completions"), 405)
+
+
+def test_body_too_large(start_api, redis_client):
+    url = start_api(max_body_bytes=2048)
+    body = {"model": MODEL_NAME, "prompt": "x" * 4096}
+    _assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 413)
+
+    def chunks():  # no Content-Length: the limit applies while the body is read
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(8):
+            yield b"x" * 512
+        yield b'"}'
+
+    _assert_openai_error(httpx.post(f"{url}/v1/completions", content=chunks()), 413)
+    assert redis_client.xlen(contract.REQUESTS) == 0
+
+
+def test_api_key(start_api, redis_client):
+    url = start_api(api_key="sekrit")
+    body = {"model": MODEL_NAME, "prompt": "hi"}
+    _assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 401)
+    wrong = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert _assert_openai_error(wrong, 401)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    assert openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0).models.list().data
+    assert httpx.get(f"{url}/health").status_code == 200  # only /v1/* is guarded
+    assert redis_client.xlen(contract.REQUESTS) == 0
+
+
+def test_queue_full_is_429(start_api, redis_client):
+    url = start_api(max_queue_len=2)
+    for _ in range(2):
+        redis_client.xadd(contract.REQUESTS, {"data": "{}"})
+    response = httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
+    assert _assert_openai_error(response, 429)["code"] == "queue_full"
+    assert response.headers["retry-after"] == "1"
+    assert redis_client.xlen(contract.REQUESTS) == 2
+    assert redis_client.hget(contract.TOTALS, contract.TOTAL_REJECTED) == b"1"
+    with pytest.raises(openai.RateLimitError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(model=MODEL_NAME, prompt="x")
+
+
+def test_redis_down_is_503(start_api):
+    url = start_api(redis_url="redis://127.0.0.1:1/0")
+    response = httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
+    assert _assert_openai_error(response, 503)["code"] == "queue_unavailable"
+    _assert_openai_error(httpx.get(f"{url}/ready"), 503)
+    assert httpx.get(f"{url}/health").status_code == 200

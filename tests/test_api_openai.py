@@ -1,0 +1,157 @@
+"""The API against the official `openai` client, a live uvicorn server, real Redis and a fake worker."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+
+from tests.api_support import (  # noqa: F401 (fixtures)
+    MODEL_NAME, REPLY, eventually, fake_worker, start_api, tiny_model, tiny_model_dir,
+)
+from worker import contract
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def test_completion_stream_matches_plain(start_api, fake_worker, redis_client):
+    worker = fake_worker()
+    client = _client(start_api())
+    plain = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=5, seed=7)
+    assert plain.object == "text_completion"
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.choices[0].text == REPLY[: len(plain.choices[0].text)] and plain.choices[0].text
+    assert plain.usage.completion_tokens == 5
+    assert plain.usage.prompt_tokens == len(worker.seen[0].prompt_token_ids)
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + 5
+
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+    assert worker.seen[0].params["seed"] == 7 and isinstance(worker.seen[1].params["seed"], int)
+    assert eventually(lambda: redis_client.xlen(contract.REQUESTS) == 0)  # the worker acked and deleted both
+
+
+def test_chat_stream_matches_plain(start_api, fake_worker):
+    fake_worker()
+    client = _client(start_api())
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=4)
+    assert plain.object == "chat.completion"
+    message = plain.choices[0].message
+    assert message.role == "assistant" and message.content and REPLY.startswith(message.content)
+    assert plain.usage.completion_tokens == 4
+
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_default_max_tokens_runs_to_the_context_limit(start_api, fake_worker):
+    worker = fake_worker()
+    client = _client(start_api())
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+    sent = worker.seen[0]
+    assert sent.params["max_tokens"] + len(sent.prompt_token_ids) == 128
+
+
+def test_stream_ends_with_done(start_api, fake_worker):
+    fake_worker()
+    url = start_api()
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=20) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-request-id"]
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in chunks)
+
+
+def test_n_choices_and_prompt_list_fan_out(start_api, fake_worker, redis_client, tiny_model):
+    worker = fake_worker()
+    client = _client(start_api())
+    result = client.completions.create(model=MODEL_NAME, prompt=["hello", "the answer"], max_tokens=2, n=2)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in result.choices}) == 1 and result.choices[0].text
+    assert result.usage.completion_tokens == 8
+    assert redis_client.hget(contract.TOTALS, contract.TOTAL_ENQUEUED) == b"2"
+
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=[[5, 6, 7], [8, 9]], max_tokens=1, echo=True)
+    assert [m.prompt_token_ids for m in worker.seen[2:]] == [[5, 6, 7], [8, 9]]
+    assert by_ids.choices[1].text.startswith(tiny_model.decode([8, 9], skip_special_tokens=False))
+    single = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=1)
+    assert worker.seen[4].prompt_token_ids == [5, 6, 7] and len(single.choices) == 1
+
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=3, n=3, stream=True))  # fmt: skip
+    by_index: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            by_index[choice.index] = by_index.get(choice.index, "") + (choice.delta.content or "")
+    assert sorted(by_index) == [0, 1, 2] and len(set(by_index.values())) == 1
+
+
+def test_echo_logprobs_scoring_format(start_api, fake_worker, tiny_model):
+    """lm-evaluation-harness loglikelihood: echo=true, max_tokens=0, logprobs=1."""
+    worker = fake_worker()
+    client = _client(start_api())
+    prompt = "the quick brown fox"
+    result = client.completions.create(model=MODEL_NAME, prompt=prompt, echo=True, max_tokens=0, logprobs=1)
+    sent = worker.seen[0]
+    assert sent.params["prompt_logprobs"] == 1 and sent.params["logprobs"] == 1 and sent.params["max_tokens"] == 0
+    choice = result.choices[0]
+    assert choice.text == prompt
+    lp = choice.logprobs
+    ids = sent.prompt_token_ids
+    assert lp.tokens == tiny_model.token_strings(ids) and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [-1.0 - 0.1 * i for i in range(len(ids) - 1)]
+    for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]):
+        assert max(top, key=top.get) == token
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert result.usage.completion_tokens == 0 and result.usage.prompt_tokens == len(ids)
+
+
+def test_echo_with_generation_and_logprobs(start_api, fake_worker):
+    fake_worker()
+    client = _client(start_api())
+    result = client.completions.create(model=MODEL_NAME, prompt="hello", echo=True, max_tokens=3, logprobs=2)
+    choice = result.choices[0]
+    assert choice.text.startswith("hello") and len(choice.text) > len("hello")
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[-3:] == [-0.5, -0.5, -0.5]
+    assert all(len(top) == 2 for top in lp.top_logprobs[-3:])
+    assert lp.text_offset[-3] == len("hello")
+
+
+def test_chat_logprobs(start_api, fake_worker):
+    fake_worker()
+    client = _client(start_api())
+    result = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=2, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = result.choices[0].logprobs.content
+    assert len(content) == 2 and all(c.logprob == -0.5 and len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == result.choices[0].message.content
+
+
+def test_models_and_request_id(start_api):
+    url = start_api()
+    models = _client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    echoed = httpx.get(f"{url}/v1/models", headers={"X-Request-Id": "abc-123"})
+    assert echoed.headers["x-request-id"] == "abc-123"
+    replaced = httpx.get(f"{url}/v1/models", headers={"X-Request-Id": "bad id with spaces"})
+    assert replaced.headers["x-request-id"] != "bad id with spaces" and len(replaced.headers["x-request-id"]) == 32
+    assert httpx.get(f"{url}/nope").headers["x-request-id"]

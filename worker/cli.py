@@ -1,0 +1,201 @@
+"""`redjax`: one CLI for every process. Subcommands import what they need lazily, so
+`redjax api` and `redjax dashboard` never import JAX."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEMO_MODEL = Path(__file__).parent / "demo_model"
+
+
+def resolve_model(arg: str | None) -> str:
+    """`None` or "demo" -> the demo model shipped with redjax; anything else is a local directory."""
+    if arg in (None, "", "demo"):
+        if not (DEMO_MODEL / "config.json").is_file():
+            sys.exit(f"redjax: the demo model is missing from {DEMO_MODEL}; pass --model DIR")
+        return str(DEMO_MODEL)
+    if not Path(arg).is_dir():
+        sys.exit(f"redjax: model directory {arg!r} does not exist (no model is downloaded at run time)")
+    return arg
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, help="sequences per step at most (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step at most (default 512)")
+    g.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    g.add_argument("--num-pages", type=int, help="KV pages (default: from free memory)")
+    g.add_argument("--kv-cache-memory-fraction", type=float, help="share of free memory for KV pages (default 0.5)")
+    g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's)")
+    g.add_argument("--decode-steps", type=int, help="decode steps fused per call when nothing waits (default 4)")
+    g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
+                   help="read each step back before dispatching the next")
+    g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
+
+
+ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
+               "max_model_len", "dtype", "decode_steps", "async_overlap", "enable_prefix_cache")
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_KEYS if getattr(args, k, None) is not None}
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="redjax", description="LLM serving on JAX/Flax with a Redis Streams queue")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="the whole stack on this machine: Redis, API + dashboard, workers")
+    p.add_argument("--model", help="local Hugging Face model directory (default: the demo model)")
+    p.add_argument("--redis", help="Redis URL (default: an embedded Redis)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--served-model-name")
+    _engine_flags(p)
+
+    p = sub.add_parser("api", help="the OpenAI-compatible API alone")
+    p.add_argument("--model", help="model directory (its tokenizer and config.json)")
+    p.add_argument("--redis")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--served-model-name")
+    p.add_argument("--dashboard", action="store_true", help="also mount the dashboard at /dashboard and /metrics")
+
+    p = sub.add_parser("worker", help="one engine worker pulling from Redis")
+    p.add_argument("--model")
+    p.add_argument("--redis")
+    p.add_argument("--name", help="worker name, unique in the fleet (default host-pid)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
+    _engine_flags(p)
+
+    p = sub.add_parser("dashboard", help="the dashboard alone")
+    p.add_argument("--redis")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+
+    p = sub.add_parser("generate", help="offline generation through the engine (no Redis)")
+    p.add_argument("--model")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, in order")
+    _engine_flags(p)
+
+    p = sub.add_parser("bench", help="benchmarks (offline engine, or a serving endpoint)")
+    p.add_argument("mode", choices=["offline", "serve"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return {
+        "serve": cmd_serve, "api": cmd_api, "worker": cmd_worker, "dashboard": cmd_dashboard,
+        "generate": cmd_generate, "bench": cmd_bench,
+    }[args.command](args) or 0
+
+
+def cmd_generate(args) -> int:
+    from tqdm import tqdm
+
+    from worker.engine.config import EngineConfig
+    from worker.engine.llm import LLM
+    from worker.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:
+        sys.exit(f"redjax generate: {exc}")
+    llm = LLM(resolve_model(args.model), EngineConfig(**_engine_overrides(args)))
+    bar = tqdm(total=len(args.prompt), desc="generating", unit="prompt", file=sys.stderr,
+               disable=len(args.prompt) < 8 or not sys.stderr.isatty())
+    results = llm.generate(args.prompt, params, progress=lambda done, total: bar.update(1))
+    bar.close()
+    for r in results:
+        c = r.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": r.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason, "prompt_tokens": len(r.prompt_token_ids)}))
+        else:
+            print(f"{r.prompt}{c.text}\n[{c.finish_reason}, {len(c.token_ids)} tokens]")
+    return 0
+
+
+def cmd_worker(args) -> int:
+    import logging
+
+    import redis
+
+    from worker.engine.llm_engine import LLMEngine
+    from worker.service.config import WorkerConfig
+    from worker.service.worker import Worker
+
+    overrides = {"model_dir": args.model and resolve_model(args.model), "redis_url": args.redis, "name": args.name,
+                 "served_model_name": args.served_model_name, "drain_timeout_s": args.drain_timeout_s,
+                 "engine": _engine_overrides(args)}
+    import os
+
+    if not overrides["model_dir"] and not os.environ.get("REDJAX_MODEL_DIR"):
+        overrides["model_dir"] = resolve_model(None)
+    config = WorkerConfig.from_env(overrides)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine.from_path(config.model_dir, config.engine)
+    client = redis.Redis.from_url(config.redis_url)
+    return Worker(config, engine, client).run()
+
+
+def cmd_api(args) -> int:
+    import os
+
+    from api.config import ApiConfig
+    from api.server import run_api
+
+    model = args.model or os.environ.get("REDJAX_MODEL_DIR") or None
+    config = ApiConfig.from_env({"model_dir": resolve_model(model), "redis_url": args.redis, "host": args.host,
+                                 "port": args.port, "served_model_name": args.served_model_name})
+    mounts = _dashboard_mounts(config.redis_url, config.api_key) if args.dashboard else ()
+    run_api(config, mounts=mounts)
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    from dashboard.config import DashboardConfig
+    from dashboard.server import run_dashboard
+
+    run_dashboard(DashboardConfig.from_flags({"redis_url": args.redis, "host": args.host, "port": args.port}))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from worker.service.stack import serve
+
+    return serve(args, resolve_model(args.model), _engine_overrides(args))
+
+
+def cmd_bench(args) -> int:
+    from worker.bench.cli import run
+
+    return run(args.mode, args.rest)
+
+
+def _dashboard_mounts(redis_url: str, api_key: str | None):
+    from starlette.routing import Mount
+
+    from dashboard import DashboardConfig, create_dashboard, metrics_route
+
+    cfg = DashboardConfig.from_flags({"redis_url": redis_url, "api_key": api_key})
+    return [Mount("/dashboard", create_dashboard(cfg)), metrics_route(cfg)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""WorkerConfig: the worker process's settings, read once (CLI flags, then `REDJAX_*` env)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from worker.engine.config import EngineConfig
+
+ENV_NAMES = {
+    "redis_url": "REDJAX_REDIS_URL",
+    "model_dir": "REDJAX_MODEL_DIR",
+    "served_model_name": "REDJAX_SERVED_MODEL_NAME",
+    "name": "REDJAX_WORKER_NAME",
+    "drain_timeout_s": "REDJAX_DRAIN_TIMEOUT_S",
+    "log_level": "REDJAX_LOG_LEVEL",
+}
+ENGINE_ENV_PREFIX = "REDJAX_"  # each EngineConfig field: REDJAX_<FIELD> (e.g. REDJAX_MAX_NUM_SEQS)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: str  # local Hugging Face model folder
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    served_model_name: str = ""  # "" means the model folder's name (the API uses the same rule)
+    name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")  # unique in the fleet
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish what is running for this long, then hand it back
+    flush_interval_s: float = 0.004  # output deltas of one request within this window share one entry
+    claim_interval_s: float = 2.0  # how often to look for requests left by dead workers
+    log_level: str = "info"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir must be set")
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must be a redis://, rediss:// or unix:// URL")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir.rstrip("/")).name
+
+    @classmethod
+    def from_env(cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> "WorkerConfig":
+        """Flags (`overrides`, None ignored) win over environment variables, which win over defaults."""
+        environ = os.environ if environ is None else environ
+        overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+        values: dict[str, Any] = {}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for name, env in ENV_NAMES.items():
+            if env in environ:
+                values[name] = _parse(types[name], environ[env])
+        engine: dict[str, Any] = {}
+        for f in dataclasses.fields(EngineConfig):
+            env = ENGINE_ENV_PREFIX + f.name.upper()
+            if env in environ:
+                engine[f.name] = _parse(f.type, environ[env])
+        engine.update(overrides.pop("engine", {}) or {})
+        values.update(overrides)
+        return cls(**values, engine=EngineConfig(**{k: v for k, v in engine.items() if v is not None}))
+
+
+def _parse(type_name: str, raw: str) -> Any:
+    if "bool" in type_name:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if "int" in type_name and "float" not in type_name:
+        return int(raw)
+    if "float" in type_name:
+        return float(raw)
+    return raw

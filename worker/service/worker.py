@@ -1,0 +1,234 @@
+"""The long-running worker: Redis requests in, engine steps, token deltas out.
+
+Read top to bottom: start, install signal handlers, loop (take new work and cancels, step the
+engine, publish), and always tear down (hand back what is unfinished, remove the heartbeat).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from worker.contract import FinishReason, OutputDelta, RequestEvent, WorkerState, WorkerStats
+from worker.engine.llm_engine import LLMEngine, RequestOutput
+from worker.engine.sampling_params import SamplingParams
+from worker.service.config import WorkerConfig
+from worker.service.redis_io import Finished, Incoming, RedisIO
+
+log = logging.getLogger("redjax.worker")
+STATS_WINDOW_S = 5.0
+
+
+@dataclass
+class Active:
+    """A request this worker is running."""
+
+    incoming: Incoming
+    params: SamplingParams
+    next_seq: int
+    started_at: float
+    first_token_at: float | None = None
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine, client: redis.Redis):
+        self.config = config
+        self.engine = engine
+        self.io = RedisIO(config, client)
+        self.active: dict[str, Active] = {}
+        self.state = WorkerState.STARTING
+        self.started_at = time.time()
+        self.finished_count = 0
+        self._drain_deadline: float | None = None
+        self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.io.start()
+        self.state = WorkerState.SERVING
+        log.info("worker %s serving %s", self.config.name, self.config.model_name)
+        try:
+            while not self._done():
+                self._take_work()
+                if self.engine.has_unfinished():
+                    self._publish(self.engine.step())
+                else:
+                    self.io.wakeup.wait(0.05)
+                    self.io.wakeup.clear()
+                self._report()
+        finally:
+            self._hand_back_rest()
+            self.io.stop()
+        log.info("worker %s stopped", self.config.name)
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._drain_deadline is None:
+            log.info("worker %s draining (signal %d)", self.config.name, signum)
+            self.state = WorkerState.DRAINING
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            self.io.set_capacity(0)
+            self.io.wakeup.set()
+
+    def _done(self) -> bool:
+        if self._drain_deadline is None:
+            return False
+        return not self.active or time.monotonic() >= self._drain_deadline
+
+    # ---- work in ----
+
+    def _take_work(self) -> None:
+        while not self.io.cancels.empty():
+            request_id = self.io.cancels.get_nowait()
+            if request_id in self.active:
+                self._publish(self.engine.abort(request_id))
+        while not self.io.inbox.empty():
+            self._start(self.io.inbox.get_nowait())
+        if self._drain_deadline is None:
+            self.io.set_capacity(self._capacity())
+
+    def _capacity(self) -> int:
+        """Requests to pull now: free sequence slots, and only while pages are not nearly gone."""
+        engine = self.engine
+        if engine.num_waiting or engine.pages_used > 0.9 * engine.pages_total:
+            return 0
+        return max(0, engine.config.max_num_seqs - engine.num_running - len(self.active))
+
+    def _start(self, incoming: Incoming) -> None:
+        message = incoming.message
+        now = time.time()
+        try:
+            params = SamplingParams.from_dict(message.params)
+            if message.model != self.config.model_name:
+                raise ValueError(f"this worker serves {self.config.model_name!r}, not {message.model!r}")
+        except (ValueError, TypeError) as exc:
+            return self._reject(incoming, str(exc))
+        active = Active(incoming, params, incoming.next_seq, now)
+        self.active[message.id] = active
+        for index, tokens in incoming.emitted.items():
+            active.completion_tokens[index] = len(tokens)
+        if incoming.cancelled:
+            return self._publish([self._aborted(message.id, i, params) for i in range(params.n)])
+        try:
+            if incoming.emitted or incoming.finished:
+                self.engine.resume_request(message.id, message.prompt_token_ids, params, incoming.emitted,
+                                           incoming.finished, message.enqueued_at)
+            else:
+                self.engine.add_request(message.id, message.prompt_token_ids, params, message.enqueued_at)
+        except ValueError as exc:
+            del self.active[message.id]
+            self._reject(incoming, str(exc))
+
+    def _reject(self, incoming: Incoming, reason: str) -> None:
+        message = incoming.message
+        delta = OutputDelta(seq=incoming.next_seq, finish_reason=FinishReason.ERROR.value, error=reason, done=True,
+                            usage=_usage(len(message.prompt_token_ids), 0))
+        self.io.publish(message.id, [delta])
+        now = time.time()
+        event = RequestEvent(message.id, self.config.name, message.model, FinishReason.ERROR.value,
+                             len(message.prompt_token_ids), 0, message.enqueued_at, now - message.enqueued_at,
+                             0.0, 0.0, now - message.enqueued_at, now)
+        self.io.finish(Finished(message.id, delta.usage or {}, event))
+
+    # ---- work out ----
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        by_request: dict[str, list[OutputDelta]] = {}
+        done: list[Active] = []
+        now = time.time()
+        for out in outputs:
+            active = self.active.get(out.request_id)
+            if active is None:
+                continue
+            if out.token_ids and active.first_token_at is None:
+                active.first_token_at = now
+            active.completion_tokens[out.index] = active.completion_tokens.get(out.index, 0) + len(out.token_ids)
+            by_request.setdefault(out.request_id, []).append(OutputDelta(
+                seq=self._next_seq(active), index=out.index, text=out.text, token_ids=out.token_ids,
+                logprobs=out.logprobs or None, prompt_logprobs=out.prompt_logprobs,
+                finish_reason=_reason(out.finish_reason), stop_reason=out.stop_reason,
+            ))
+            if out.request_finished:
+                done.append(active)
+        for active in done:
+            rid = active.incoming.message.id
+            usage = _usage(len(active.incoming.message.prompt_token_ids), sum(active.completion_tokens.values()))
+            by_request.setdefault(rid, []).append(OutputDelta(seq=self._next_seq(active), done=True, usage=usage))
+        for rid, deltas in by_request.items():
+            self.io.publish(rid, deltas)
+        for active in done:
+            self._close(active, outputs)
+
+    def _close(self, active: Active, outputs: list[RequestOutput]) -> None:
+        message = active.incoming.message
+        del self.active[message.id]
+        self.finished_count += 1
+        now = time.time()
+        reasons = [o.finish_reason for o in outputs if o.request_id == message.id and o.finish_reason]
+        n_out = sum(active.completion_tokens.values())
+        first = active.first_token_at or now
+        tpot = (now - first) / max(1, n_out - active.params.n)
+        event = RequestEvent(
+            id=message.id, worker=self.config.name, model=message.model,
+            finish_reason=_reason(reasons[-1] if reasons else FinishReason.STOP) or "stop",
+            prompt_tokens=len(message.prompt_token_ids), output_tokens=n_out, enqueued_at=message.enqueued_at,
+            queue_s=max(0.0, active.started_at - message.enqueued_at), ttft_s=max(0.0, first - message.enqueued_at),
+            tpot_s=tpot, e2e_s=max(0.0, now - message.enqueued_at), finished_at=now,
+        )
+        usage = _usage(len(message.prompt_token_ids), n_out)
+        self.io.finish(Finished(message.id, usage, event))
+
+    def _aborted(self, request_id: str, index: int, params: SamplingParams) -> RequestOutput:
+        return RequestOutput(request_id, index, [], "", finish_reason=FinishReason.ABORT.value,
+                             request_finished=index == params.n - 1)
+
+    def _next_seq(self, active: Active) -> int:
+        active.next_seq += 1
+        return active.next_seq - 1
+
+    def _hand_back_rest(self) -> None:
+        """Whatever is still unfinished goes back on the queue for another worker to resume."""
+        for request_id, active in list(self.active.items()):
+            self.engine.abort(request_id)
+            self.io.hand_back(active.incoming.message)
+            log.info("handed back request %s", request_id)
+        self.active.clear()
+
+    # ---- heartbeat ----
+
+    def _report(self) -> None:
+        engine, now = self.engine, time.monotonic()
+        self._window.append((now, engine.num_generated_tokens, engine.num_prompt_tokens, engine.num_steps,
+                             engine.num_step_seqs))
+        while len(self._window) > 2 and now - self._window[0][0] > STATS_WINDOW_S:
+            self._window.popleft()
+        t0, g0, p0, s0, q0 = self._window[0]
+        span = max(now - t0, 1e-6)
+        steps = engine.num_steps - s0
+        self.io.set_stats(WorkerStats(
+            name=self.config.name, model=self.config.model_name, state=self.state.value, pid=os.getpid(),
+            started_at=self.started_at, updated_at=time.time(), pages_used=engine.pages_used,
+            pages_total=engine.pages_total, running=engine.num_running, waiting=engine.num_waiting,
+            tokens_per_s=round((engine.num_generated_tokens - g0) / span, 2),
+            prompt_tokens_per_s=round((engine.num_prompt_tokens - p0) / span, 2),
+            preemptions=engine.scheduler.num_preemptions, requests_finished=self.finished_count,
+            mean_batch_size=round((engine.num_step_seqs - q0) / steps, 2) if steps else 0.0,
+            max_num_seqs=engine.config.max_num_seqs,
+        ))
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _reason(reason) -> str | None:
+    return None if reason is None else getattr(reason, "value", reason)
