@@ -176,15 +176,20 @@ def train(model: LlamaForCausalLM, data, s: Settings) -> float:
     return loss
 
 
-def greedy(model: LlamaForCausalLM, prompt_ids: list[int], max_new: int, eos_id: int, width: int) -> list[int]:
-    """Greedy continuation with the plain forward on one right-padded row of `width` tokens."""
-    forward = nnx.jit(lambda m, t: m(t))
+@nnx.jit
+def forward(model: LlamaForCausalLM, tokens: jax.Array) -> jax.Array:
+    return model(tokens)
+
+
+def greedy(model: LlamaForCausalLM, prompt_ids: list[int], max_new: int, eos_id: int) -> list[int]:
+    """Greedy continuation with the plain forward on one right-padded row (widths in steps of 64)."""
     ids = list(prompt_ids)
-    while len(ids) < len(prompt_ids) + max_new and len(ids) < width:
-        row = jnp.asarray([ids + [0] * (width - len(ids))], jnp.int32)  # i32[1, width]
-        nxt = int(jnp.argmax(forward(model, row)[0, len(ids) - 1]))
-        ids.append(nxt)
-        if nxt == eos_id:
+    limit = min(len(ids) + max_new, model.cfg.max_position_embeddings)
+    while len(ids) < limit:
+        width = -(-len(ids) // 64) * 64
+        row = jnp.asarray([ids + [eos_id] * (width - len(ids))], jnp.int32)  # i32[1, width]
+        ids.append(int(jnp.argmax(forward(model, row)[0, len(ids) - 1])))
+        if ids[-1] == eos_id:
             break
     return ids[len(prompt_ids) :]
 
@@ -212,14 +217,14 @@ def save_generation_config(out: Path, bos_id: int, eos_id: int) -> None:
     (out / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def check(model: LlamaForCausalLM, tok: Tokenizer, corpus: Path, s: Settings, eos_id: int) -> None:
+def check(model: LlamaForCausalLM, tok: Tokenizer, corpus: Path, eos_id: int) -> None:
     """Greedy continuation of chapter openings; prints each with the corpus text that follows."""
     passages = demo_passages(5, corpus)
     exact = 0
     for prompt, expected in passages:
         prompt_ids = tok.encode(prompt).ids
         want = len(tok.encode(expected, add_special_tokens=False).ids)
-        got = tok.decode(greedy(model, prompt_ids, want + 4, eos_id, s.seq_len * 2))
+        got = tok.decode(greedy(model, prompt_ids, want + 4, eos_id))
         exact += got.startswith(expected)
         print(f"\nPROMPT  {prompt!r}\nMODEL   {got!r}\nCORPUS  {expected!r}")
     print(f"\n{exact}/{len(passages)} continuations reproduce the corpus")
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     save_tokenizer(tok, args.out, s.max_position_embeddings)
     save_generation_config(args.out, bos_id, eos_id)
     print(f"saved to {args.out}")
-    check(model, tok, args.corpus, s, eos_id)
+    check(model, tok, args.corpus, eos_id)
 
 
 if __name__ == "__main__":
