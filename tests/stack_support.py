@@ -42,25 +42,28 @@ def make_served_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO)
     env.setdefault("JAX_PLATFORMS", "cpu")
+    env.update(extra or {})
     return env
 
 
-def start_worker(model_dir: Path, redis_url: str, name: str, *extra: str) -> subprocess.Popen:
+def start_worker(model_dir: Path, redis_url: str, name: str, *extra: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", str(model_dir), "--redis", redis_url,
            "--name", name, "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--page-size", "8",
            "--num-pages", "128", *extra]
-    return subprocess.Popen(cmd, env=_env(), cwd=REPO)
+    return subprocess.Popen(cmd, env=_env(env), cwd=REPO)
 
 
-def start_api(model_dir: Path, redis_url: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_api(model_dir: Path, redis_url: str, *extra: str,
+              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "worker.cli", "api", "--model", str(model_dir), "--redis", redis_url,
            "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO)
+    proc = subprocess.Popen(cmd, env=_env(env), cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60)
     return proc, url

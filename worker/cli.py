@@ -179,7 +179,9 @@ def cmd_dashboard(args) -> int:
 def cmd_serve(args) -> int:
     from worker.service.stack import serve
 
-    return serve(args, resolve_model(args.model), _engine_overrides(args))
+    import os
+
+    return serve(args, resolve_model(args.model or os.environ.get("REDJAX_MODEL_DIR")), _engine_overrides(args))
 
 
 def cmd_bench(args) -> int:

@@ -96,7 +96,8 @@ def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) ->
         ordered = jnp.where(jnp.arange(v)[None] < k[:, None], ordered, -jnp.inf)
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-        keep = (before < t.top_p[:, None]) | (jnp.arange(v)[None] == 0)
+        # top_p 1 keeps all: the float32 cumsum can reach 1 before the tail and drop real tokens
+        keep = (before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0) | (jnp.arange(v)[None] == 0)
         last_kept = jnp.max(jnp.where(keep, jnp.arange(v)[None], 0), axis=-1)
         p_cut = jnp.take_along_axis(ordered, last_kept[:, None], axis=-1)  # [R, 1]
         logits = jnp.where((logits < kth) | (logits < p_cut), -jnp.inf, logits)

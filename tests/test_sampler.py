@@ -1,0 +1,217 @@
+"""The on-device sampler on hand-made logits: masks against transformers' logits warpers,
+penalties against the OpenAI/HF formulas, and sampled frequencies against the target law."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from worker.engine.sampler import SamplerFlags, SamplingTensors, apply_penalties, filter_logits, sample
+
+SORTING = SamplerFlags(all_greedy=False, needs_sort=True)
+# chi-square quantile at 1 - 1e-6 by degrees of freedom (scipy.stats.chi2.ppf(1 - 1e-6, df))
+CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701}
+
+
+def tensors(rows: int, **fields) -> SamplingTensors:
+    """Neutral sampling tensors for `rows` rows, with `fields` overriding (numpy or lists)."""
+    base = dict(
+        temperature=np.ones(rows, np.float32), top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32),
+        min_p=np.zeros(rows, np.float32), seed=np.zeros(rows, np.uint32), choice=np.zeros(rows, np.int32),
+        out_pos=np.zeros(rows, np.int32), presence=np.zeros(rows, np.float32), frequency=np.zeros(rows, np.float32),
+        repetition=np.ones(rows, np.float32), bias_ids=np.zeros((rows, 1), np.int32),
+        bias_vals=np.zeros((rows, 1), np.float32), output_ids=np.full((rows, 1), -1, np.int32),
+        prompt_ids=np.full((rows, 1), -1, np.int32), pending=np.full(rows, -1, np.int32),
+    )
+    for name, value in fields.items():
+        base[name] = np.asarray(value, base[name].dtype)
+    return SamplingTensors(**{k: jnp.asarray(v) for k, v in base.items()})
+
+
+def random_logits(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """Distinct values (no ties at a cut) spread like real logits."""
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * 3.0).astype(np.float32)
+
+
+def hf_kept(warper, logits_row: np.ndarray) -> np.ndarray:
+    """Mask of tokens a transformers warper keeps (finite) for one row."""
+    out = warper(torch.zeros((1, 1), dtype=torch.long), torch.tensor(logits_row[None]))
+    return torch.isfinite(out[0]).numpy()
+
+
+def ours_kept(logits: np.ndarray, t: SamplingTensors, flags: SamplerFlags = SORTING) -> np.ndarray:
+    return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), t, flags)))
+
+
+def test_top_k_mask_matches_transformers():
+    logits = random_logits(5, 64)
+    ks = [1, 2, 7, 64, 0]  # 0: disabled
+    kept = ours_kept(logits, tensors(5, top_k=ks))
+    for row, k in enumerate(ks):
+        expected = hf_kept(TopKLogitsWarper(k), logits[row]) if k else np.ones(64, bool)
+        np.testing.assert_array_equal(kept[row], expected, err_msg=f"top_k={k}")
+        assert kept[row].sum() == (k or 64)
+
+
+def test_top_p_mask_matches_transformers():
+    logits = random_logits(6, 64, seed=1)
+    ps = [1e-6, 0.1, 0.5, 0.8, 0.95, 1.0]
+    kept = ours_kept(logits, tensors(6, top_p=ps))
+    for row, p in enumerate(ps):
+        np.testing.assert_array_equal(kept[row], hf_kept(TopPLogitsWarper(p), logits[row]), err_msg=f"top_p={p}")
+    assert kept[0].sum() == 1 and kept[0][logits[0].argmax()]  # the most likely token always survives
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    probs = np.array([[0.5, 0.25, 0.125, 0.075, 0.05]], np.float32)
+    logits = np.log(probs)
+    for p, count in [(0.4, 1), (0.6, 2), (0.8, 3), (0.9, 4)]:
+        assert ours_kept(logits, tensors(1, top_p=[p]))[0].tolist() == [i < count for i in range(5)], p
+
+
+def test_min_p_mask_matches_transformers():
+    logits = random_logits(4, 64, seed=2)
+    mins = [0.0, 0.05, 0.3, 1.0]
+    kept = ours_kept(logits, tensors(4, min_p=mins), SamplerFlags(all_greedy=False))  # min-p needs no sort
+    for row, m in enumerate(mins):
+        expected = hf_kept(MinPLogitsWarper(m), logits[row]) if m else np.ones(64, bool)
+        np.testing.assert_array_equal(kept[row], expected, err_msg=f"min_p={m}")
+
+
+def test_temperature_top_k_top_p_min_p_together_match_the_transformers_chain():
+    logits = random_logits(3, 64, seed=3) / 3.0
+    temps, ks, ps, mins = [0.5, 1.0, 2.0], [20, 10, 40], [0.9, 0.7, 0.95], [0.02, 0.1, 0.05]
+    t = tensors(3, temperature=temps, top_k=ks, top_p=ps, min_p=mins)
+    kept = ours_kept(logits / np.array(temps, np.float32)[:, None], t)
+    for row in range(3):
+        scores = torch.tensor(logits[row][None])
+        for warper in (TemperatureLogitsWarper(temps[row]), TopKLogitsWarper(ks[row]), TopPLogitsWarper(ps[row]),
+                       MinPLogitsWarper(mins[row])):
+            scores = warper(torch.zeros((1, 1), dtype=torch.long), scores)
+        expected = torch.isfinite(scores[0]).numpy()
+        np.testing.assert_array_equal(kept[row], expected, err_msg=f"row {row}")
+        assert 1 < expected.sum() < 64  # each row really cuts something and keeps a choice
+
+
+def test_presence_and_frequency_penalties_follow_the_openai_formula():
+    vocab = 10
+    logits = random_logits(2, vocab, seed=4)
+    outputs = np.array([[3, 3, 3, 7, -1, -1], [1, 2, 2, -1, -1, -1]], np.int32)  # -1: padding
+    prompts = np.array([[5, 5, 9], [0, -1, -1]], np.int32)  # presence/frequency ignore the prompt
+    t = tensors(2, presence=[0.5, -1.0], frequency=[0.25, 2.0], output_ids=outputs, prompt_ids=prompts)
+    ours = np.asarray(apply_penalties(jnp.asarray(logits), t))
+    expected = logits.copy()
+    for row, (pres, freq) in enumerate([(0.5, 0.25), (-1.0, 2.0)]):
+        counts = np.bincount(outputs[row][outputs[row] >= 0], minlength=vocab)
+        expected[row] -= freq * counts + pres * (counts > 0)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-6)
+
+
+def test_repetition_penalty_matches_transformers_over_prompt_and_output():
+    vocab = 12
+    logits = random_logits(3, vocab, seed=5)
+    prompts = np.array([[1, 4, 4, 9], [2, -1, -1, -1], [-1, -1, -1, -1]], np.int32)
+    outputs = np.array([[6, -1], [2, 11], [-1, -1]], np.int32)
+    penalties = [1.5, 0.7, 3.0]
+    t = tensors(3, repetition=penalties, output_ids=outputs, prompt_ids=prompts)
+    ours = np.asarray(apply_penalties(jnp.asarray(logits), t))
+    for row, penalty in enumerate(penalties):
+        seen = np.concatenate([prompts[row], outputs[row]])
+        seen = torch.tensor(seen[seen >= 0][None], dtype=torch.long)
+        ref = RepetitionPenaltyLogitsProcessor(penalty)(seen, torch.tensor(logits[row][None]))[0].numpy()
+        np.testing.assert_allclose(ours[row], ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(ours[2], logits[2])  # nothing seen: untouched
+
+
+def test_logit_bias_steers_greedy_choice_but_not_reported_logprobs():
+    logits = random_logits(3, 16, seed=6)
+    low = logits.argmin(axis=-1)
+    bias_ids = np.array([[low[0], 0], [3, 5], [0, 0]], np.int32)
+    bias_vals = np.array([[100.0, 0.0], [-100.0, 50.0], [0.0, 0.0]], np.float32)  # row 2: padding only
+    t = tensors(3, temperature=[0.0] * 3, bias_ids=bias_ids, bias_vals=bias_vals)
+    flags = SamplerFlags(all_greedy=True, bias=True, logprobs=True, num_logprobs=2)
+    tokens, chosen, top_ids, top_lps = (np.asarray(x) for x in sample(jnp.asarray(logits), t, flags))
+    expected = logits.copy()
+    for row in range(3):
+        for tok, val in zip(bias_ids[row], bias_vals[row]):
+            expected[row, tok] += val
+    assert tokens.tolist() == expected.argmax(-1).tolist()
+    assert tokens[0] == low[0] and tokens[1] == 5 and tokens[2] == logits[2].argmax()
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    np.testing.assert_allclose(chosen, raw[np.arange(3), tokens], atol=1e-5)
+    assert top_ids.tolist() == np.argsort(-raw, axis=-1)[:, :2].tolist()
+    np.testing.assert_allclose(top_lps, np.sort(raw, axis=-1)[:, ::-1][:, :2], atol=1e-5)
+
+
+def test_greedy_rows_stay_greedy_beside_sampled_rows():
+    logits = random_logits(4, 32, seed=7)
+    t = tensors(4, temperature=[0.0, 1.5, 0.0, 1.5], seed=[1, 2, 3, 4], top_k=[0, 5, 0, 0])
+    tokens = np.asarray(sample(jnp.asarray(logits), t, SORTING)[0])
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    assert tokens[1] in np.argsort(-logits[1])[:5]
+
+
+def draws(logits_row: np.ndarray, n: int, flags: SamplerFlags, **fields) -> np.ndarray:
+    """`n` draws from one distribution: the same row at output positions 0..n-1."""
+    t = tensors(n, out_pos=np.arange(n), **{k: np.repeat(np.asarray(v)[None], n, axis=0) for k, v in fields.items()})
+    return np.asarray(jax.jit(sample, static_argnames="flags")(jnp.asarray(np.repeat(logits_row[None], n, 0)), t, flags)[0])
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(temperature=0.7, top_k=6),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=1.0, min_p=0.08),
+    ],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_sampled_frequencies_match_the_filtered_distribution(fields):
+    logits = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.2, -0.1, -0.6, -1.0, -2.0], np.float32)
+    n = 6000
+    flags = SamplerFlags(all_greedy=False, needs_sort="min_p" not in fields)
+    tokens = draws(logits, n, flags, seed=11, **fields)
+    counts = np.bincount(tokens, minlength=len(logits))
+    # the target law, written out independently: temperature, then the cut, renormalised
+    scaled = logits / fields["temperature"]
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if "top_k" in fields:
+        keep = np.arange(len(logits)) < fields["top_k"]
+    elif "top_p" in fields:
+        keep = (np.cumsum(probs) - probs) < fields["top_p"]
+    else:
+        keep = probs >= fields["min_p"] * probs.max()
+    assert 2 < keep.sum() < len(logits)
+    assert counts[~keep].sum() == 0, "a filtered-out token was drawn"
+    target = np.where(keep, probs, 0) / probs[keep].sum()
+    stat = chi_square(counts[keep], target[keep])
+    assert stat < CHI2_1E6[int(keep.sum()) - 1], f"chi-square {stat:.1f}: counts {counts}, target {target * n}"
+
+
+def test_draws_depend_on_seed_choice_and_position_only():
+    logits = np.zeros(64, np.float32)  # uniform: any correlation between streams would show
+    flags = SamplerFlags(all_greedy=False)
+    base = draws(logits, 256, flags, seed=5)
+    assert np.array_equal(base, draws(logits, 256, flags, seed=5))
+    for other in (draws(logits, 256, flags, seed=6), draws(logits, 256, flags, seed=5, choice=1)):
+        assert (other == base).mean() < 0.1  # chance agreement is 1/64
+    # one row's draw does not depend on which row it sits in or on its neighbours
+    t = tensors(3, seed=[5, 9, 5], out_pos=[17, 17, 40], choice=[0, 0, 0])
+    mixed = np.asarray(sample(jnp.asarray(np.zeros((3, 64), np.float32)), t, flags)[0])
+    assert mixed[0] == base[17] and mixed[2] == base[40]

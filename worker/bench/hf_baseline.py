@@ -1,0 +1,36 @@
+"""The baseline: Hugging Face transformers `generate` (PyTorch, CPU) on the same weights and prompts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int, batch_size: int,
+           dtype: str = "float32") -> tuple[float, list[list[int]]]:
+    """Greedy generation of exactly `output_len` tokens per prompt, in batches; -> (seconds, outputs).
+
+    Prompts have one length, so batches need no padding; a short warmup call is excluded.
+    """
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
+    ).eval()
+    kwargs = dict(do_sample=False, min_new_tokens=output_len, max_new_tokens=output_len, pad_token_id=0,
+                  eos_token_id=None, top_p=None, top_k=None, temperature=None)
+
+    def generate(batch: list[list[int]], new: int) -> list[list[int]]:
+        ids = torch.tensor(batch, dtype=torch.long)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 **{**kwargs, "min_new_tokens": new, "max_new_tokens": new})
+        return out[:, ids.shape[1]:].tolist()
+
+    generate(prompts[: min(batch_size, len(prompts))], min(output_len, 4))
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outputs += generate(prompts[i : i + batch_size], output_len)
+    return time.perf_counter() - t0, outputs

@@ -1,0 +1,159 @@
+"""`redjax bench offline`: fixed-length random prompts, all submitted at once to one LLMEngine.
+
+Reports throughput, the host's share of each step (`probe.py`), roofline fractions against this
+machine's measured bandwidth and matmul speed (`roofline.py`), and optionally the same prompts
+through Hugging Face transformers (`hf_baseline.py`) on the same weights.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from worker.bench import roofline
+from worker.bench.probe import StepProbe
+from worker.bench.tokenizer import IdTokenizer
+from worker.engine.config import EngineConfig
+from worker.engine.kv_cache import RESERVED_PAGES
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.models.config import ModelConfig
+from worker.models.loader import DTYPES, build_model, load_model, load_tokenizer, save_checkpoint
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    seed: int = 0
+
+    def prompts(self, vocab_size: int, seed: int | None = None, lengths: list[int] | None = None) -> list[list[int]]:
+        """Random token ids (uniform over the vocabulary); `lengths` overrides input_len per prompt."""
+        rng = np.random.default_rng(self.seed if seed is None else seed)
+        lengths = lengths or [self.input_len] * self.num_prompts
+        return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
+
+
+def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work: Workload):
+    """-> (engine, directory with the weights for transformers, or None if they exist only in memory)."""
+    if preset:
+        cfg = ModelConfig.preset(preset)
+        model, tokenizer, path = build_model(cfg, overrides.get("dtype"), seed=0), IdTokenizer(), None
+    else:
+        model, path = load_model(model_dir, overrides.get("dtype")), model_dir
+        try:
+            tokenizer = load_tokenizer(model_dir)
+        except FileNotFoundError:
+            tokenizer = IdTokenizer()
+    if "num_pages" not in overrides:  # enough for every sequence that can run at once, no more
+        per_seq = -(-(work.input_len + work.output_len) // overrides.get("page_size", 16))
+        running = min(work.num_prompts, overrides.get("max_num_seqs", 64))
+        overrides = {**overrides, "num_pages": running * per_seq + RESERVED_PAGES}
+    return LLMEngine(model, tokenizer, EngineConfig(**overrides)), path
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, probe: StepProbe | None = None,
+               tag: str = "bench") -> tuple[float, list[list[int]]]:
+    """Submit every prompt at once and step until all finish; -> (seconds, output ids per prompt)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        outputs[f"{tag}-{i}"] = []
+        engine.add_request(f"{tag}-{i}", ids, params)
+    while engine.has_unfinished():
+        for out in probe.step(engine) if probe else engine.step():
+            outputs[out.request_id] += out.token_ids
+    return time.perf_counter() - t0, list(outputs.values())
+
+
+def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
+    """Compile what the run will use: the same prefill batches, then decode at the longest context
+    (one long prompt among short ones sets the page-table width). Shapes missed here show up as
+    `compiles_during_run`."""
+    short = min(work.output_len, 2 * engine.config.decode_steps + 2)
+    run_engine(engine, work.prompts(vocab, seed=work.seed + 1), short, tag="warm-a")
+    long = work.input_len + work.output_len - short
+    if long > work.input_len:
+        lengths = [work.input_len] * (work.num_prompts - 1) + [long]
+        run_engine(engine, work.prompts(vocab, seed=work.seed + 2, lengths=lengths), short, tag="warm-b")
+
+
+def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
+                  compare_hf: bool = False, hf_batch_size: int = 16) -> dict:
+    engine, weights_dir = make_engine(model_dir, preset, overrides, work)
+    cfg = engine.model_config
+    dtype = engine.config.dtype or cfg.dtype
+    itemsize = jnp.dtype(DTYPES[dtype]).itemsize
+    warmup(engine, work, cfg.vocab_size)
+    compiled = len(engine.runner.compiled)
+    probe = StepProbe().install(engine)
+    prompts = work.prompts(cfg.vocab_size)
+    seconds, outputs = run_engine(engine, prompts, work.output_len, probe)
+    out_tokens = sum(len(o) for o in outputs)
+    in_tokens = sum(len(p) for p in prompts)
+    report = {
+        "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
+        "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
+        "engine": {k: v for k, v in vars(engine.config).items()},
+        "seconds": seconds, "output_tokens": out_tokens,
+        "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": out_tokens / seconds,
+        "total_tokens_per_s": (in_tokens + out_tokens) / seconds,
+        "compiles_during_run": len(engine.runner.compiled) - compiled,
+    }
+    report |= _host_and_roofline(probe, cfg, itemsize, dtype)
+    if compare_hf:
+        with tempfile.TemporaryDirectory(prefix="redjax-bench-") as tmp:
+            if weights_dir is None:  # dummy weights: write them once so transformers reads the same tensors
+                weights_dir = Path(tmp) / "model"
+                save_checkpoint(_model_of(engine), weights_dir, dtype)
+            hf_seconds, hf_outputs = run_hf_baseline(weights_dir, prompts, work.output_len, hf_batch_size, dtype)
+        base = sum(len(o) for o in hf_outputs) / hf_seconds
+        report |= {
+            "baseline": f"transformers generate (torch CPU, batch {hf_batch_size})",
+            "baseline_seconds": hf_seconds, "baseline_output_tokens_per_s": base,
+            "ratio": report["output_tokens_per_s"] / base,
+            "greedy_match_fraction": sum(a == b for a, b in zip(outputs, hf_outputs)) / len(prompts),
+        }
+    return report
+
+
+def run_hf_baseline(*args, **kwargs):
+    from worker.bench.hf_baseline import run_hf
+
+    return run_hf(*args, **kwargs)
+
+
+def _model_of(engine: LLMEngine):
+    from flax import nnx
+
+    return nnx.merge(engine.runner.graphdef, engine.runner.params)
+
+
+def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str) -> dict:
+    bandwidth = roofline.memory_bandwidth_gbs()
+    gflops = roofline.matmul_gflops(dtype=DTYPES[dtype])
+    d, p = probe.decode, probe.prefill
+    out: dict = {"memory_bandwidth_gbs": bandwidth, "matmul_gflops": gflops,
+                 "decode_phase": d.as_dict(), "prefill_phase": p.as_dict()}
+    if d.decode_steps:
+        batch, context = d.batch_rows / d.decode_steps, d.context_tokens / max(d.batch_rows, 1)
+        step_s = d.wall_s / d.decode_steps
+        ideal = roofline.decode_step_bytes(cfg, itemsize, batch, context) / (bandwidth * 1e9)
+        out |= {"decode_step_ms": step_s * 1e3, "decode_mean_batch": batch, "decode_mean_context": context,
+                "decode_ideal_step_ms": ideal * 1e3, "decode_roofline_fraction": ideal / step_s,
+                "decode_host_fraction": d.host_s / d.wall_s}
+    if p.prefill_tokens:
+        per_token = p.wall_s / p.prefill_tokens
+        ideal = roofline.prefill_token_flops(cfg) / (gflops * 1e9)
+        out |= {"prefill_token_us": per_token * 1e6, "prefill_ideal_token_us": ideal * 1e6,
+                "prefill_roofline_fraction": ideal / per_token, "prefill_host_fraction": p.host_s / p.wall_s}
+    total = d.wall_s + p.wall_s
+    out["host_fraction"] = (d.host_s + p.host_s) / total if total else 0.0
+    return out

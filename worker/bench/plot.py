@@ -1,0 +1,26 @@
+"""Latency against load for a `--sweep` (matplotlib, Agg: no display needed)."""
+
+from __future__ import annotations
+
+
+def plot_sweep(reports: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["request_throughput"] for r in reports]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, metric, title in zip(axes, ("ttft", "tpot", "e2e"), ("time to first token", "time per output token",
+                                                                  "end-to-end latency")):
+        for stat, style in (("p50_ms", "o-"), ("p90_ms", "s--"), ("p99_ms", "^:")):
+            ax.plot(x, [r[metric][stat] for r in reports], style, label=stat.replace("_ms", ""))
+        for r, xi in zip(reports, x):
+            ax.annotate(f"{r['request_rate'] if r['request_rate'] is not None else 'inf'}", (xi, r[metric]["p50_ms"]),
+                        fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set(title=title, xlabel="achieved requests/s (labels: offered rate)", ylabel="ms")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,103 @@
+"""Host-side timing of `LLMEngine.step()` pieces, measured from outside the engine.
+
+Thin wrappers are installed on one engine instance (never on the classes or modules), so the
+engine's behaviour is unchanged: `scheduler.schedule`, `runner.dispatch` (batch building plus
+the asynchronous jit launch) and `_postprocess`, whose wrapper first waits for the device
+(what `_postprocess` would do first anyway) so that wait is not counted as host work.
+
+With async overlap, call k schedules batch k and reads back batch k-1, so each call is
+attributed to the batch it reads back (the first call, reading nothing, to the one it schedules).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import jax
+
+
+@dataclass
+class PhaseTimes:
+    """Sums over the step() calls attributed to one kind of batch."""
+
+    calls: int = 0
+    wall_s: float = 0.0
+    host_s: float = 0.0  # schedule + dispatch + postprocess (device wait excluded)
+    wait_s: float = 0.0  # blocked on the device
+    decode_steps: int = 0  # fused steps count each
+    prefill_tokens: int = 0
+    batch_rows: int = 0  # sum of sequences over decode steps (mean batch = batch_rows / decode_steps)
+    context_tokens: float = 0.0  # sum over decode steps and rows of the context read
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in vars(self).items()}
+
+
+@dataclass
+class StepProbe:
+    decode: PhaseTimes = field(default_factory=PhaseTimes)
+    prefill: PhaseTimes = field(default_factory=PhaseTimes)  # any batch with a prefill chunk
+    _host: float = 0.0
+    _wait: float = 0.0
+    _scheduled: object = None
+    _read_back: object = None
+
+    def install(self, engine) -> "StepProbe":
+        schedule, dispatch, postprocess = engine.scheduler.schedule, engine.runner.dispatch, engine._postprocess
+
+        def timed_schedule(*args, **kwargs):
+            t0 = time.perf_counter()
+            batch = schedule(*args, **kwargs)
+            self._host += time.perf_counter() - t0
+            self._scheduled = batch
+            return batch
+
+        def timed_dispatch(batch):
+            t0 = time.perf_counter()
+            flight = dispatch(batch)
+            self._host += time.perf_counter() - t0
+            return flight
+
+        def timed_postprocess(flight):
+            t0 = time.perf_counter()
+            jax.block_until_ready(flight.out)
+            t1 = time.perf_counter()
+            out = postprocess(flight)
+            self._wait += t1 - t0
+            self._host += time.perf_counter() - t1
+            self._read_back = flight.batch
+            return out
+
+        engine.scheduler.schedule = timed_schedule
+        engine.runner.dispatch = timed_dispatch
+        engine._postprocess = timed_postprocess
+        return self
+
+    def step(self, engine) -> list:
+        """One engine.step(), timed and attributed."""
+        self._host = self._wait = 0.0
+        self._scheduled = self._read_back = None
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        wall = time.perf_counter() - t0
+        batch = self._read_back or self._scheduled
+        if batch is not None and batch.chunks:
+            self._add(batch, wall, counted=self._read_back is not None)
+        return outputs
+
+    def _add(self, batch, wall: float, counted: bool) -> None:
+        phase = self.decode if batch.is_pure_decode else self.prefill
+        phase.calls += 1
+        phase.wall_s += wall
+        phase.host_s += self._host
+        phase.wait_s += self._wait
+        if not counted:  # the same batch is counted when it is read back
+            return
+        if batch.is_pure_decode:
+            phase.decode_steps += batch.num_steps
+            phase.batch_rows += sum(c.num_steps for c in batch.chunks)
+            phase.context_tokens += sum(c.num_steps * (c.start + 1) + c.num_steps * (c.num_steps - 1) / 2
+                                        for c in batch.chunks)
+        else:
+            phase.prefill_tokens += sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)

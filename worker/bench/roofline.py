@@ -1,0 +1,54 @@
+"""What this machine can do at best (copy bandwidth, matmul speed) and how close a run came.
+
+decode: an ideal step moves every weight once plus the KV of every running sequence, so its
+floor is bytes / bandwidth. prefill: an ideal token costs 2 * params FLOPs, so its floor is
+that / matmul speed. A fraction of 1.0 means the step ran at the machine's measured limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from worker.models.config import ModelConfig
+
+
+def _best(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def memory_bandwidth_gbs(mib: int = 256) -> float:
+    """Read + write of a large f32 array (x + 1), in GB/s."""
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    seconds = _best(jax.jit(lambda a: a + 1.0), x)
+    return 2 * x.nbytes / seconds / 1e9
+
+
+def matmul_gflops(n: int = 2048, dtype=jnp.float32) -> float:
+    """One [n, n] @ [n, n] product, in GFLOP/s."""
+    a = jnp.ones((n, n), dtype)
+    seconds = _best(jax.jit(lambda x, y: x @ y), a, a, repeats=3)
+    return 2 * n**3 / seconds / 1e9
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    """Keys and values of one token across all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float) -> float:
+    """Bytes an ideal decode step reads: all weights once, plus each sequence's KV."""
+    return cfg.num_params * itemsize + batch * mean_context * kv_bytes_per_token(cfg, itemsize)
+
+
+def prefill_token_flops(cfg: ModelConfig) -> float:
+    """2 * params per token (attention scores and the embedding lookup's zero cost ignored)."""
+    return 2.0 * cfg.num_params

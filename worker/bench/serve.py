@@ -1,0 +1,150 @@
+"""`redjax bench serve`: an async load generator for any OpenAI-compatible /v1/completions endpoint.
+
+Requests stream (`stream_options.include_usage`), arrive as a Poisson process at a rate or are
+held at a fixed concurrency, and each records its time to first token, the gaps between content
+chunks and its end. Output tokens are counted from `usage`, not from chunks (a chunk may carry
+several tokens, or none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this had not but "
+         "river stone light city garden winter music paper window engine market signal forest harbor letter "
+         "silver morning valley bridge planet story number system network station").split()
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0  # seconds to the first chunk with text
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)  # gaps between content chunks
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first."""
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+@dataclass(frozen=True)
+class Load:
+    num_prompts: int
+    request_rate: float = float("inf")  # Poisson arrivals per second; inf: all at once
+    concurrency: int | None = None  # requests in flight at most
+    output_len: int = 128
+    seed: int = 0
+
+
+def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
+    """`input_len` random common words each (about one token per word with most tokenizers)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
+
+
+def file_prompts(path: str, n: int) -> list[str]:
+    """One prompt per line, or JSON lines with a "prompt" field; cycled to `n`."""
+    lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
+    prompts = [json.loads(line)["prompt"] if line.lstrip().startswith("{") else line for line in lines]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Result:
+    r = Result(start=time.perf_counter())
+    last = r.start
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    if r.ttft == 0.0:
+                        r.ttft = now - r.start
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    r.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                    r.output_tokens = chunk["usage"].get("completion_tokens", 0)
+        r.e2e = time.perf_counter() - r.start
+        r.ok = r.output_tokens > 0 or not body["max_tokens"]
+        if not r.ok:
+            r.error = "no usage chunk with completion_tokens"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        r.error = f"{type(exc).__name__}: {exc}"
+    return r
+
+
+async def run_load(base_url: str, model: str, prompts: list[str], load: Load, api_key: str | None = None,
+                   progress=None) -> tuple[float, list[Result]]:
+    """-> (seconds from the first send to the last finish, one Result per prompt in order)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=load.concurrency or len(prompts) or 1)
+    rng = random.Random(load.seed)
+    gate = asyncio.Semaphore(load.concurrency or len(prompts) or 1)
+    url = base_url.rstrip("/") + "/v1/completions"
+
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def send(prompt: str) -> Result:
+            body = {"model": model, "prompt": prompt, "max_tokens": load.output_len, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            async with gate:
+                result = await one_request(client, url, body)
+            if progress:
+                progress()
+            return result
+
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(send(prompt)))
+            if load.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(load.request_rate))
+        results = await asyncio.gather(*tasks)
+        return time.perf_counter() - t0, list(results)
+
+
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model /v1/models lists."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+def bench_serve(base_url: str, model: str | None, prompts: list[str], load: Load, api_key: str | None = None,
+                slo: dict[str, float] | None = None) -> dict:
+    from tqdm import tqdm
+
+    from worker.bench.stats import summarize
+
+    model = model or served_model(base_url, api_key)
+    bar = tqdm(total=len(prompts), desc=f"rate {load.request_rate:g}" if load.concurrency is None
+               else f"concurrency {load.concurrency}", unit="req", file=sys.stderr)
+    seconds, results = asyncio.run(run_load(base_url, model, prompts, load, api_key, lambda: bar.update(1)))
+    bar.close()
+    rate = None if load.request_rate == float("inf") else load.request_rate
+    return {"model": model, "request_rate": rate, "concurrency": load.concurrency,
+            **summarize(results, seconds, slo or {})}

@@ -1,0 +1,40 @@
+"""Latency percentiles, throughput and goodput of a finished serving run."""
+
+from __future__ import annotations
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+def distribution(values_s: list[float]) -> dict[str, float]:
+    """Mean and percentiles, in milliseconds (empty input: zeros)."""
+    if not values_s:
+        return {"mean_ms": 0.0, **{f"p{q}_ms": 0.0 for q in PERCENTILES}}
+    ms = np.asarray(values_s) * 1e3
+    return {"mean_ms": float(ms.mean()), **{f"p{q}_ms": float(np.percentile(ms, q)) for q in PERCENTILES}}
+
+
+def summarize(results: list, seconds: float, slo_ms: dict[str, float]) -> dict:
+    """`slo_ms` keys: "ttft", "tpot", "e2e" (milliseconds); goodput counts requests meeting all of them."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+
+    def meets(r) -> bool:
+        values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2e": r.e2e}
+        return all(values[k] * 1e3 <= v for k, v in slo_ms.items())
+
+    good = [r for r in ok if meets(r)]
+    return {
+        "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": seconds, "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(ok) / seconds, "output_token_throughput": out_tokens / seconds,
+        "total_token_throughput": (in_tokens + out_tokens) / seconds,
+        "ttft": distribution([r.ttft for r in ok]),
+        "tpot": distribution([r.tpot for r in ok if r.tpot is not None]),
+        "itl": distribution([g for r in ok for g in r.itl]),
+        "e2e": distribution([r.e2e for r in ok]),
+        "slo_ms": slo_ms, "good_requests": len(good), "goodput": len(good) / seconds,
+    }
