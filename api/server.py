@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from collections.abc import Sequence
 
 from starlette.routing import BaseRoute
@@ -18,4 +20,13 @@ def run_api(config: ApiConfig, mounts: Sequence[BaseRoute] = ()) -> None:
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config, mounts=mounts)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler that was in place
+        # before: with the default one the process dies by the signal (exit -15) and callers' cleanup
+        # (`redjax serve` stopping its workers) never runs. Exit normally instead.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=10)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)

@@ -105,7 +105,8 @@ def encode_corpus(tok: Tokenizer, paragraphs: list[str]) -> tuple[np.ndarray, np
         pos += len(p) + 2
     enc = tok.encode(text, add_special_tokens=False)
     ids = np.array(enc.ids + [tok.token_to_id(EOS)], np.int32)  # i32[N]
-    first = np.array([i for i, (a, _) in enumerate(enc.offsets) if a in starts and (i == 0 or enc.offsets[i - 1][0] != a)])
+    token_starts = [a for a, _ in enc.offsets]
+    first = np.array([i for i, a in enumerate(token_starts) if a in starts and (i == 0 or token_starts[i - 1] != a)])
     return ids, first
 
 

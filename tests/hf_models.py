@@ -58,10 +58,14 @@ HF_CLASSES = {
 }
 
 
-def make_hf_model(name: str, out_dir: Path, seed: int = 0, dtype=torch.float32, shard_size: str | None = None):
-    """Build a random model of architecture `name`, save it to out_dir, return the torch model."""
+def make_hf_model(name: str, out_dir: Path, seed: int = 0, dtype=torch.float32, shard_size: str | None = None,
+                  vocab_size: int | None = None):
+    """Build a random model of architecture `name`, save it to out_dir, return the torch model.
+    `vocab_size` overrides the default 256 (to match a tokenizer saved beside it)."""
     torch.manual_seed(seed)
     config = ARCHITECTURES[name]()
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     model = HF_CLASSES[name](config).to(dtype).eval()
     # random init gives near-zero logits; scale up so greedy choices are far from ties
     with torch.no_grad():

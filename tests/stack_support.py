@@ -86,3 +86,26 @@ def wait_until(check, timeout_s: float) -> None:
             last = exc
         time.sleep(0.2)
     raise TimeoutError(f"condition not met in {timeout_s}s (last error: {last!r})")
+
+
+def jax_cache_env(folder: Path) -> dict[str, str]:
+    """Environment for workers sharing one persistent JAX compilation cache (saves recompiling per process)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def stop_mid_request(client, worker: subprocess.Popen, request_id: str) -> bool:
+    """SIGSTOP `worker` now; true when `request_id` has published output but not finished.
+
+    When it had already finished, the worker is resumed and the caller retries with a new request
+    (the tiny test model is fast, so a request is caught half done only most of the time).
+    """
+    from worker import contract
+    from worker.contract import OutputDelta
+
+    os.kill(worker.pid, signal.SIGSTOP)
+    entries = client.xrange(contract.out_stream(request_id))
+    if entries and not any(OutputDelta.decode(f).done for _, f in entries):
+        return True
+    os.kill(worker.pid, signal.SIGCONT)
+    return False

@@ -16,7 +16,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.engine.sampler import SamplerFlags, SamplingTensors, apply_penalties, filter_logits, sample
+from worker.engine import sampler
+from worker.engine.sampler import SamplerFlags, SamplingTensors
+
+# jitted whole: op-by-op dispatch would compile every primitive separately
+sample = jax.jit(sampler.sample, static_argnames="flags")
+filter_logits = jax.jit(sampler.filter_logits, static_argnames="flags")
+apply_penalties = jax.jit(sampler.apply_penalties)
 
 SORTING = SamplerFlags(all_greedy=False, needs_sort=True)
 # chi-square quantile at 1 - 1e-6 by degrees of freedom (scipy.stats.chi2.ppf(1 - 1e-6, df))
@@ -164,7 +170,7 @@ def test_greedy_rows_stay_greedy_beside_sampled_rows():
 def draws(logits_row: np.ndarray, n: int, flags: SamplerFlags, **fields) -> np.ndarray:
     """`n` draws from one distribution: the same row at output positions 0..n-1."""
     t = tensors(n, out_pos=np.arange(n), **{k: np.repeat(np.asarray(v)[None], n, axis=0) for k, v in fields.items()})
-    return np.asarray(jax.jit(sample, static_argnames="flags")(jnp.asarray(np.repeat(logits_row[None], n, 0)), t, flags)[0])
+    return np.asarray(sample(jnp.asarray(np.repeat(logits_row[None], n, 0)), t, flags)[0])
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:

@@ -8,6 +8,7 @@ stack of its own uses its own Redis database so nothing leaks between them.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +18,11 @@ import openai
 import pytest
 import redis
 
-from tests.stack_support import make_served_model, start_api, start_worker, stop, wait_until
+from tests.stack_support import (jax_cache_env, make_served_model, start_api, start_worker, stop, stop_mid_request,
+                                 wait_until)
 from tests.test_dashboard_live import assert_dashboard_live
 from worker import contract
-from worker.contract import WorkerStats
+from worker.contract import OutputDelta, WorkerStats
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -49,16 +51,21 @@ class Stack:
         return self.redis.xlen(contract.REQUESTS)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return make_served_model(tmp_path_factory.mktemp("served") / "tinyllama")
 
 
+@pytest.fixture(scope="session")
+def jax_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax-cache")
+
+
 @pytest.fixture(scope="module")
-def stack(model_dir, redis_url):
+def stack(model_dir, redis_url, jax_cache):
     url = _db_url(redis_url, 1)
     redis.Redis.from_url(url).flushdb()
-    worker = start_worker(model_dir, url, WORKER)
+    worker = start_worker(model_dir, url, WORKER, env=jax_cache_env(jax_cache))
     api, base = start_api(model_dir, url, "--dashboard")
     s = Stack(model_dir, url, api, base, worker)
     try:
@@ -72,7 +79,7 @@ def stack(model_dir, redis_url):
     assert worker_rc == 0 and api_rc == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def offline(model_dir):
     from worker.engine.llm import LLM
 
@@ -185,19 +192,29 @@ def test_concurrent_streams_are_batched_and_match_offline(stack, offline):
 
 
 def test_closed_stream_is_cancelled_and_frees_its_pages(stack):
-    wait_until(lambda: stack.stats().pages_used == 0 and stack.stats().running == 0, 10)
-    before = int(stack.redis.hget(contract.TOTALS, "finished:abort") or 0)
-    stream = stack.client.completions.create(model=stack.model, prompt="hello world", max_tokens=220, temperature=0,
-                                             stream=True, extra_body={"ignore_eos": True})
-    got = 0
-    for chunk in stream:
-        got += 1
-        if got == 2:
+    wait_until(lambda: stack.xlen() == 0 and stack.stats().pages_used == 0 and stack.stats().running == 0, 10)
+    aborted = lambda: int(stack.redis.hget(contract.TOTALS, "finished:abort") or 0)  # noqa: E731
+    before = aborted()
+    for _ in range(8):  # until the worker is caught with the request half done (it is fast)
+        stream = stack.client.completions.create(model=stack.model, prompt="hello world", max_tokens=240,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        request_id = next(iter(stream)).id.removeprefix("cmpl-")
+        if stop_mid_request(stack.redis, stack.worker, request_id):
+            try:  # the worker sleeps with the request in flight; the client goes away
+                stream.close()
+                # the API withdrew the request: cancel flag set and published while the worker sleeps
+                wait_until(lambda: stack.redis.exists(contract.cancelled_key(request_id)), 20)
+            finally:
+                os.kill(stack.worker.pid, signal.SIGCONT)
             break
-    stream.close()
-    wait_until(lambda: int(stack.redis.hget(contract.TOTALS, "finished:abort") or 0) == before + 1, 20)
+        stream.close()
+    else:
+        pytest.fail("never caught the worker with a request in flight")
+    wait_until(lambda: aborted() == before + 1, 20)
     wait_until(lambda: stack.xlen() == 0, 10)
     wait_until(lambda: (lambda st: st.pages_used == 0 and st.running == 0 and st.waiting == 0)(stack.stats()), 10)
+    *_, (_, last) = stack.redis.xrange(contract.out_stream(request_id))
+    assert OutputDelta.decode(last).done
     # and the worker still serves
     out = stack.client.completions.create(model=stack.model, prompt="hello", max_tokens=4, temperature=0)
     assert out.usage.completion_tokens > 0
@@ -283,7 +300,7 @@ def test_dashboard_and_metrics_follow_live_traffic(stack, output_dir):
 # ---- 3b. a request waits in the queue while no worker runs ----
 
 
-def test_request_waits_for_a_worker(model_dir, redis_url, offline):
+def test_request_waits_for_a_worker(model_dir, redis_url, offline, jax_cache):
     url = _db_url(redis_url, 3)
     r = redis.Redis.from_url(url)
     r.flushdb()
@@ -299,7 +316,7 @@ def test_request_waits_for_a_worker(model_dir, redis_url, offline):
             time.sleep(1.5)  # a few fleet-watch polls with no worker alive
             assert not future.done()
             assert r.xlen(contract.REQUESTS) == 1
-            worker = start_worker(model_dir, url, "late-worker")
+            worker = start_worker(model_dir, url, "late-worker", env=jax_cache_env(jax_cache))
             out = future.result(timeout=180)
         assert out.choices[0].text == offline_greedy(offline, ids, 16).text
         assert r.xlen(contract.REQUESTS) == 0

@@ -35,10 +35,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
                    help="read each step back before dispatching the next")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
+    g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
-               "max_model_len", "dtype", "decode_steps", "async_overlap", "enable_prefix_cache")
+               "max_model_len", "dtype", "decode_steps", "async_overlap", "enable_prefix_cache", "tensor_parallel")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:

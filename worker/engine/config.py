@@ -19,6 +19,7 @@ class EngineConfig:
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
     seed: int = 0  # seed for requests that carry none (offline API)
+    tensor_parallel: int = 1  # devices one model spans (heads and MLP columns split over a mesh)
 
     def __post_init__(self) -> None:
         checks = {
@@ -30,6 +31,7 @@ class EngineConfig:
             "max_model_len must be >= 1": self.max_model_len is None or self.max_model_len >= 1,
             "decode_steps must be >= 1": self.decode_steps >= 1,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
+            "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
         }
         for message, ok in checks.items():
             if not ok:

@@ -21,9 +21,11 @@ class KVCache:
     values: tuple[jax.Array, ...]  # per layer [num_pages, page_size, kv_heads, head_dim]
 
     @classmethod
-    def create(cls, model: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
+    def create(cls, model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> "KVCache":
+        """Zeroed pages; `sharding` (tensor parallel) splits them by KV head."""
         shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
-        make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)))
+        out = None if sharding is None else (sharding,) * model.num_layers
+        make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)), out_shardings=out)
         return cls(make(), make())
 
     @property
@@ -36,7 +38,7 @@ def page_bytes(model: ModelConfig, page_size: int, itemsize: int) -> int:
     return 2 * model.num_layers * page_size * model.num_kv_heads * model.head_dim * itemsize
 
 
-def choose_num_pages(engine: EngineConfig, model: ModelConfig, max_model_len: int, itemsize: int) -> int:
+def choose_num_pages(engine: EngineConfig, model: ModelConfig, max_model_len: int, itemsize: int, shards: int = 1) -> int:
     """Pages to allocate: the configured number, or a share of free device memory.
 
     Never more than every sequence at full context could use, never fewer than one
@@ -46,7 +48,9 @@ def choose_num_pages(engine: EngineConfig, model: ModelConfig, max_model_len: in
         return engine.num_pages
     per_seq = engine.pages_for(max_model_len)
     useful = engine.max_num_seqs * per_seq + RESERVED_PAGES
-    budget = int(free_device_bytes() * engine.kv_cache_memory_fraction) // page_bytes(model, engine.page_size, itemsize)
+    # each of `shards` devices holds 1/shards of every page (KV heads split)
+    budget = int(free_device_bytes() * engine.kv_cache_memory_fraction) * shards // page_bytes(
+        model, engine.page_size, itemsize)
     return max(min(budget, useful), per_seq + RESERVED_PAGES)
 
 

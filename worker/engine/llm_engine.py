@@ -26,7 +26,8 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceGroup
 from worker.engine.stop_checker import StopChecker
-from worker.models.loader import DTYPES, load_model, load_tokenizer
+from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
+from worker.models.sharding import kv_sharding, make_mesh
 
 
 @dataclass
@@ -64,10 +65,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         dtype = DTYPES[config.dtype or cfg.dtype]
-        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(dtype).itemsize)
+        mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
+        if mesh is not None:
+            model = shard_model(model, mesh)
+        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(dtype).itemsize,
+                                     mesh.size if mesh else 1)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
-        kv = KVCache.create(cfg, num_pages, config.page_size, dtype)
+        kv = KVCache.create(cfg, num_pages, config.page_size, dtype, kv_sharding(mesh) if mesh else None)
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs)
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
@@ -82,7 +87,8 @@ class LLMEngine:
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
-        return cls(load_model(path, config.dtype), load_tokenizer(path), config)
+        mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
+        return cls(load_model(path, config.dtype, mesh), load_tokenizer(path), config)
 
     # ---- requests ----
 

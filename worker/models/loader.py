@@ -44,13 +44,30 @@ def build_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0) -> Ll
     return nnx.merge(graphdef, init())
 
 
-def load_model(path: str | Path, dtype: str | None = None) -> LlamaForCausalLM:
-    """Load a local Hugging Face checkpoint directory (config.json + *.safetensors)."""
+def shard_model(model: LlamaForCausalLM, mesh) -> LlamaForCausalLM:
+    """Place every parameter on `mesh` as worker.models.sharding declares (tensor parallel)."""
+    from worker.models.sharding import check_divisible, param_sharding
+
+    check_divisible(model.cfg, mesh.size)
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        var.set_value(jax.device_put(var.get_value(), param_sharding(".".join(map(str, key)), mesh)))
+    return model
+
+
+def load_model(path: str | Path, dtype: str | None = None, mesh=None) -> LlamaForCausalLM:
+    """Load a local Hugging Face checkpoint directory (config.json + *.safetensors).
+
+    With a `mesh`, each tensor goes straight to its tensor-parallel sharding as it is read.
+    """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: model directory does not exist")
     cfg = ModelConfig.from_dir(path)
     jdtype = DTYPES[dtype or cfg.dtype]
+    if mesh is not None:
+        from worker.models.sharding import check_divisible, param_sharding
+
+        check_divisible(cfg, mesh.size)
     abstract = nnx.eval_shape(lambda: _new(cfg, jdtype, 0))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
@@ -70,7 +87,10 @@ def load_model(path: str | Path, dtype: str | None = None) -> LlamaForCausalLM:
                     raise CheckpointError(
                         f"{file}: tensor {name!r} has shape {shape}, the config implies {tuple(variable.get_value().shape)}"
                     )
-                variable.set_value(f.get_tensor(name).astype(jdtype))
+                tensor = f.get_tensor(name).astype(jdtype)
+                if mesh is not None:
+                    tensor = jax.device_put(tensor, param_sharding(name, mesh))
+                variable.set_value(tensor)
                 filled.add(name)
     missing = sorted(set(expected) - filled)
     if missing:

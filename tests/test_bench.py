@@ -1,0 +1,99 @@
+"""`redjax bench`: offline on a tiny random model (with and without the transformers baseline),
+and serve against the real stack (API + worker subprocesses, real Redis). No wall-clock thresholds."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.hf_models import make_hf_model
+from tests.stack_support import make_served_model, start_api, start_worker, stop
+from worker.bench.cli import run
+
+TINY = ["--num-prompts", "4", "--input-len", "8", "--output-len", "8", "--json"]
+
+
+def _bench(*argv: str) -> tuple[int, str]:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = run(argv[0], list(argv[1:]))
+    return code, buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    make_hf_model("llama", path)
+    return path
+
+
+def test_offline_reports_throughput(tiny_model):
+    code, out = _bench("offline", "--model", str(tiny_model), *TINY)
+    report = json.loads(out)
+    assert code == 0
+    assert report["output_tokens"] == 4 * 8
+    for key in ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "memory_bandwidth_gbs",
+                "matmul_gflops", "decode_roofline_fraction", "prefill_roofline_fraction", "decode_host_fraction"):
+        assert report[key] > 0, key
+    assert "ratio" not in report
+
+
+def test_offline_compare_hf(tiny_model):
+    code, out = _bench("offline", "--model", str(tiny_model), *TINY, "--compare", "hf", "--hf-batch-size", "2")
+    report = json.loads(out)
+    assert code == 0
+    for key in ("output_tokens_per_s", "baseline_output_tokens_per_s", "ratio"):
+        assert report[key] > 0, key
+    assert report["greedy_match_fraction"] == 1.0  # same weights, same prompts, greedy
+
+
+def test_offline_text_summary(tiny_model):
+    code, out = _bench("offline", "--model", str(tiny_model), *TINY[:-1], "--decode-steps", "1")
+    assert code == 0 and "output tokens/s" in out and "host" in out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_url):
+    model = make_served_model(tmp_path_factory.mktemp("served"))
+    worker = start_worker(model, redis_url, "bench-worker")
+    api, url = start_api(model, redis_url)
+    yield url
+    stop(api)
+    stop(worker)
+
+
+def _check_report(r: dict, n: int) -> None:
+    assert r["num_requests"] == r["completed"] == n and r["failed"] == 0
+    assert r["output_tokens"] == n * 8  # ignore_eos: every request runs to max_tokens, counted from usage
+    assert r["request_throughput"] > 0 and r["output_token_throughput"] > 0
+    for key in ("ttft", "tpot", "itl", "e2e"):
+        d = r[key]
+        assert 0 < d["p50_ms"] <= d["p90_ms"] <= d["p99_ms"], key
+    assert r["ttft"]["p99_ms"] <= r["e2e"]["p99_ms"]
+
+
+def test_serve_concurrency(stack, tmp_path):
+    out = tmp_path / "report.json"
+    code, text = _bench("serve", "--url", stack, "--num-prompts", "6", "--concurrency", "3", "--input-len", "12",
+                        "--output-len", "8", "--goodput", "ttft:600000", "tpot:600000", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    _check_report(report, 6)
+    assert report["concurrency"] == 3 and report["good_requests"] == 6
+    assert "ttft" in text and "p99" in text
+
+
+def test_serve_sweep_plot(stack, tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    code, text = _bench("serve", "--url", stack, "--num-prompts", "4", "--sweep", "2,inf", "--input-len", "6",
+                        "--output-len", "8", "--json-out", str(out), "--plot", str(png))
+    assert code == 0, text
+    reports = json.loads(out.read_text())
+    assert [r["request_rate"] for r in reports] == [2.0, None]
+    for r in reports:
+        _check_report(r, 4)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,530 @@
+"""LLMEngine end to end on tiny checkpoints, against references written elsewhere:
+transformers' `generate` for greedy tokens, the torch forward for logprobs, the tokenizer's own
+`decode` for text.
+
+Two checkpoints, each with a byte-level BPE tokenizer trained here and saved beside it:
+- a random Qwen2 (sliding window on its upper layer, which crosses pages);
+- a "cycle" Llama built so that its greedy continuation walks a fixed text forever (its tokens,
+  then EOS, then again): predictable text for stop strings, EOS and split UTF-8 characters.
+
+Engines share two KV shapes (ROOMY, TIGHT) and max_num_seqs 8 so few step variants compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from tests.hf_models import make_hf_model
+from worker.engine.config import EngineConfig
+from worker.engine.llm import LLM
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.models.loader import load_model
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog, again and again and again.",
+    "Héllo wörld! The café serves crème brûlée to a naïve guest.",
+    "hello world, this is a test of the tokenizer; numbers 0123456789.",
+]
+CYCLE_TEXT = "naïve 日€🎉ж!"  # all its tokens differ; "ï" is split inside merged tokens, the rest over byte tokens
+PROMPT_LENGTHS = (1, 3, 6, 11, 17, 24, 30, 41)
+GEN = 16  # new tokens per prompt in the greedy runs
+ROOMY = dict(max_num_seqs=8, page_size=8, num_pages=64, max_num_batched_tokens=256)
+TIGHT = dict(max_num_seqs=8, page_size=4, num_pages=20, max_num_batched_tokens=16)  # 19 usable pages: 76 tokens
+SIZES = {"roomy": ROOMY, "tight": TIGHT}
+
+
+# ---- checkpoints ----
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", clean_up_tokenization_spaces=False)
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    hf = make_hf_model("qwen2", path, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def model(random_ckpt):
+    return load_model(random_ckpt[0])
+
+
+@pytest.fixture(scope="module")
+def hf(random_ckpt):
+    return random_ckpt[1]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, len(tokenizer), n).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_greedy(hf, prompt: list[int], n: int, **kwargs) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logprobs(hf, tokens: list[int]) -> np.ndarray:
+    """Log-softmax of the torch forward at every position: f32[L, V]."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].double(), dim=-1).numpy()
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(hf, prompts) -> list[list[int]]:
+    return [hf_greedy(hf, p, GEN) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def cycle_ckpt(tokenizer, tmp_path_factory):
+    """A Llama whose greedy continuation of any cycle token is the next one. Attention and MLP
+    outputs are zeroed, so the final hidden state is norm(embedding(current token)); the head row
+    of each token's successor is that state, normalised, so it alone gets the top logit."""
+    cycle = tokenizer.encode(CYCLE_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert len(set(cycle)) == len(cycle)
+    path = tmp_path_factory.mktemp("cycle")
+    hf = make_hf_model("llama", path, seed=3, vocab_size=len(tokenizer))
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hidden = hf.model.norm(hf.model.embed_tokens.weight)  # [V, H]
+        head = torch.zeros_like(hf.lm_head.weight)
+        for cur, nxt in zip(cycle, cycle[1:] + cycle[:1]):
+            head[nxt] = 4.0 * hidden[cur] / hidden[cur].norm()
+        hf.lm_head.weight.copy_(head)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert hf_greedy(hf, cycle[:1], 3 * len(cycle)) == (cycle * 4)[1 : 3 * len(cycle) + 1]  # transformers agrees
+    return path, cycle
+
+
+@pytest.fixture(scope="module")
+def cycle_engine(cycle_ckpt) -> LLMEngine:
+    return LLMEngine.from_path(cycle_ckpt[0], EngineConfig(**ROOMY))  # async overlap and 4 fused decodes
+
+
+# ---- driving an engine ----
+
+@dataclass
+class Choice:
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+
+def make_engine(model, tokenizer, sizes: dict, **overrides) -> LLMEngine:
+    return LLMEngine(model, tokenizer, EngineConfig(**{**sizes, **overrides}))
+
+
+def drain(engine: LLMEngine, before_step=None) -> dict[tuple[str, int], Choice]:
+    """Step until idle; `before_step(k)` runs before step k (to add or abort requests)."""
+    results: dict[tuple[str, int], Choice] = {}
+    k = 0
+    while engine.has_unfinished() or (before_step and k == 0):
+        if before_step:
+            before_step(k)
+        for out in engine.step():
+            choice = results.setdefault((out.request_id, out.index), Choice())
+            assert choice.finish_reason is None, f"{out.request_id}/{out.index}: output after it finished"
+            choice.token_ids += out.token_ids
+            choice.deltas.append(out.text)
+            choice.logprobs += out.logprobs or []
+            if out.prompt_logprobs is not None:
+                assert choice.prompt_logprobs is None, "prompt logprobs sent twice"
+                choice.prompt_logprobs = out.prompt_logprobs
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        k += 1
+        assert k < 3000, "engine does not finish"
+    return results
+
+
+def record_chunks(engine: LLMEngine) -> list[dict]:
+    """Spy on the scheduler: every scheduled chunk, as it was when scheduled."""
+    log: list[dict] = []
+    schedule = engine.scheduler.schedule
+
+    def spy(*args, **kwargs):
+        batch = schedule(*args, **kwargs)
+        for c in batch.chunks if batch else []:
+            log.append(dict(seq=c.seq.seq_id, start=c.start, n=c.num_tokens, samples=c.samples, steps=c.num_steps,
+                            prompt=c.seq.num_prompt_tokens, known=c.seq.num_known_tokens))
+        return batch
+
+    engine.scheduler.schedule = spy
+    return log
+
+
+def assert_pages_returned(engine: LLMEngine, free_at_start: int) -> None:
+    alloc = engine.allocator
+    assert alloc.num_free_pages == free_at_start
+    assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
+    assert not engine.has_unfinished() and not engine._groups and not engine._tracks
+
+
+# ---- 1. greedy batches equal transformers, also chunked and preempted ----
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+@pytest.mark.parametrize("sizes", ["roomy", "tight"])
+def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, greedy_refs, sizes, overlap, decode_steps):
+    engine = make_engine(model, tokenizer, SIZES[sizes], async_overlap=overlap, decode_steps=decode_steps)
+    chunks = record_chunks(engine)
+    free = engine.allocator.num_free_pages
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    results = drain(engine)
+    for i in range(len(prompts)):
+        got = results[(f"r{i}", 0)]
+        assert got.token_ids == greedy_refs[i], f"prompt {i} ({len(prompts[i])} tokens)"
+        assert got.finish_reason == "length"
+    assert_pages_returned(engine, free)
+    split = [c for c in chunks if c["n"] > 1 and not c["samples"] and c["start"] + c["n"] < c["prompt"]]
+    resumed = [c for c in chunks if c["n"] > 1 and 0 < c["start"] < c["prompt"]]
+    if sizes == "tight":
+        assert engine.scheduler.num_preemptions > 0
+        assert split and resumed, "no prompt was prefilled in several chunks"
+    else:
+        assert engine.scheduler.num_preemptions == 0 and not split
+    assert any(c["steps"] > 1 for c in chunks) == (decode_steps > 1)
+
+
+def test_context_limit_ends_with_length(model, tokenizer, prompts, greedy_refs):
+    engine = make_engine(model, tokenizer, ROOMY, max_model_len=24)
+    free = engine.allocator.num_free_pages
+    unlimited = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    engine.add_request("short", prompts[4], unlimited)  # 17 tokens: 7 more fit
+    engine.add_request("full", prompts[5], unlimited)  # 24 tokens: nothing fits
+    engine.add_request("capped", prompts[2], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match="allows 24"):
+        engine.add_request("long", prompts[6], unlimited)
+    results = drain(engine)
+    assert results[("short", 0)].token_ids == greedy_refs[4][:7]
+    assert results[("full", 0)].token_ids == []
+    assert results[("capped", 0)].token_ids == greedy_refs[2][:5]
+    assert {r.finish_reason for r in results.values()} == {"length"}
+    assert_pages_returned(engine, free)
+
+
+# ---- 2. logits and logprobs of the paged step equal the plain forward ----
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_prompt_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts, overlap):
+    engine = make_engine(model, tokenizer, TIGHT, async_overlap=overlap)  # prompts prefilled in chunks
+    free = engine.allocator.num_free_pages
+    engine.add_request("one", prompts[7], SamplingParams(prompt_logprobs=1, max_tokens=0))
+    engine.add_request("top", prompts[6], SamplingParams(prompt_logprobs=20, max_tokens=0))
+    engine.add_request("gen", prompts[3], SamplingParams(prompt_logprobs=0, max_tokens=3, temperature=0.0))
+    results = drain(engine)
+    for rid, prompt, n in (("one", prompts[7], 1), ("top", prompts[6], 20), ("gen", prompts[3], 0)):
+        got = results[(rid, 0)]
+        ref = hf_logprobs(hf, prompt)
+        assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(prompt), rid
+        assert got.prompt_logprobs[0] is None
+        for pos, entry in enumerate(got.prompt_logprobs[1:], start=1):
+            row = ref[pos - 1]
+            assert entry["token_id"] == prompt[pos]
+            assert entry["logprob"] == pytest.approx(row[prompt[pos]], abs=2e-4), (rid, pos)
+            top = np.argsort(-row)[:n]
+            assert [t for t, _ in entry["top"]] == top.tolist(), (rid, pos)
+            np.testing.assert_allclose([lp for _, lp in entry["top"]], row[top], atol=2e-4)
+    assert results[("one", 0)].token_ids == [] and results[("one", 0)].finish_reason == "length"
+    assert len(results[("gen", 0)].token_ids) == 3
+    assert_pages_returned(engine, free)
+
+
+def test_sampled_token_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts):
+    engine = make_engine(model, tokenizer, ROOMY)  # overlap on, 4 fused decode steps
+    chunks = record_chunks(engine)
+    cases = {"a": (prompts[1], 5), "b": (prompts[5], 3), "c": (prompts[0], 0)}
+    for rid, (prompt, n) in cases.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=1.0, seed=len(rid) + ord(rid), max_tokens=10,
+                                                       logprobs=n, ignore_eos=True))
+    results = drain(engine)
+    assert any(c["steps"] > 1 for c in chunks)
+    for rid, (prompt, n) in cases.items():
+        got = results[(rid, 0)]
+        assert len(got.logprobs) == len(got.token_ids) == 10
+        ref = hf_logprobs(hf, prompt + got.token_ids)
+        for k, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            row = ref[len(prompt) - 1 + k]
+            assert entry["token_id"] == token
+            assert entry["logprob"] == pytest.approx(row[token], abs=2e-4), (rid, k)
+            assert [t for t, _ in entry["top"]] == np.argsort(-row)[:n].tolist(), (rid, k)
+            np.testing.assert_allclose([lp for _, lp in entry["top"]], np.sort(row)[::-1][:n], atol=2e-4)
+
+
+# ---- 3. seeded sampling ----
+
+def random_requests(rng: np.random.Generator, count: int, vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    """Unrelated traffic with every sampling feature in play."""
+    out = []
+    for i in range(count):
+        kind = i % 5
+        params = dict(max_tokens=int(rng.integers(3, 14)), seed=int(rng.integers(0, 2**31)), ignore_eos=True,
+                      temperature=[0.0, 0.7, 1.3, 1.0, 0.9][kind])
+        if kind == 1:
+            params.update(top_k=int(rng.integers(1, 40)), top_p=0.9)
+        if kind == 2:
+            params.update(min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3)
+        if kind == 3:
+            params.update(repetition_penalty=1.2, logit_bias=((5, 3.0), (7, -2.0)))
+        if kind == 4:
+            params.update(n=2, logprobs=2)
+        out.append((rng.integers(1, vocab, int(rng.integers(1, 30))).tolist(), SamplingParams(**params)))
+    return out
+
+
+def test_seed_fixes_tokens_whatever_the_batch_and_join_step(model, tokenizer, prompts):
+    target = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    prompt = prompts[4]
+    others = random_requests(np.random.default_rng(5), 5, len(tokenizer))
+
+    def run(sizes, join_at: int, others_at: int | None, params=target):
+        engine = make_engine(model, tokenizer, sizes)
+        added = []
+
+        def before_step(k):
+            if k == join_at:
+                engine.add_request("target", prompt, params)
+                added.append("target")
+            if k == others_at:
+                assert engine.has_unfinished()
+                for i, (p, sp) in enumerate(others):
+                    engine.add_request(f"other{i}", p, sp)
+                added.append("others")
+
+        results = drain(engine, before_step)
+        assert len(added) == (1 if others_at is None else 2)
+        assert all(r.finish_reason == "length" for r in results.values())
+        return results[("target", 0)].token_ids, engine
+
+    alone, _ = run(ROOMY, 0, None)
+    assert len(alone) == 12
+    assert run(ROOMY, 2, 0)[0] == alone  # joins a running batch
+    assert run(ROOMY, 0, 1)[0] == alone  # the batch grows around it
+    tight, engine = run(TIGHT, 1, 0)  # chunked prefill, preemption and recompute around it
+    assert engine.scheduler.num_preemptions > 0
+    assert tight == alone
+    other_seed = run(ROOMY, 0, None, SamplingParams(**{**target.to_dict(), "seed": 4321}))[0]
+    assert other_seed != alone
+
+
+def test_repetition_penalty_matches_generate_even_when_decodes_fuse(model, tokenizer, hf, prompts):
+    """A penalised request admitted as a single decode token must not join a fused (multi-step)
+    decode: penalties need every previous token, which fused steps do not feed back."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=2.0, max_tokens=12, ignore_eos=True)
+
+    def before_step(k):
+        if k == 0:
+            engine.add_request("plain", prompts[3], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        if k == 3:
+            engine.add_request("penalised", prompts[0], penalised)  # 1-token prompt: scheduled as a decode
+
+    got = drain(engine, before_step)[("penalised", 0)].token_ids
+    assert got == hf_greedy(hf, prompts[0], 12, repetition_penalty=2.0)
+
+
+def test_n_choices_share_prompt_pages_and_differ(model, tokenizer, prompts):
+    engine = make_engine(model, tokenizer, ROOMY)
+    free = engine.allocator.num_free_pages
+    prompt = prompts[6]  # 30 tokens: 3 full pages of 8, then 6 tokens
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=8, ignore_eos=True))
+    shared = []
+
+    def before_step(k):
+        seqs = [s for s in engine.scheduler.running if s.request_id == "n4"]
+        if len(seqs) == 4:
+            tables = [tuple(s.page_table[:3]) for s in seqs]
+            shared.append(len(set(tables)) == 1 and all(engine.allocator.refcount(p) == 4 for p in tables[0]))
+
+    results = drain(engine, before_step)
+    assert shared and all(shared), "the 4 choices did not hold the same 3 prompt pages"
+    assert engine.scheduler.num_hit_tokens == 3 * 24  # choices 1..3 each reused 3 full pages
+    outs = [tuple(results[("n4", i)].token_ids) for i in range(4)]
+    assert all(len(o) == 8 for o in outs) and len(set(outs)) == 4
+    assert_pages_returned(engine, free)
+
+
+# ---- 4. stops, EOS, lengths and text (cycle model) ----
+
+def cycle_tokens(cycle: list[int], start: int, count: int) -> list[int]:
+    return [cycle[(start + i) % len(cycle)] for i in range(count)]
+
+
+def completion_text(tokenizer, prompt: list[int], output: list[int]) -> str:
+    """What the output adds to the prompt's text, by decoding both at once (a character the prompt
+    leaves unfinished belongs to the output)."""
+    before = tokenizer.decode(prompt, skip_special_tokens=True).rstrip("\ufffd")
+    return tokenizer.decode(prompt + output, skip_special_tokens=True)[len(before) :]
+
+
+def test_stop_string_across_token_boundaries_trimmed_or_kept(cycle_engine, cycle_ckpt, tokenizer):
+    _, cycle = cycle_ckpt
+    prompt = cycle[:1]
+    expected = cycle_tokens(cycle, 1, 40)
+    full = completion_text(tokenizer, prompt, expected)
+    stop = "ve 日€"  # starts inside a merged token, ends inside byte tokens
+    cut = next(k for k in range(len(expected)) if stop in tokenizer.decode(expected[: k + 1]))
+    cases = {
+        "trim": SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)),
+        "keep": SamplingParams(temperature=0.0, max_tokens=40, stop=(stop, "zzz"), include_stop_str_in_output=True),
+        "never": SamplingParams(temperature=0.0, max_tokens=35, stop=("日本",), ignore_eos=True),  # "日" held, released
+        "over_eos": SamplingParams(temperature=0.0, max_tokens=40, stop=("!na",), ignore_eos=True),
+    }
+    for rid, params in cases.items():
+        cycle_engine.add_request(rid, prompt, params)
+    results = drain(cycle_engine)
+    at = full.index(stop)
+    assert results[("trim", 0)].text == full[:at] == "aï"
+    assert results[("keep", 0)].text == full[: at + len(stop)]
+    for rid in ("trim", "keep"):
+        assert results[(rid, 0)].finish_reason == "stop" and results[(rid, 0)].stop_reason == stop
+        assert results[(rid, 0)].token_ids == expected[: cut + 1]
+    never = results[("never", 0)]
+    assert never.finish_reason == "length" and never.text == full[: len(CYCLE_TEXT) * 2 - 1]
+    over = results[("over_eos", 0)]  # EOS decodes to nothing, so "!" and "na" meet across it
+    assert over.stop_reason == "!na" and over.text == full[: full.index("!na")]
+
+
+def test_stop_token_ids_eos_ignore_eos_and_max_tokens(cycle_engine, cycle_ckpt, tokenizer):
+    _, cycle = cycle_ckpt
+    bang = tokenizer.convert_tokens_to_ids("!")
+    prompt = cycle[:2]
+    cases = {
+        "eos": SamplingParams(temperature=0.0, max_tokens=40),
+        "ignore_eos": SamplingParams(temperature=0.0, max_tokens=2 * len(cycle) - 2, ignore_eos=True),
+        "stop_id": SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(bang,)),
+        "max": SamplingParams(temperature=0.0, max_tokens=5),
+    }
+    for rid, params in cases.items():
+        cycle_engine.add_request(rid, prompt, params)
+    results = drain(cycle_engine)
+    upto_eos = cycle[2:]
+    got = results[("eos", 0)]
+    assert (got.token_ids, got.finish_reason, got.stop_reason) == (upto_eos, "stop", None)
+    assert got.text == completion_text(tokenizer, prompt, upto_eos) == CYCLE_TEXT[2:]
+    got = results[("ignore_eos", 0)]
+    assert got.token_ids == cycle[2:] + cycle and got.finish_reason == "length"
+    assert got.text == CYCLE_TEXT[2:] + CYCLE_TEXT  # EOS kept generating, but is no text
+    got = results[("stop_id", 0)]
+    assert (got.token_ids[-1], got.finish_reason, got.stop_reason) == (bang, "stop", bang)
+    assert got.token_ids == cycle[2 : cycle.index(bang) + 1] and got.text == CYCLE_TEXT[2:-1]  # stop token: no text
+    got = results[("max", 0)]
+    assert got.token_ids == cycle[2:7] and got.finish_reason == "length"
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_text_deltas_never_split_a_character(cycle_ckpt, tokenizer, decode_steps):
+    path, cycle = cycle_ckpt
+    assert sum("\ufffd" in tokenizer.decode([t]) for t in cycle) >= 10  # characters really span tokens
+    engine = LLMEngine.from_path(path, EngineConfig(**ROOMY, decode_steps=decode_steps))
+    count = {start: 3 * len(cycle) - start - 1 for start in range(4)}  # each ends on EOS, between characters
+    for start in range(4):  # prompts ending at different points, some inside a character
+        engine.add_request(f"s{start}", cycle[: start + 1],
+                           SamplingParams(temperature=0.0, max_tokens=count[start], ignore_eos=True))
+    results = drain(engine)
+    for start in range(4):
+        got = results[(f"s{start}", 0)]
+        assert got.token_ids == cycle_tokens(cycle, start + 1, count[start])
+        assert got.text == completion_text(tokenizer, cycle[: start + 1], got.token_ids)
+        assert not any("\ufffd" in d for d in got.deltas), got.deltas
+        assert sum(1 for d in got.deltas if d) > 10  # streamed in pieces, not at the end
+
+
+# ---- 5. pages come back after finishing and aborting ----
+
+def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts):
+    engine = make_engine(model, tokenizer, TIGHT, async_overlap=True)
+    free = engine.allocator.num_free_pages
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    for i, p in enumerate(prompts[2:]):
+        engine.add_request(f"r{i}", p, sampled)
+    engine.add_request("pair", prompts[3], SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=12, ignore_eos=True))
+    aborted: dict[str, str] = {}  # request -> what it was doing
+
+    def abort(rid, doing):
+        seqs = engine._groups[rid].sequences
+        outputs = engine.abort(rid)
+        assert [o.finish_reason for o in outputs] == ["abort"] * len(seqs)
+        assert sum(o.request_finished for o in outputs) == 1
+        aborted[rid] = doing
+
+    def before_step(k):
+        sched = engine.scheduler
+        if k == 1:
+            prefilling = [s for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens]
+            abort(prefilling[-1].request_id, "prefill")
+        in_flight = [s for s in sched.running if s.num_placeholders and s.request_id not in aborted]
+        if k >= 3 and "decode" not in aborted.values() and in_flight:
+            abort(in_flight[0].request_id, "decode")
+        pair = engine._groups.get("pair")
+        if pair and "pair" not in aborted and all(s.num_output_tokens for s in pair.sequences):
+            abort("pair", "pair")
+        waiting = [s for s in sched.waiting if s.request_id not in aborted and s.request_id != "pair"]
+        if k >= 3 and "waiting" not in aborted.values() and waiting:
+            abort(waiting[-1].request_id, "waiting")
+
+    results = drain(engine, before_step)
+    assert sorted(aborted.values()) == ["decode", "pair", "prefill", "waiting"]
+    assert engine.scheduler.num_preemptions > 0
+    for rid in aborted:
+        assert results[(rid, 0)].finish_reason == "abort"
+    assert {r.finish_reason for (rid, _), r in results.items() if rid not in aborted} == {"length"}
+    assert_pages_returned(engine, free)
+
+
+# ---- 6. the offline API ----
+
+def test_llm_generate_returns_everything_in_prompt_order(random_ckpt, tokenizer, hf):
+    path, _ = random_ckpt
+    llm = LLM(model=str(path), **TIGHT)
+    texts = [
+        "The café serves crème brûlée to a naïve guest, again and again and again.",  # long: finishes last
+        "hello",
+        "the lazy dog",
+        "numbers 0123",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+    results = llm.generate(texts, params)
+    assert [r.prompt for r in results] == texts
+    for text, result in zip(texts, results):
+        ids = tokenizer(text).input_ids
+        assert result.prompt_token_ids == ids
+        (out,) = result.outputs
+        assert out.token_ids == hf_greedy(hf, ids, 8), text
+        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.finish_reason == "length"
+        assert [lp["token_id"] for lp in out.logprobs] == out.token_ids and all(len(lp["top"]) == 2 for lp in out.logprobs)
+        assert all(lp["top"][0][0] == t for lp, t in zip(out.logprobs, out.token_ids))  # greedy: the top choice
+    again = llm.generate([ids for ids in (r.prompt_token_ids for r in results)], params)
+    assert [r.outputs[0].token_ids for r in again] == [r.outputs[0].token_ids for r in results]

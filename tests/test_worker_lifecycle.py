@@ -1,0 +1,111 @@
+"""Worker lifecycle against a live API and real Redis: SIGTERM drains, SIGKILL is survived by resume.
+
+A worker killed mid-request leaves its entry pending; a second worker claims it once the heartbeat
+has expired, re-prefills prompt + emitted tokens and continues the output stream's numbering, so
+the client still gets the complete greedy answer (checked against the offline engine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.stack_support import jax_cache_env, start_api, start_worker, stop, stop_mid_request, wait_until
+from tests.test_serving import _db_url, ids_of_dir, jax_cache, model_dir, offline, offline_greedy  # noqa: F401
+from worker import contract
+from worker.contract import OutputDelta, RequestEvent
+
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def api(model_dir, redis_url):  # noqa: F811
+    url = _db_url(redis_url, 2)
+    redis.Redis.from_url(url).flushdb()
+    proc, base = start_api(model_dir, url, env={"REDJAX_NO_WORKER_TIMEOUT_S": "120"})
+    yield url, base, redis.Redis.from_url(url)
+    assert stop(proc) == 0
+
+
+def _stream(client, model, ids):
+    return client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+
+
+def _drain(stream) -> tuple[str, str | None]:
+    text, reason = "", None
+    for chunk in stream:
+        text += chunk.choices[0].text
+        reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def _catch_in_flight(r, worker, client, model, ids):
+    """Start a streamed request and SIGSTOP `worker` while it is half done: (stream, request id, first text)."""
+    for _ in range(8):
+        stream = _stream(client, model, ids)
+        first = next(iter(stream))
+        request_id = first.id.removeprefix("cmpl-")
+        if stop_mid_request(r, worker, request_id):
+            return stream, request_id, first.choices[0].text
+        stream.close()
+    pytest.fail("never caught the worker with a request in flight")
+
+
+def test_sigterm_drains_requests_in_flight_and_exits_zero(api, model_dir, offline, jax_cache):  # noqa: F811
+    url, base, r = api
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    ids = ids_of_dir(model_dir, "the quick brown fox")
+    ref = offline_greedy(offline, ids, MAX_TOKENS, ignore_eos=True)
+    worker = start_worker(model_dir, url, "drain-w", env=jax_cache_env(jax_cache))
+    try:
+        wait_until(lambda: httpx.get(base + "/ready").status_code == 200, 120)
+        stream, request_id, first = _catch_in_flight(r, worker, client, model_dir.name, ids)
+        worker.send_signal(signal.SIGTERM)  # delivered when it wakes, with the request in flight
+        os.kill(worker.pid, signal.SIGCONT)
+        text, reason = _drain(stream)
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)
+            stop(worker)
+    assert (first + text, reason) == (ref.text, "length")
+    assert r.xlen(contract.REQUESTS) == 0
+    assert not r.exists(contract.worker_key("drain-w"))
+
+
+def test_sigkilled_worker_request_is_resumed_by_another(api, model_dir, offline, jax_cache):  # noqa: F811
+    url, base, r = api
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    ids = ids_of_dir(model_dir, "the answer is forty two")
+    ref = offline_greedy(offline, ids, MAX_TOKENS, ignore_eos=True)
+    doomed = start_worker(model_dir, url, "doomed-w", env=jax_cache_env(jax_cache))
+    rescuer = None
+    try:
+        wait_until(lambda: httpx.get(base + "/ready").status_code == 200, 120)
+        stream, request_id, first = _catch_in_flight(r, doomed, client, model_dir.name, ids)
+        emitted = sum(len(OutputDelta.decode(f).token_ids) for _, f in r.xrange(contract.out_stream(request_id)))
+        os.kill(doomed.pid, signal.SIGKILL)
+        assert doomed.wait(timeout=30) == -signal.SIGKILL
+        assert 0 < emitted < MAX_TOKENS
+        assert r.xlen(contract.REQUESTS) == 1  # still pending on the dead consumer
+        rescuer = start_worker(model_dir, url, "rescuer-w", env=jax_cache_env(jax_cache))
+        with ThreadPoolExecutor(1) as pool:
+            text, reason = pool.submit(_drain, stream).result(timeout=180)
+    finally:
+        if doomed.poll() is None:
+            doomed.kill()
+        if rescuer is not None:
+            assert stop(rescuer) == 0
+    assert (first + text, reason) == (ref.text, "length")
+    seqs = [OutputDelta.decode(f).seq for _, f in r.xrange(contract.out_stream(request_id))]
+    assert seqs == list(range(len(seqs)))  # numbering continued where the dead worker stopped
+    [event] = [RequestEvent.decode(f) for _, f in r.xrange(contract.EVENTS) if RequestEvent.decode(f).id == request_id]
+    assert event.worker == "rescuer-w" and event.output_tokens == MAX_TOKENS
+    assert r.xlen(contract.REQUESTS) == 0

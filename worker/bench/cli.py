@@ -1,0 +1,125 @@
+"""`redjax bench offline|serve ...`: parse the mode's flags, run it, print the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from worker.cli import _engine_flags, _engine_overrides, resolve_model
+
+
+def run(mode: str, argv: list[str]) -> int:
+    return {"offline": offline, "serve": serve}[mode](argv)
+
+
+def offline_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="redjax bench offline", description="engine throughput on random prompts")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="local Hugging Face model directory")
+    src.add_argument("--dummy", metavar="PRESET", help="random weights of a preset shape (llama-100m, llama3.2-1b, ...)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", choices=["hf"], help="also run transformers generate on the same weights and prompts")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
+    _engine_flags(p)
+    return p
+
+
+def offline(argv: list[str]) -> int:
+    args = offline_parser().parse_args(argv)
+    from worker.bench.offline import Workload, bench_offline
+
+    work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed)
+    model = resolve_model(args.model) if args.model else None
+    report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf", args.hf_batch_size)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    r = report
+    print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}): {r['num_prompts']} prompts x "
+          f"{r['input_len']} in / {r['output_len']} out")
+    print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
+          f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
+          f"{r['compiles_during_run']} compiles during the run)")
+    print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
+    if "decode_step_ms" in r:
+        print(f"  decode: {r['decode_step_ms']:.2f} ms/step at batch {r['decode_mean_batch']:.1f} (ideal "
+              f"{r['decode_ideal_step_ms']:.2f} ms): roofline {r['decode_roofline_fraction']:.1%}, "
+              f"host {r['decode_host_fraction']:.1%} of step time")
+    if "prefill_token_us" in r:
+        print(f"  prefill: {r['prefill_token_us']:.1f} us/token (ideal {r['prefill_ideal_token_us']:.1f} us): "
+              f"roofline {r['prefill_roofline_fraction']:.1%}, host {r['prefill_host_fraction']:.1%}")
+    if "ratio" in r:
+        print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio "
+              f"{r['ratio']:.2f}x (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts)")
+    return 0
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="redjax bench serve", description="load test an OpenAI-compatible endpoint")
+    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
+    p.add_argument("--api-key")
+    p.add_argument("--num-prompts", type=int, default=100)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (default: all at once)")
+    load.add_argument("--concurrency", type=int, help="requests in flight at most")
+    load.add_argument("--sweep", help="comma-separated request rates, one run each")
+    p.add_argument("--input-len", type=int, default=128, help="words per random prompt")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-file", help="one prompt per line (or JSON lines with a 'prompt' field)")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2e)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", help="write the report (a list of reports with --sweep) here")
+    p.add_argument("--plot", help="with --sweep: PNG of latency against load")
+    return p
+
+
+def serve(argv: list[str]) -> int:
+    parser = serve_parser()
+    args = parser.parse_args(argv)
+    from worker.bench.serve import Load, bench_serve, file_prompts, random_prompts
+
+    try:
+        slo = {k: float(v) for k, v in (item.split(":", 1) for item in args.goodput)}
+    except ValueError:
+        parser.error("--goodput takes KEY:MS pairs, e.g. ttft:500 tpot:50")
+    if set(slo) - {"ttft", "tpot", "e2e"}:
+        parser.error("--goodput keys are ttft, tpot and e2e")
+    if args.plot and not args.sweep:
+        parser.error("--plot needs --sweep")
+    prompts = (file_prompts(args.prompts_file, args.num_prompts) if args.prompts_file
+               else random_prompts(args.num_prompts, args.input_len, args.seed))
+    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    reports = []
+    for rate in rates:
+        load = Load(args.num_prompts, rate, args.concurrency, args.output_len, args.seed)
+        reports.append(bench_serve(args.url, args.model, prompts, load, args.api_key, slo))
+        print(_summary(reports[-1]))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(reports if args.sweep else reports[0], f, indent=2)
+    if args.plot:
+        from worker.bench.plot import plot_sweep
+
+        plot_sweep(reports, args.plot)
+    return 0 if all(r["failed"] == 0 for r in reports) else 1
+
+
+def _summary(r: dict) -> str:
+    load = f"concurrency {r['concurrency']}" if r["concurrency"] else f"rate {r['request_rate'] or 'inf'}/s"
+    lines = [f"{load}: {r['completed']}/{r['num_requests']} ok in {r['duration_s']:.2f} s, "
+             f"{r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s, "
+             f"goodput {r['goodput']:.2f} req/s"]
+    for key in ("ttft", "tpot", "itl", "e2e"):
+        d = r[key]
+        lines.append(f"  {key:5s} ms: mean {d['mean_ms']:.1f}  p50 {d['p50_ms']:.1f}  p90 {d['p90_ms']:.1f}  "
+                     f"p99 {d['p99_ms']:.1f}")
+    if r["errors"]:
+        lines.append(f"  errors: {r['errors']}")
+    return "\n".join(lines)
