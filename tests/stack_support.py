@@ -109,3 +109,27 @@ def stop_mid_request(client, worker: subprocess.Popen, request_id: str) -> bool:
         return True
     os.kill(worker.pid, signal.SIGCONT)
     return False
+
+
+def stop_when_in_flight(client, worker: subprocess.Popen, timeout_s: float = 60) -> str | None:
+    """Watch Redis closely for the next request and SIGSTOP `worker` once it has output but is not done.
+
+    Run it in a thread started before the request is sent; returns the request id (worker stopped)
+    or None when the request finished first (worker left running).
+    """
+    from worker import contract
+    from worker.contract import RequestMessage
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        entries = client.xrange(contract.REQUESTS, count=1)
+        if entries:
+            request_id = RequestMessage.decode(entries[0][1]).id
+            break
+    else:
+        raise TimeoutError("no request was enqueued")
+    stream = contract.out_stream(request_id)
+    while client.xlen(stream) == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the request produced no output")
+    return request_id if stop_mid_request(client, worker, request_id) else None

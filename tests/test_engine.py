@@ -317,7 +317,7 @@ def test_seed_fixes_tokens_whatever_the_batch_and_join_step(model, tokenizer, pr
                 engine.add_request("target", prompt, params)
                 added.append("target")
             if k == others_at:
-                assert engine.has_unfinished()
+                assert others_at < join_at or engine.has_unfinished()  # the target is still running
                 for i, (p, sp) in enumerate(others):
                     engine.add_request(f"other{i}", p, sp)
                 added.append("others")

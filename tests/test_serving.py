@@ -18,7 +18,7 @@ import openai
 import pytest
 import redis
 
-from tests.stack_support import (jax_cache_env, make_served_model, start_api, start_worker, stop, stop_mid_request,
+from tests.stack_support import (jax_cache_env, make_served_model, start_api, start_worker, stop, stop_when_in_flight,
                                  wait_until)
 from tests.test_dashboard_live import assert_dashboard_live
 from worker import contract
@@ -196,10 +196,12 @@ def test_closed_stream_is_cancelled_and_frees_its_pages(stack):
     aborted = lambda: int(stack.redis.hget(contract.TOTALS, "finished:abort") or 0)  # noqa: E731
     before = aborted()
     for _ in range(8):  # until the worker is caught with the request half done (it is fast)
-        stream = stack.client.completions.create(model=stack.model, prompt="hello world", max_tokens=240,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
-        request_id = next(iter(stream)).id.removeprefix("cmpl-")
-        if stop_mid_request(stack.redis, stack.worker, request_id):
+        with ThreadPoolExecutor(1) as pool:
+            watcher = pool.submit(stop_when_in_flight, stack.redis, stack.worker)
+            stream = stack.client.completions.create(model=stack.model, prompt="hello world", max_tokens=240,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            request_id = watcher.result(timeout=60)
+        if request_id is not None:
             try:  # the worker sleeps with the request in flight; the client goes away
                 stream.close()
                 # the API withdrew the request: cancel flag set and published while the worker sleeps
