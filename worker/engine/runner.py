@@ -59,18 +59,19 @@ class ModelRunner:
         self.prev_tokens = jnp.zeros((max_rows,), jnp.int32)  # last sampled token per row
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
         self.compiled: set[tuple] = set()  # distinct (shape, flags) variants seen
+        # the graph definition is bound once: hashing it as a static argument on every call costs ms
+        self._step = jax.jit(partial(_step, self.graphdef), static_argnames=("shape", "flags"), donate_argnames=("kv",))
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
         db, shape, flags, rows = build_batch(batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs)
         self.compiled.add((shape, flags))
-        self.kv, out = _step(self.graphdef, self.params, self.kv, db, self.prev_tokens, shape, flags)
+        self.kv, out = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape, flags=flags)
         self.prev_tokens = out.tokens[-1]
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, shape, out)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "shape", "flags"), donate_argnames=("kv",))
 def _step(graphdef, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: StepShape, flags: SamplerFlags):
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
