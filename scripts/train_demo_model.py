@@ -60,7 +60,7 @@ class Settings:
     max_position_embeddings: int = 1024  # the model trains on seq_len windows; longer runs degrade
     seq_len: int = 128  # tokens per training window, BOS included
     batch_size: int = 16
-    steps: int = 3000
+    steps: int = 1800
     lr: float = 3e-3  # peak; cosine decays to lr / 10
     warmup: int = 100
     weight_decay: float = 0.0  # memorizing is the point

@@ -128,8 +128,10 @@ def stop_when_in_flight(client, worker: subprocess.Popen, timeout_s: float = 60)
             break
     else:
         raise TimeoutError("no request was enqueued")
+    from worker.contract import OutputDelta
+
     stream = contract.out_stream(request_id)
-    while client.xlen(stream) == 0:
+    while not any(OutputDelta.decode(f).text for _, f in client.xrange(stream)):  # text: the API answers 200
         if time.monotonic() > deadline:
             raise TimeoutError("the request produced no output")
     return request_id if stop_mid_request(client, worker, request_id) else None

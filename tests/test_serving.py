@@ -198,8 +198,12 @@ def test_closed_stream_is_cancelled_and_frees_its_pages(stack):
     for _ in range(8):  # until the worker is caught with the request half done (it is fast)
         with ThreadPoolExecutor(1) as pool:
             watcher = pool.submit(stop_when_in_flight, stack.redis, stack.worker)
-            stream = stack.client.completions.create(model=stack.model, prompt="hello world", max_tokens=240,
-                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            try:
+                stream = stack.client.completions.create(model=stack.model, prompt="the quick brown fox", max_tokens=200,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+            except BaseException:
+                os.kill(stack.worker.pid, signal.SIGCONT)
+                raise
             request_id = watcher.result(timeout=60)
         if request_id is not None:
             try:  # the worker sleeps with the request in flight; the client goes away
