@@ -111,7 +111,10 @@ def encode_corpus(tok: Tokenizer, paragraphs: list[str]) -> tuple[np.ndarray, np
 
 
 def batches(ids: np.ndarray, starts: np.ndarray, s: Settings, bos_id: int):
-    """Endless (tokens i32[B, seq_len+1], mask f32[B, seq_len]) batches; each epoch visits every paragraph start once."""
+    """Endless (tokens i32[B, seq_len+1], mask f32[B, seq_len]) batches.
+
+    Each window is BOS + the tokens from a paragraph start; an epoch visits every paragraph start once.
+    """
     rng = np.random.default_rng(s.seed)
     stream = np.concatenate([ids, np.zeros(s.seq_len, np.int32)])  # room for the last windows
     order: list[int] = []
@@ -234,7 +237,7 @@ def check(model: LlamaForCausalLM, tok: Tokenizer, corpus: Path, eos_id: int) ->
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory (Hugging Face layout)")
-    parser.add_argument("--corpus", type=Path, default=CORPUS_PATH, help="plain text, paragraphs separated by blank lines")
+    parser.add_argument("--corpus", type=Path, default=CORPUS_PATH, help="plain text, blank lines between paragraphs")
     parser.add_argument("--tiny", action="store_true", help="a toy size that trains in seconds (for tests)")
     parser.add_argument("--steps", type=int, help="optimizer steps (default: the setting's)")
     parser.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,9 @@ import pytest
 from worker.demo_model import CORPUS_PATH, DEMO_MODEL_DIR, demo_passages, read_paragraphs
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+SHIPPED_FILES = (
+    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+)
 
 
 def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> str:

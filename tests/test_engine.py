@@ -12,7 +12,12 @@ Engines share two KV shapes (ROOMY, TIGHT) and max_num_seqs 8 so few step varian
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +43,7 @@ GEN = 16  # new tokens per prompt in the greedy runs
 ROOMY = dict(max_num_seqs=8, page_size=8, num_pages=64, max_num_batched_tokens=256)
 TIGHT = dict(max_num_seqs=8, page_size=4, num_pages=20, max_num_batched_tokens=16)  # 19 usable pages: 76 tokens
 SIZES = {"roomy": ROOMY, "tight": TIGHT}
+SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=12, ignore_eos=True)  # one sampler variant
 
 
 # ---- checkpoints ----
@@ -144,23 +150,28 @@ def make_engine(model, tokenizer, sizes: dict, **overrides) -> LLMEngine:
     return LLMEngine(model, tokenizer, EngineConfig(**{**sizes, **overrides}))
 
 
-def drain(engine: LLMEngine, before_step=None) -> dict[tuple[str, int], Choice]:
+def collect(results: dict[tuple[str, int], Choice], outputs) -> None:
+    """Fold RequestOutputs (deltas) into per-choice totals."""
+    for out in outputs:
+        choice = results.setdefault((out.request_id, out.index), Choice())
+        assert choice.finish_reason is None, f"{out.request_id}/{out.index}: output after it finished"
+        choice.token_ids += out.token_ids
+        choice.deltas.append(out.text)
+        choice.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            assert choice.prompt_logprobs is None, "prompt logprobs sent twice"
+            choice.prompt_logprobs = out.prompt_logprobs
+        choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+
+
+def drain(engine: LLMEngine, before_step=None, results=None) -> dict[tuple[str, int], Choice]:
     """Step until idle; `before_step(k)` runs before step k (to add or abort requests)."""
-    results: dict[tuple[str, int], Choice] = {}
+    results = {} if results is None else results
     k = 0
     while engine.has_unfinished() or (before_step and k == 0):
         if before_step:
             before_step(k)
-        for out in engine.step():
-            choice = results.setdefault((out.request_id, out.index), Choice())
-            assert choice.finish_reason is None, f"{out.request_id}/{out.index}: output after it finished"
-            choice.token_ids += out.token_ids
-            choice.deltas.append(out.text)
-            choice.logprobs += out.logprobs or []
-            if out.prompt_logprobs is not None:
-                assert choice.prompt_logprobs is None, "prompt logprobs sent twice"
-                choice.prompt_logprobs = out.prompt_logprobs
-            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        collect(results, engine.step())
         k += 1
         assert k < 3000, "engine does not finish"
     return results
@@ -285,26 +296,21 @@ def test_sampled_token_logprobs_equal_the_plain_forward(model, tokenizer, hf, pr
 # ---- 3. seeded sampling ----
 
 def random_requests(rng: np.random.Generator, count: int, vocab: int) -> list[tuple[list[int], SamplingParams]]:
-    """Unrelated traffic with every sampling feature in play."""
+    """Unrelated traffic: greedy and sampled rows, other seeds, lengths, cuts, n = 2. (Penalties and
+    logit bias change the compiled variant, not the row's draw: tests/test_sampler.py checks that.)"""
     out = []
     for i in range(count):
-        kind = i % 5
-        params = dict(max_tokens=int(rng.integers(3, 14)), seed=int(rng.integers(0, 2**31)), ignore_eos=True,
-                      temperature=[0.0, 0.7, 1.3, 1.0, 0.9][kind])
-        if kind == 1:
-            params.update(top_k=int(rng.integers(1, 40)), top_p=0.9)
-        if kind == 2:
-            params.update(min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3)
-        if kind == 3:
-            params.update(repetition_penalty=1.2, logit_bias=((5, 3.0), (7, -2.0)))
-        if kind == 4:
-            params.update(n=2, logprobs=2)
-        out.append((rng.integers(1, vocab, int(rng.integers(1, 30))).tolist(), SamplingParams(**params)))
+        params = dataclasses.replace(
+            SAMPLED, max_tokens=int(rng.integers(3, 14)), seed=int(rng.integers(0, 2**31)),
+            temperature=[0.0, 0.7, 1.3, 1.0, 0.9][i % 5], top_k=int(rng.integers(0, 60)),
+            top_p=float(rng.uniform(0.5, 1.0)), min_p=[0.0, 0.05][i % 2], n=1 + (i % 4 == 3),
+        )
+        out.append((rng.integers(1, vocab, int(rng.integers(1, 9))).tolist(), params))  # short: few shapes
     return out
 
 
 def test_seed_fixes_tokens_whatever_the_batch_and_join_step(model, tokenizer, prompts):
-    target = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    target = dataclasses.replace(SAMPLED, seed=1234)
     prompt = prompts[4]
     others = random_requests(np.random.default_rng(5), 5, len(tokenizer))
 
@@ -334,7 +340,7 @@ def test_seed_fixes_tokens_whatever_the_batch_and_join_step(model, tokenizer, pr
     tight, engine = run(TIGHT, 1, 0)  # chunked prefill, preemption and recompute around it
     assert engine.scheduler.num_preemptions > 0
     assert tight == alone
-    other_seed = run(ROOMY, 0, None, SamplingParams(**{**target.to_dict(), "seed": 4321}))[0]
+    other_seed = run(ROOMY, 0, None, dataclasses.replace(target, seed=4321))[0]
     assert other_seed != alone
 
 
@@ -358,7 +364,7 @@ def test_n_choices_share_prompt_pages_and_differ(model, tokenizer, prompts):
     engine = make_engine(model, tokenizer, ROOMY)
     free = engine.allocator.num_free_pages
     prompt = prompts[6]  # 30 tokens: 3 full pages of 8, then 6 tokens
-    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=8, ignore_eos=True))
+    engine.add_request("n4", prompt, dataclasses.replace(SAMPLED, n=4, seed=9, max_tokens=8))
     shared = []
 
     def before_step(k):
@@ -466,17 +472,19 @@ def test_text_deltas_never_split_a_character(cycle_ckpt, tokenizer, decode_steps
 def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts):
     engine = make_engine(model, tokenizer, TIGHT, async_overlap=True)
     free = engine.allocator.num_free_pages
-    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    sampled = dataclasses.replace(SAMPLED, seed=3)
     for i, p in enumerate(prompts[2:]):
         engine.add_request(f"r{i}", p, sampled)
-    engine.add_request("pair", prompts[3], SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=12, ignore_eos=True))
+    engine.add_request("pair", prompts[3], dataclasses.replace(SAMPLED, n=2, seed=4))
     aborted: dict[str, str] = {}  # request -> what it was doing
+    results: dict[tuple[str, int], Choice] = {}
 
     def abort(rid, doing):
         seqs = engine._groups[rid].sequences
         outputs = engine.abort(rid)
         assert [o.finish_reason for o in outputs] == ["abort"] * len(seqs)
-        assert sum(o.request_finished for o in outputs) == 1
+        assert sum(o.request_finished for o in outputs) == 1  # the request ends once, with its last choice
+        collect(results, outputs)
         aborted[rid] = doing
 
     def before_step(k):
@@ -494,7 +502,7 @@ def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts):
         if k >= 3 and "waiting" not in aborted.values() and waiting:
             abort(waiting[-1].request_id, "waiting")
 
-    results = drain(engine, before_step)
+    drain(engine, before_step, results)
     assert sorted(aborted.values()) == ["decode", "pair", "prefill", "waiting"]
     assert engine.scheduler.num_preemptions > 0
     for rid in aborted:
@@ -507,24 +515,67 @@ def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts):
 
 def test_llm_generate_returns_everything_in_prompt_order(random_ckpt, tokenizer, hf):
     path, _ = random_ckpt
-    llm = LLM(model=str(path), **TIGHT)
+    llm = LLM(model=str(path), **ROOMY)
     texts = [
-        "The café serves crème brûlée to a naïve guest, again and again and again.",  # long: finishes last
+        "The café serves crème brûlée to a naïve guest, again and again and again.",
         "hello",
         "the lazy dog",
         "numbers 0123",
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
+    # the engine's own tokenizer encodes: for a qwen2 checkpoint transformers loads Qwen2Tokenizer,
+    # whose pre-tokenizer (digits one by one) replaces the one saved in tokenizer.json
+    ids = [llm.tokenizer(t).input_ids for t in texts]
+    refs = [hf_greedy(hf, p, 8) for p in ids]
+    stop_id = refs[-1][2]  # the last prompt stops after 3 tokens: prompts finish out of order
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True, stop_token_ids=(stop_id,))
+    finished: list[str] = []
+    step = llm.engine.step
+
+    def spy():
+        outputs = step()
+        finished.extend(o.request_id for o in outputs if o.request_finished)
+        return outputs
+
+    llm.engine.step = spy
     results = llm.generate(texts, params)
+    assert finished != sorted(finished, key=lambda rid: int(rid.rsplit("-", 1)[1]))  # not in prompt order
     assert [r.prompt for r in results] == texts
-    for text, result in zip(texts, results):
-        ids = tokenizer(text).input_ids
-        assert result.prompt_token_ids == ids
+    for text, result, prompt, ref in zip(texts, results, ids, refs):
+        assert result.prompt_token_ids == prompt
         (out,) = result.outputs
-        assert out.token_ids == hf_greedy(hf, ids, 8), text
-        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        assert out.finish_reason == "length"
-        assert [lp["token_id"] for lp in out.logprobs] == out.token_ids and all(len(lp["top"]) == 2 for lp in out.logprobs)
-        assert all(lp["top"][0][0] == t for lp, t in zip(out.logprobs, out.token_ids))  # greedy: the top choice
-    again = llm.generate([ids for ids in (r.prompt_token_ids for r in results)], params)
+        expected = ref[: ref.index(stop_id) + 1] if stop_id in ref else ref
+        assert out.token_ids == expected, text
+        assert out.finish_reason == ("stop" if stop_id in ref else "length")
+        text_ids = expected[:-1] if out.finish_reason == "stop" else expected  # a stop token adds no text
+        assert out.text == tokenizer.decode(text_ids, skip_special_tokens=True)
+        assert [lp["token_id"] for lp in out.logprobs] == out.token_ids
+        assert all(len(lp["top"]) == 2 and lp["top"][0][0] == lp["token_id"] for lp in out.logprobs)  # greedy: top
+    again = llm.generate([r.prompt_token_ids for r in results], params)
     assert [r.outputs[0].token_ids for r in again] == [r.outputs[0].token_ids for r in results]
+
+
+SEED_PROBE = """
+import sys
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+engine = LLMEngine.from_path(sys.argv[1], EngineConfig(max_num_seqs=8, num_pages=8, seed=7))
+engine.add_request("offline-0", [1, 2, 3], SamplingParams())
+print(engine._groups["offline-0"].params.seed)
+"""
+
+
+def test_unseeded_offline_sampling_is_reproducible(random_ckpt):
+    """Requests without a seed get one from (EngineConfig.seed, request id): the same in every run
+    and every process; another engine seed gives other samples."""
+    path, _ = random_ckpt
+    texts = ["hello", "the lazy dog"]
+    params = dataclasses.replace(SAMPLED, max_tokens=6)  # no seed
+    runs = [LLM(model=str(path), **ROOMY, seed=s).generate(texts, params) for s in (0, 0, 1)]
+    tokens = [[r.outputs[0].token_ids for r in run] for run in runs]
+    assert tokens[0] == tokens[1] and tokens[0] != tokens[2]
+    probes = [subprocess.Popen([sys.executable, "-c", SEED_PROBE, str(path)], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parents[1],
+                               env={**os.environ, "PYTHONHASHSEED": str(h), "JAX_PLATFORMS": "cpu"}) for h in (1, 2)]
+    seeds = [p.communicate(timeout=120)[0].strip() for p in probes]
+    assert all(p.returncode == 0 for p in probes) and seeds[0] == seeds[1] != ""

@@ -110,7 +110,8 @@ def test_paged_forward_with_chunks_and_decodes_equals_plain_forward():
     tables = np.zeros((2, width), np.int32)
     tables[0], tables[1] = order[:width], order[width : 2 * width]
     shape = (num_pages, PAGE, CFG.num_kv_heads, CFG.head_dim)
-    kv = (tuple(jnp.zeros(shape) for _ in range(CFG.num_layers)), tuple(jnp.zeros(shape) for _ in range(CFG.num_layers)))
+    zeros = lambda: tuple(jnp.zeros(shape) for _ in range(CFG.num_layers))  # noqa: E731
+    kv = (zeros(), zeros())  # (keys, values), per layer
     # prefill in uneven chunks (the second one starts mid-page), then 6 greedy decodes each
     chunks = [[(0, 6), (0, 3)], [(6, 13), (3, 11)], [(13, 19), None]]
     decodes = 6

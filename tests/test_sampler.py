@@ -221,3 +221,21 @@ def test_draws_depend_on_seed_choice_and_position_only():
     t = tensors(3, seed=[5, 9, 5], out_pos=[17, 17, 40], choice=[0, 0, 0])
     mixed = np.asarray(sample(jnp.asarray(np.zeros((3, 64), np.float32)), t, flags)[0])
     assert mixed[0] == base[17] and mixed[2] == base[40]
+
+
+def test_a_rows_draw_ignores_what_its_neighbours_ask_for():
+    """Penalties, bias, top-k/top-p and greedy rows beside it (a different compiled variant) leave a
+    plain sampled row's draw unchanged."""
+    logits = np.repeat(random_logits(1, 32, seed=8), 4, axis=0)  # one distribution; only row settings differ
+    alone = int(sample(jnp.asarray(logits[:1]), tensors(1, seed=[21], out_pos=[3], temperature=[0.8]),
+                       SamplerFlags(all_greedy=False))[0][0])
+    busy = tensors(
+        4, seed=[21] * 4, out_pos=[3] * 4, temperature=[0.8, 0.8, 0.0, 0.8], top_k=[0, 3, 0, 0],
+        top_p=[1.0, 1.0, 0.5, 1.0], presence=[0, 0, 1.0, 0], repetition=[1, 1.5, 1, 1],
+        output_ids=[[-1, -1], [4, 4], [9, -1], [-1, -1]], prompt_ids=[[-1], [2], [-1], [-1]],
+        bias_ids=[[0], [7], [0], [0]], bias_vals=[[0.0], [5.0], [0.0], [0.0]],
+    )
+    flags = SamplerFlags(all_greedy=False, needs_sort=True, penalties=True, bias=True, logprobs=True, num_logprobs=3)
+    tokens = np.asarray(sample(jnp.asarray(logits), busy, flags)[0])
+    assert tokens[0] == alone and tokens[3] == alone
+    assert tokens[2] == logits[2].argmax()

@@ -150,6 +150,11 @@ def cmd_worker(args) -> int:
         overrides["model_dir"] = resolve_model(None)
     config = WorkerConfig.from_env(overrides)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.compile_cache_dir:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     engine = LLMEngine.from_path(config.model_dir, config.engine)
     client = redis.Redis.from_url(config.redis_url)
     return Worker(config, engine, client).run()

@@ -30,25 +30,26 @@ def first_sentence(text: str) -> str:
     return text[: match.end()] if match else text
 
 
-def demo_passages(k: int, path: str | Path = CORPUS_PATH) -> list[tuple[str, str]]:
+def demo_passages(k: int, path: str | Path = CORPUS_PATH, max_words: int = 50) -> list[tuple[str, str]]:
     """k (prompt, expected continuation) pairs from chapter openings spread over the corpus.
 
     The prompt is the first sentence of a chapter; the expected continuation is the exact
     corpus text after it up to the end of the next sentence, including the whitespace or
-    paragraph break that separates them. Greedy decoding of the prompt (preceded by the BOS
-    token) should reproduce the continuation.
+    paragraph break that separates them. Chapters whose second sentence is longer than
+    `max_words` words are left out. Greedy decoding of the prompt (preceded by the BOS token)
+    should reproduce the continuation.
     """
     text = Path(path).read_text(encoding="utf-8")
     paragraphs = read_paragraphs(path)
-    openings = [paragraphs[i + 1] for i, p in enumerate(paragraphs[:-1]) if _CHAPTER.match(p)]
-    if not 0 < k <= len(openings):
-        raise ValueError(f"k must be in 1..{len(openings)}, got {k}")
-    picks = [openings[round(i * (len(openings) - 1) / max(k - 1, 1))] for i in range(k)]
-    passages = []
-    for opening in picks:
-        prompt = first_sentence(opening)
-        start = text.index(opening) + len(prompt)
-        rest = text[start:]
-        gap = len(rest) - len(rest.lstrip())
-        passages.append((prompt, rest[:gap] + first_sentence(rest[gap:])))
-    return passages
+    candidates = []
+    for i, heading in enumerate(paragraphs[:-1]):
+        if _CHAPTER.match(heading):
+            prompt = first_sentence(paragraphs[i + 1])
+            rest = text[text.index(paragraphs[i + 1]) + len(prompt) :]
+            gap = len(rest) - len(rest.lstrip())
+            expected = rest[:gap] + first_sentence(rest[gap:])
+            if len(expected.split()) <= max_words:
+                candidates.append((prompt, expected))
+    if not 0 < k <= len(candidates):
+        raise ValueError(f"k must be in 1..{len(candidates)}, got {k}")
+    return [candidates[round(i * (len(candidates) - 1) / max(k - 1, 1))] for i in range(k)]

@@ -58,13 +58,18 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
 
 
-def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int):
-    """-> (DeviceBatch, StepShape, SamplerFlags, rows: the chunk of each real row in order)."""
+def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int,
+                fused_steps: int = 1):
+    """-> (DeviceBatch, StepShape, SamplerFlags, rows: the chunk of each real row in order).
+
+    A fused batch always runs `fused_steps` steps (rows with fewer stop writing after their own
+    count), so fusion adds one compiled variant per shape, not one per step count.
+    """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
     sd, sp = bucket(len(decode)), bucket(len(prefill))
     qp = bucket(max((c.num_tokens for c in prefill), default=0), MIN_PREFILL_LEN) if prefill else 0
-    steps = batch.num_steps if batch.is_pure_decode else 1
+    steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
     pages = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
     want_prompt = any(c.seq.params.prompt_logprobs is not None for c in prefill + decode)
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows)

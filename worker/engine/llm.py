@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -34,6 +35,7 @@ class LLM:
     def __init__(self, model: str, config: EngineConfig | None = None, **engine_args: Any):
         self.engine = LLMEngine.from_path(model, config or EngineConfig(**engine_args))
         self.tokenizer = self.engine.tokenizer
+        self._request_ids = itertools.count()
 
     def generate(
         self,
@@ -50,9 +52,9 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         results: dict[str, GenerationResult] = {}
         order = []
-        for i, prompt in enumerate(prompts):
+        for prompt in prompts:
             ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-            rid = f"offline-{id(self)}-{i}"
+            rid = f"offline-{next(self._request_ids)}"  # same ids, so same default seeds, in every run
             outs = [Completion(index=k, logprobs=[] if params.logprobs is not None else None) for k in range(params.n)]
             results[rid] = GenerationResult(prompt if isinstance(prompt, str) else None, ids, outs)
             order.append(rid)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,8 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, dtype, kv_sharding(mesh) if mesh else None)
-        self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs)
+        self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
+                                  config.decode_steps)
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}
@@ -104,8 +106,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids outside the vocabulary: {bad[:5]}")
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the model allows {self.max_model_len}")
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=hash((self.config.seed, request_id)) & 0x7FFFFFFF)
+        if params.seed is None:  # from (engine seed, request id) alone: hash() of a str differs per process
+            seed = zlib.crc32(f"{self.config.seed}:{request_id}".encode()) & 0x7FFFFFFF
+            params = dataclasses.replace(params, seed=seed)
         first = next(self._seq_ids)
         for _ in range(params.n - 1):
             next(self._seq_ids)
@@ -131,6 +134,7 @@ class LLMEngine:
             track.stops.add(track.detok.add(tokens) if tokens else "")
             if finished and seq.index in finished:
                 self.scheduler.finish(seq, finished[seq.index])
+                del self._tracks[seq.seq_id]  # its end was reported by the worker that ran it
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Stop a request now: its pages are free when this returns."""
@@ -176,10 +180,11 @@ class LLMEngine:
         return outputs
 
     def _decode_steps(self) -> int:
-        """Fuse decode steps only when no request needs host-side per-token data on device."""
+        """Fuse decode steps only when no request needs host-side per-token data on device.
+        Waiting ones count too: one admitted with a single token left joins as a decode."""
         if self.config.decode_steps == 1:
             return 1
-        for seq in self.scheduler.running:
+        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             p = seq.params
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                 return 1
@@ -257,11 +262,11 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, track: _Track, ids: list[int], text: str, logprobs) -> RequestOutput:
         prompt_lps = self._take_prompt_logprobs(seq, track)
-        done = seq.group.is_finished
-        if done:
+        if seq.is_finished:  # its last output: choices finished together (abort) each still get theirs
+            self._tracks.pop(seq.seq_id, None)
+        done = seq.group.is_finished and not any(s.seq_id in self._tracks for s in seq.group.sequences)
+        if done:  # the request's last output says so, once
             self._groups.pop(seq.request_id, None)
-            for s in seq.group.sequences:
-                self._tracks.pop(s.seq_id, None)
         return RequestOutput(
             request_id=seq.request_id, index=seq.index, token_ids=ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,

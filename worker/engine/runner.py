@@ -12,7 +12,7 @@ sampled tokens through `src`; the host never waits for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -49,27 +49,36 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int):
+    def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1):
         self.graphdef, self.params = nnx.split(model)
         self.cfg = model.cfg
         self.kv = kv
         self.page_size = page_size
         self.max_rows = max_rows  # sampled rows of any step fit here (fixed: no recompiles)
         self.max_logprobs = max_logprobs
+        self.fused_steps = fused_steps  # steps of every fused decode call (EngineConfig.decode_steps)
         self.prev_tokens = jnp.zeros((max_rows,), jnp.int32)  # last sampled token per row
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
         self.compiled: set[tuple] = set()  # distinct (shape, flags) variants seen
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
-        self._step = jax.jit(partial(_step, self.graphdef), static_argnames=("shape", "flags"), donate_argnames=("kv",))
+        self._step = _jitted_step(self.graphdef)
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
-        db, shape, flags, rows = build_batch(batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs)
+        db, shape, flags, rows = build_batch(batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs,
+                                             self.fused_steps)
         self.compiled.add((shape, flags))
         self.kv, out = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape, flags=flags)
         self.prev_tokens = out.tokens[-1]
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, shape, out)
+
+
+@lru_cache(maxsize=8)
+def _jitted_step(graphdef):
+    """The jitted step of one model structure, shared by every runner of it (so are its compiled
+    variants: a new engine on the same model compiles nothing again)."""
+    return jax.jit(partial(_step, graphdef), static_argnames=("shape", "flags"), donate_argnames=("kv",))
 
 
 def _step(graphdef, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: StepShape, flags: SamplerFlags):

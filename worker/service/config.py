@@ -18,6 +18,7 @@ ENV_NAMES = {
     "name": "REDJAX_WORKER_NAME",
     "drain_timeout_s": "REDJAX_DRAIN_TIMEOUT_S",
     "log_level": "REDJAX_LOG_LEVEL",
+    "compile_cache_dir": "REDJAX_COMPILE_CACHE_DIR",
 }
 ENGINE_ENV_PREFIX = "REDJAX_"  # each EngineConfig field: REDJAX_<FIELD> (e.g. REDJAX_MAX_NUM_SEQS)
 
@@ -32,6 +33,8 @@ class WorkerConfig:
     flush_interval_s: float = 0.004  # output deltas of one request within this window share one entry
     claim_interval_s: float = 2.0  # how often to look for requests left by dead workers
     log_level: str = "info"
+    # persistent XLA compilation cache, so a restarted worker skips compiling its step shapes; "" disables
+    compile_cache_dir: str = str(Path.home() / ".cache" / "redjax" / "xla")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
