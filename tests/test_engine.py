@@ -464,7 +464,8 @@ def test_text_deltas_never_split_a_character(cycle_ckpt, tokenizer, decode_steps
         assert got.token_ids == cycle_tokens(cycle, start + 1, count[start])
         assert got.text == completion_text(tokenizer, cycle[: start + 1], got.token_ids)
         assert not any("\ufffd" in d for d in got.deltas), got.deltas
-        assert sum(1 for d in got.deltas if d) > 10  # streamed in pieces, not at the end
+        # streamed in pieces, not at the end (a fused call decodes its tokens' text at once)
+        assert sum(1 for d in got.deltas if d) > (10 if decode_steps == 1 else 3)
 
 
 # ---- 5. pages come back after finishing and aborting ----
@@ -492,7 +493,7 @@ def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts):
         if k == 1:
             prefilling = [s for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens]
             abort(prefilling[-1].request_id, "prefill")
-        in_flight = [s for s in sched.running if s.num_placeholders and s.request_id not in aborted]
+        in_flight = [s for s in sched.running if s.num_in_flight and s.request_id not in aborted]
         if k >= 3 and "decode" not in aborted.values() and in_flight:
             abort(in_flight[0].request_id, "decode")
         pair = engine._groups.get("pair")

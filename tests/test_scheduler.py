@@ -15,7 +15,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
-from worker.engine.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
+from worker.engine.sequence import IN_FLIGHT, Sequence, SequenceGroup, SequenceStatus
 
 EOS_MOD = 97  # a sampled token divisible by this is EOS unless ignore_eos
 
@@ -35,7 +35,7 @@ class FakeDevice:
     def token_at(self, seq: Sequence, position: int) -> int:
         if position < seq.num_tokens:
             token = seq.token_range(position, position + 1)[0]
-            if token != PLACEHOLDER:
+            if token != IN_FLIGHT:
                 return token
         return sampled(seq, position)
 
@@ -86,15 +86,15 @@ def check_batch(sched: Scheduler, batch: ScheduledBatch) -> None:
 
 
 def read_back(sched: Scheduler, results: list[tuple[Sequence, list[int]]]) -> None:
-    """The engine's postprocess: resolve placeholders, finish on EOS or limits."""
+    """The engine's postprocess: resolve in-flight tokens, finish on EOS or limits."""
     for seq, tokens in results:
         if not tokens:  # prompt logprobs would be published here
             sched.finish(seq, "length")
         for token in tokens:
             if seq.is_finished:
                 break  # late results of a finished sequence are dropped
-            seq.resolve_placeholder(token)
-            known_out = seq.num_output_tokens - seq.num_placeholders
+            seq.resolve_in_flight(token)
+            known_out = seq.num_output_tokens - seq.num_in_flight
             if token % EOS_MOD == 0 and not seq.params.ignore_eos:
                 sched.finish(seq, "stop", token)
             elif (seq.params.max_tokens is not None and known_out >= seq.params.max_tokens) or (
@@ -161,7 +161,7 @@ def test_chunked_prefill_respects_token_budget():
         (long, 32, 8, True), (short, 0, 3, True)]
     assert not batch.is_pure_decode and batch.num_tokens == 11
     sched.advance(batch)
-    assert short.output_token_ids == [PLACEHOLDER] and short.num_placeholders == 1
+    assert short.output_token_ids == [IN_FLIGHT] and short.num_in_flight == 1
     batch = sched.schedule()
     assert batch.is_pure_decode and [(c.start, c.num_tokens) for c in batch.chunks] == [(40, 1), (3, 1)]
 
@@ -210,21 +210,21 @@ def test_preempted_sequence_goes_to_front_and_keeps_outputs():
     assert [c.seq for c in batch.chunks] == [old]
 
 
-def test_preemption_waits_for_placeholders():
+def test_preemption_waits_for_in_flight_tokens():
     """A victim with tokens in flight is not preempted; the needy one sits the step out."""
     sched, new = make(num_pages=5, page_size=2, max_num_seqs=2, max_tokens=8), Requests()
     old = new(sched, [1, 2, 3], max_tokens=6, ignore_eos=True).sequences[0]
     young = new(sched, [4, 5, 6], max_tokens=6, ignore_eos=True).sequences[0]
     batch = sched.schedule()
-    sched.advance(batch)  # both have a placeholder in flight; 4 pages used, 0 free
+    sched.advance(batch)  # both have an in-flight token; 4 pages used, 0 free
     batch = sched.schedule()  # both decode position 3 (pages 2 hold it): no new pages needed
     sched.advance(batch)
-    assert sched.allocator.num_free_pages == 0 and young.num_placeholders == 2
-    batch = sched.schedule()  # old needs a page for position 4; young has placeholders
+    assert sched.allocator.num_free_pages == 0 and young.num_in_flight == 2
+    batch = sched.schedule()  # old needs a page for position 4; young has in-flight tokens
     assert batch is None and sched.num_preemptions == 0
     for seq in (old, young):
-        while seq.num_placeholders:
-            seq.resolve_placeholder(9)
+        while seq.num_in_flight:
+            seq.resolve_in_flight(9)
     batch = sched.schedule()
     assert sched.num_preemptions == 1 and young.status == SequenceStatus.WAITING
     assert [c.seq for c in batch.chunks] == [old]
@@ -281,14 +281,14 @@ def test_abort_frees_pages_of_waiting_and_running():
     assert sched.allocator.num_free_pages == 8
 
 
-def test_finish_drops_placeholders_in_flight():
+def test_finish_drops_tokens_in_flight():
     sched, new = make(), Requests()
     seq = new(sched, [1, 2, 3], max_tokens=8).sequences[0]
     for _ in range(3):
         sched.advance(sched.schedule())
-    seq.resolve_placeholder(11)
+    seq.resolve_in_flight(11)
     sched.finish(seq, "stop", 11)
-    assert seq.output_token_ids == [11] and seq.num_placeholders == 0
+    assert seq.output_token_ids == [11] and seq.num_in_flight == 0
     assert seq.stop_reason == 11 and sched.allocator.num_free_pages == 63
     sched.finish(seq, "length")  # idempotent
     assert seq.finish_reason == "stop"
@@ -376,12 +376,12 @@ def test_fused_decode_steps_only_when_pure_decode():
     batch = sched.schedule(4)
     assert batch.is_pure_decode and [c.num_steps for c in batch.chunks] == [4, 4]
     sched.advance(batch)
-    assert seqs[0].num_placeholders == 5 and seqs[0].num_computed_tokens == 7
+    assert seqs[0].num_in_flight == 5 and seqs[0].num_computed_tokens == 7
     assert len(seqs[0].page_table) * 4 >= 7
     new(sched, [5, 5], max_tokens=1)
     for seq in seqs:
-        while seq.num_placeholders:
-            seq.resolve_placeholder(3)
+        while seq.num_in_flight:
+            seq.resolve_in_flight(3)
     batch = sched.schedule(4)
     assert batch.num_steps == 1 and not batch.is_pure_decode
     sched.advance(batch)
@@ -424,7 +424,7 @@ def test_randomized_stress_no_starvation():
         assert len(groups) >= 10
         for g in groups:
             for seq in g.sequences:
-                assert seq.is_finished and seq.num_placeholders == 0 and PLACEHOLDER not in seq.output_token_ids
+                assert seq.is_finished and seq.num_in_flight == 0 and IN_FLIGHT not in seq.output_token_ids
                 assert seq.num_tokens <= sched.max_model_len
                 if g.request_id in aborted and seq.finish_reason == "abort":
                     continue

@@ -9,7 +9,7 @@ import numpy as np
 
 from worker.engine.sampler import SamplerFlags, SamplingTensors
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
-from worker.engine.sequence import PLACEHOLDER
+from worker.engine.sequence import IN_FLIGHT
 
 MIN_PREFILL_LEN = 8
 MIN_PAGES = 4
@@ -41,7 +41,7 @@ class StepShape:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DeviceBatch:
-    tokens: np.ndarray  # i32[T]; placeholders come from `src`
+    tokens: np.ndarray  # i32[T]; in-flight tokens come from `src`
     src: np.ndarray  # i32[T]: row of the previous step's sampled tokens, or -1
     positions: np.ndarray  # i32[T]
     slots: np.ndarray  # i32[T]: page * page_size + offset where the token's K/V go
@@ -87,9 +87,9 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     for chunk, off, row in zip(rows, offsets, row_ids):
         seq, n = chunk.seq, chunk.num_tokens
         ids = np.asarray(seq.token_range(chunk.start, chunk.end), np.int32)
-        if (ids == PLACEHOLDER).any():  # only the newest token can still be on device
-            if ids[-1] != PLACEHOLDER or (ids[:-1] == PLACEHOLDER).any() or seq.seq_id not in prev_rows:
-                raise RuntimeError(f"sequence {seq.seq_id}: placeholder not produced by the previous step")
+        if (ids == IN_FLIGHT).any():  # only the newest token can still be on device
+            if ids[-1] != IN_FLIGHT or (ids[:-1] == IN_FLIGHT).any() or seq.seq_id not in prev_rows:
+                raise RuntimeError(f"sequence {seq.seq_id}: in-flight token not produced by the previous step")
             src[off + n - 1] = prev_rows[seq.seq_id]
             ids[-1] = 0
         pos = np.arange(chunk.start, chunk.end, dtype=np.int32)
@@ -152,8 +152,8 @@ def _sampling(rows: list[ScheduledChunk | None], max_logprobs: int, prev_rows: d
             bias_ids[i, j], bias_vals[i, j] = tok, val
         if penalties:
             outs = np.asarray(seq.output_token_ids, np.int32)
-            out_ids[i, : len(outs)] = outs  # a trailing placeholder (-1) is filled on device from `pending`
-            if seq.num_placeholders:
+            out_ids[i, : len(outs)] = outs  # a trailing in-flight token (-1) is filled on device from `pending`
+            if seq.num_in_flight:
                 pending[i] = prev_rows.get(seq.seq_id, -1)
             prompt_ids[i, : seq.num_prompt_tokens] = seq.prompt_token_ids
     tensors = SamplingTensors(

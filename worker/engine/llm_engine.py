@@ -211,28 +211,40 @@ class LLMEngine:
         return results
 
     def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list) -> RequestOutput:
-        """Resolve read-back tokens one by one, checking every stop condition after each."""
+        """Resolve read-back tokens one by one, checking every stop condition after each.
+
+        Without stop strings the text of all of them is decoded at once (one detokenizer call
+        per fused step instead of one per token)."""
         ids, logprobs, text, reason = [], [], "", None
+        per_token = bool(seq.params.stop)
         for token, (lp, top_ids, top_lps) in zip(tokens, lps):
-            seq.resolve_placeholder(token)
+            seq.resolve_in_flight(token)
             ids.append(token)
             if seq.params.logprobs is not None:
                 top = [[int(i), float(x)] for i, x in zip(top_ids, top_lps)][: seq.params.logprobs]
                 logprobs.append({"token_id": token, "logprob": float(lp), "top": top})
             reason = self._stop_reason(seq, token)
-            stop_token = reason is not None and reason[0] == FinishReason.STOP
-            delta = "" if stop_token else track.detok.add([token])  # EOS / stop tokens are not text
+            if per_token:
+                text, reason = self._text(track, [token], reason, text)
             if reason is not None:
-                delta += track.detok.flush()
-            check = track.stops.add(delta)
-            text += check.text
-            if check.stop is not None:
-                reason = (FinishReason.STOP, check.stop)
                 break
-            if reason is not None:
-                text += track.stops.flush()
-                break
+        if not per_token:
+            text, reason = self._text(track, ids, reason, text)
         return self._emit(seq, track, ids, logprobs, text, reason)
+
+    def _text(self, track: _Track, ids: list[int], reason, text: str):
+        """Append the text of `ids` (EOS / stop tokens are not text) through the stop-string check."""
+        stop_token = reason is not None and reason[0] == FinishReason.STOP
+        delta = track.detok.add(ids[:-1] if stop_token else ids) if ids else ""
+        if reason is not None:
+            delta += track.detok.flush()
+        check = track.stops.add(delta)
+        text += check.text
+        if check.stop is not None:
+            return text, (FinishReason.STOP, check.stop)
+        if reason is not None:
+            text += track.stops.flush()
+        return text, reason
 
     def _stop_reason(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
         p = seq.params
@@ -240,9 +252,9 @@ class LLMEngine:
             return FinishReason.STOP, token
         if token in self.eos_ids and not p.ignore_eos:
             return FinishReason.STOP, None
-        if p.max_tokens is not None and seq.num_output_tokens - seq.num_placeholders >= p.max_tokens:
+        if p.max_tokens is not None and seq.num_output_tokens - seq.num_in_flight >= p.max_tokens:
             return FinishReason.LENGTH, None
-        if seq.num_tokens - seq.num_placeholders >= self.max_model_len:
+        if seq.num_tokens - seq.num_in_flight >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None
 

@@ -2,24 +2,24 @@
 
 Engine protocol, once per step:
   1. `batch = schedule()`; `None` means nothing to do right now (if `has_unfinished()`, read
-     back the steps in flight, which resolves placeholders or finishes sequences, then retry).
+     back the steps in flight, which resolves in-flight tokens or finishes sequences, then retry).
      Report `batch.finished` (sequences the scheduler ended with "length"). Run the device only
      when `batch.chunks` is non-empty.
   2. Dispatch the chunks, then call `advance(batch)` before the next `schedule()`: it marks
-     their tokens computed, appends one placeholder per sampled token and caches full pages.
-  3. When sampled ids come back, `seq.resolve_placeholder(id)` for each (oldest first); skip
+     their tokens computed, appends one in-flight token per sampled token and caches full pages.
+  3. When sampled ids come back, `seq.resolve_in_flight(id)` for each (oldest first); skip
      sequences already finished (their late results are dropped). End a sequence with
      `finish(seq, reason)` (EOS, stop string or token, max_tokens or max_model_len reached by
      known tokens) or `abort(request_id)`. A prompt-logprobs-only request (max_tokens 0) is
      prefilled without sampling; finish it ("length") when the chunk reaching the end of its
      prompt is read back. A sequence the engine leaves at its limit is finished by the
-     scheduler once no placeholder is left.
+     scheduler once no in-flight token is left.
 
 Rules: running sequences first, oldest first (a decode token or their next prefill chunk), then
 waiting ones in arrival order. A running sequence short of pages first shrinks its chunk, then
-preempts the newest running sequence; only a sequence with no placeholders in flight is
+preempts the newest running sequence; only a sequence with no in-flight tokens in flight is
 preempted (otherwise the needy one and everything newer sit this step out while those
-placeholders drain). Nothing is preempted for a newer sequence, so the oldest always progresses.
+in-flight tokens drain). Nothing is preempted for a newer sequence, so the oldest always progresses.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Scheduler:
         return seqs
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """End `seq` now: free its pages, drop placeholders still in flight. Idempotent."""
+        """End `seq` now: free its pages, drop in-flight tokens still in flight. Idempotent."""
         if seq.is_finished:
             return
         if seq.status == SequenceStatus.RUNNING:
@@ -138,7 +138,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self._release(seq)
-        seq.drop_placeholders()
+        seq.drop_in_flight()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -161,7 +161,7 @@ class Scheduler:
         return ScheduledBatch(chunks, finished)
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """After dispatching `batch`: count its tokens computed, add a placeholder per sampled
+        """After dispatching `batch`: count its tokens computed, add an in-flight token per sampled
         token, and put newly full pages of known tokens into the prefix cache."""
         for chunk in batch.chunks:
             seq = chunk.seq
@@ -171,13 +171,13 @@ class Scheduler:
                 raise ValueError(f"chunk of sequence {seq.seq_id} is stale (advanced twice?)")
             seq.num_computed_tokens = chunk.end + chunk.num_steps - 1
             if chunk.samples:
-                seq.append_placeholder(chunk.num_steps)
+                seq.append_in_flight(chunk.num_steps)
             self._register_full_pages(seq)
             if seq.group is not None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.group.prefilled = True
 
     def room(self, seq: Sequence) -> int:
-        """Tokens `seq` may still sample (max_tokens and max_model_len, placeholders counted)."""
+        """Tokens `seq` may still sample (max_tokens and max_model_len, in-flight tokens counted)."""
         limit = self.max_model_len - seq.num_tokens
         if seq.params.max_tokens is not None:
             limit = min(limit, seq.params.max_tokens - seq.num_output_tokens)
@@ -205,13 +205,13 @@ class Scheduler:
             target = self._target(seq)
             start = seq.num_computed_tokens
             if start >= target:
-                if target == 0 and seq.num_placeholders == 0:  # nothing to compute or sample
+                if target == 0 and seq.num_in_flight == 0:  # nothing to compute or sample
                     self._finish_length(seq, finished)
                 else:  # limit reached: the engine finishes it once its last results are back
                     i += 1
                 continue
             if self.config.pages_for(target) > self.allocator.num_usable_pages:  # cannot fit even alone
-                if seq.num_placeholders == 0:
+                if seq.num_in_flight == 0:
                     self._finish_length(seq, finished)
                 else:  # its last sampled tokens are still coming back
                     i += 1
@@ -222,7 +222,7 @@ class Scheduler:
                 continue
             while self._pages_short(seq, start + 1) and self.running[-1] is not seq:
                 victim = self.running[-1]
-                if victim.num_placeholders:
+                if victim.num_in_flight:
                     return budget, True
                 self._preempt(victim)
             if self._pages_short(seq, start + 1):

@@ -1,8 +1,8 @@
 """Sequence: one choice of one request; SequenceGroup: the n choices of a request. No JAX.
 
-Async overlap: when a step that samples is dispatched, the sequence gets a placeholder output
-token (-1); its real id is read back later and `resolve_placeholder` fills the oldest one in.
-A placeholder counts in `num_tokens`: the device already knows the sampled token and computes
+Async overlap: when a step that samples is dispatched, the sequence gets an in-flight output
+token (-1); its real id is read back later and `resolve_in_flight` fills the oldest one in.
+An in-flight token counts in `num_tokens`: the device already knows the sampled token and computes
 its K/V in the next step from there.
 """
 
@@ -13,7 +13,7 @@ from enum import Enum
 
 from worker.engine.sampling_params import SamplingParams
 
-PLACEHOLDER = -1  # output token sampled on device, not read back yet
+IN_FLIGHT = -1  # output token sampled on device, not read back yet
 
 
 class SequenceStatus(str, Enum):
@@ -30,13 +30,13 @@ class Sequence:
     params: SamplingParams
     index: int = 0  # choice number within the request
     group: SequenceGroup | None = None
-    output_token_ids: list[int] = field(default_factory=list)  # PLACEHOLDER where not read back
+    output_token_ids: list[int] = field(default_factory=list)  # IN_FLIGHT where not read back
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the pages
     page_table: list[int] = field(default_factory=list)  # token t lives in page_table[t // page_size]
     page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of the leading full pages
     status: SequenceStatus = SequenceStatus.WAITING
     arrival: int = 0  # admission order, stamped by Scheduler.add
-    num_placeholders: int = 0  # trailing output tokens still PLACEHOLDER
+    num_in_flight: int = 0  # trailing output tokens still IN_FLIGHT
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at last admission
     finish_reason: str | None = None  # "stop", "length", "abort" (worker.contract.FinishReason)
     stop_reason: str | int | None = None  # matched stop string or stop token id
@@ -55,8 +55,8 @@ class Sequence:
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens whose ids the host knows (all but the trailing placeholders)."""
-        return self.num_tokens - self.num_placeholders
+        """Tokens whose ids the host knows (all but the trailing in-flight tokens)."""
+        return self.num_tokens - self.num_in_flight
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,23 +75,23 @@ class Sequence:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
-    def append_placeholder(self, count: int = 1) -> None:
+    def append_in_flight(self, count: int = 1) -> None:
         """Record `count` tokens sampled on device whose ids are not read back yet."""
-        self.output_token_ids.extend([PLACEHOLDER] * count)
-        self.num_placeholders += count
+        self.output_token_ids.extend([IN_FLIGHT] * count)
+        self.num_in_flight += count
 
-    def resolve_placeholder(self, token_id: int) -> None:
-        """Replace the oldest placeholder with the token id read back from the device."""
-        if self.num_placeholders == 0:
-            raise ValueError(f"sequence {self.seq_id} has no placeholder to resolve")
-        self.output_token_ids[len(self.output_token_ids) - self.num_placeholders] = token_id
-        self.num_placeholders -= 1
+    def resolve_in_flight(self, token_id: int) -> None:
+        """Replace the oldest in-flight token with the token id read back from the device."""
+        if self.num_in_flight == 0:
+            raise ValueError(f"sequence {self.seq_id} has no in-flight token to resolve")
+        self.output_token_ids[len(self.output_token_ids) - self.num_in_flight] = token_id
+        self.num_in_flight -= 1
 
-    def drop_placeholders(self) -> None:
+    def drop_in_flight(self) -> None:
         """Forget tokens still in flight (used when the sequence finishes early)."""
-        if self.num_placeholders:
-            del self.output_token_ids[-self.num_placeholders :]
-            self.num_placeholders = 0
+        if self.num_in_flight:
+            del self.output_token_ids[-self.num_in_flight :]
+            self.num_in_flight = 0
 
 
 @dataclass(eq=False)
