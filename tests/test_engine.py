@@ -41,7 +41,7 @@ CYCLE_TEXT = "naïve 日€🎉ж!"  # all its tokens differ; "ï" is split insi
 PROMPT_LENGTHS = (1, 3, 6, 11, 17, 24, 30, 41)
 GEN = 16  # new tokens per prompt in the greedy runs
 ROOMY = dict(max_num_seqs=8, page_size=8, num_pages=64, max_num_batched_tokens=256)
-TIGHT = dict(max_num_seqs=8, page_size=4, num_pages=20, max_num_batched_tokens=16)  # 19 usable pages: 76 tokens
+TIGHT = dict(max_num_seqs=8, page_size=4, num_pages=20, max_num_batched_tokens=16, decode_steps=4)  # 19 usable pages: 76 tokens
 SIZES = {"roomy": ROOMY, "tight": TIGHT}
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=12, ignore_eos=True)  # one sampler variant
 

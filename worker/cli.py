@@ -31,7 +31,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, help="share of free memory for KV pages (default 0.5)")
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--decode-steps", type=int, help="decode steps fused per call when nothing waits (default 4)")
+    g.add_argument("--decode-steps", type=int, help="decode steps fused per call when nothing waits (default 8)")
     g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
                    help="read each step back before dispatching the next")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)

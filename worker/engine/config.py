@@ -14,7 +14,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5  # share of free device (or host) memory given to KV pages
     max_model_len: int | None = None  # context limit; None: the model's max_position_embeddings
     enable_prefix_cache: bool = True  # reuse full prompt pages across requests (and n > 1 choices)
-    decode_steps: int = 4  # decode steps fused in one jitted call when no prefill is pending
+    decode_steps: int = 8  # decode steps fused in one jitted call when no prefill is pending
     async_overlap: bool = True  # dispatch step k+1 before reading back step k
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's

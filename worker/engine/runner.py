@@ -21,7 +21,7 @@ from flax import nnx
 
 from worker.engine.batch import DeviceBatch, StepShape, build_batch
 from worker.engine.kv_cache import KVCache
-from worker.engine.paged_attention import paged_attention, write_kv
+from worker.engine.paged_attention import paged_attention, paged_decode_attention, write_kv
 from worker.engine.sampler import SamplerFlags, sample
 from worker.engine.scheduler import ScheduledBatch
 
@@ -133,11 +133,8 @@ def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, sh
     h, d = q.shape[1:]
     outs = []
     if sd:
-        outs.append(
-            paged_attention(
-                q[:sd, None], k_pages, v_pages, page_tables[:sd], positions[:sd, None], context_lens[:sd], window
-            ).reshape(sd, h, d)
-        )
+        outs.append(paged_decode_attention(q[:sd], k_pages, v_pages, page_tables[:sd], positions[:sd],
+                                           context_lens[:sd], window))
     if sp:
         outs.append(
             paged_attention(
