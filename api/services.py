@@ -6,7 +6,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass, field
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from api.config import ApiConfig
 from api.fleet import FleetWatch
@@ -15,7 +15,9 @@ from api.outputs import BLOCK_MS, OutputReader
 from api.queue import RequestQueue
 from worker.contract import api_wake_stream
 
-REDIS_TIMEOUT_S = 5.0  # connect and command timeout of the ordinary client
+REDIS_TIMEOUT_S = 5.0  # connect timeout, and how long a request waits for a free pooled connection
+REDIS_COMMAND_TIMEOUT_S = 15.0  # a command unanswered this long means Redis is gone (a busy host is not)
+REDIS_POOL_SIZE = 32  # connections of the ordinary client; a burst of requests queues for them
 
 
 @dataclass
@@ -32,10 +34,14 @@ class ApiServices:
     @classmethod
     def create(cls, config: ApiConfig, model: ModelInfo) -> "ApiServices":
         """Build clients (no connection is made yet: Redis may come up after the API)."""
-        timeouts = {"socket_timeout": REDIS_TIMEOUT_S, "socket_connect_timeout": REDIS_TIMEOUT_S}
-        client = Redis.from_url(config.redis_url, **timeouts)
+        pool = BlockingConnectionPool.from_url(
+            config.redis_url, max_connections=REDIS_POOL_SIZE, timeout=REDIS_TIMEOUT_S,
+            socket_timeout=REDIS_COMMAND_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+        )
+        client = Redis(connection_pool=pool)
         reader_client = Redis.from_url(
-            config.redis_url, socket_timeout=REDIS_TIMEOUT_S + BLOCK_MS / 1000, socket_connect_timeout=REDIS_TIMEOUT_S
+            config.redis_url, socket_timeout=REDIS_COMMAND_TIMEOUT_S + BLOCK_MS / 1000,
+            socket_connect_timeout=REDIS_TIMEOUT_S
         )
         wake = api_wake_stream(uuid.uuid4().hex)
         return cls(

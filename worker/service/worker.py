@@ -23,6 +23,7 @@ from worker.service.redis_io import Finished, Incoming, RedisIO
 
 log = logging.getLogger("redjax.worker")
 STATS_WINDOW_S = 5.0
+REPORT_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -97,11 +98,12 @@ class Worker:
             self.io.set_capacity(self._capacity())
 
     def _capacity(self) -> int:
-        """Requests to pull now: free sequence slots, and only while pages are not nearly gone."""
+        """Requests to pull now: free sequence slots (what this worker holds never exceeds what
+        it can run at once), and none while KV pages are nearly gone."""
         engine = self.engine
-        if engine.num_waiting or engine.pages_used > 0.9 * engine.pages_total:
+        if engine.pages_used > 0.9 * engine.pages_total:
             return 0
-        return max(0, engine.config.max_num_seqs - engine.num_running - len(self.active))
+        return max(0, engine.config.max_num_seqs - len(self.active))
 
     def _start(self, incoming: Incoming) -> None:
         message = incoming.message
@@ -206,7 +208,10 @@ class Worker:
     # ---- heartbeat ----
 
     def _report(self) -> None:
+        """Refresh the stats the heartbeat publishes (a few times per heartbeat interval)."""
         engine, now = self.engine, time.monotonic()
+        if self._window and now - self._window[-1][0] < REPORT_INTERVAL_S:
+            return
         self._window.append((now, engine.num_generated_tokens, engine.num_prompt_tokens, engine.num_steps,
                              engine.num_step_seqs))
         while len(self._window) > 2 and now - self._window[0][0] > STATS_WINDOW_S:
