@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64  # sequences in one step at most
-    max_num_batched_tokens: int = 512  # tokens (prefill chunks + decodes) in one step at most
+    max_num_batched_tokens: int = 1024  # tokens (prefill chunks + decodes) in one step at most
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # KV pages per layer; None: derived from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.5  # share of free device (or host) memory given to KV pages
