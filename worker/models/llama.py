@@ -1,7 +1,9 @@
 """The Llama family in Flax (nnx): Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
 
-Parameter names and layouts mirror Hugging Face (`model.layers.0.self_attn.q_proj.weight`,
-weights `[out_features, in_features]`), so checkpoint loading is a near-identity name table.
+Parameter names mirror Hugging Face (`model.layers.0.self_attn.q_proj.weight`), so checkpoint
+loading is a near-identity name table. Projection weights are stored `[in_features,
+out_features]` (Hugging Face saves `[out, in]`; the loader transposes once): `x @ W` with a
+row-major `[in, out]` weight is the faster matmul for the few-row decode case.
 
 The trunk is written once. How attention reads and writes keys/values is a function passed in
 (`Attend`): the plain forward uses causal attention over the whole sequence, the serving path
@@ -27,12 +29,12 @@ _init = nnx.initializers.normal(0.02)
 
 class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, bias: bool, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs.params(), (d_out, d_in), param_dtype))  # [out, in]
+        self.weight = nnx.Param(_init(rngs.params(), (d_in, d_out), param_dtype))  # [in, out]
         self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if bias else None  # [out]
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
@@ -141,8 +143,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., hidden] -> logits f32[..., vocab]."""
-        weight = self.model.embed_tokens.weight[...] if self.cfg.tie_word_embeddings else self.lm_head.weight[...]
-        return jnp.einsum("...h,vh->...v", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        if self.cfg.tie_word_embeddings:  # the embedding table [vocab, hidden] doubles as the head
+            weight = self.model.embed_tokens.weight[...].astype(hidden.dtype)
+            return jnp.einsum("...h,vh->...v", hidden, weight, preferred_element_type=jnp.float32)
+        weight = self.lm_head.weight[...].astype(hidden.dtype)  # [hidden, vocab]
+        return jnp.einsum("...h,hv->...v", hidden, weight, preferred_element_type=jnp.float32)
 
     def _causal_attend(self, layer: int, q, k, v, cache):
         return causal_attention(q, k, v, self.cfg.window(layer)), cache

@@ -25,6 +25,7 @@ from worker.models.llama import LlamaForCausalLM
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; derived from the config here
+TRANSPOSED = ("_proj.weight", "lm_head.weight")  # HF stores these [out, in]; the model keeps [in, out]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -82,12 +83,16 @@ def load_model(path: str | Path, dtype: str | None = None, mesh=None) -> LlamaFo
                 if name not in expected:
                     raise CheckpointError(f"{file}: tensor {name!r} is not used by {cfg.architecture}")
                 variable = flat[expected[name]]
+                flip = name.endswith(TRANSPOSED)
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(variable.get_value().shape):
+                wanted = tuple(variable.get_value().shape)
+                if shape != (wanted[::-1] if flip else wanted):
                     raise CheckpointError(
-                        f"{file}: tensor {name!r} has shape {shape}, the config implies {tuple(variable.get_value().shape)}"
+                        f"{file}: tensor {name!r} has shape {shape}, the config implies {wanted[::-1] if flip else wanted}"
                     )
                 tensor = f.get_tensor(name).astype(jdtype)
+                if flip:
+                    tensor = tensor.T
                 if mesh is not None:
                     tensor = jax.device_put(tensor, param_sharding(name, mesh))
                 variable.set_value(tensor)
@@ -104,10 +109,11 @@ def save_checkpoint(model: LlamaForCausalLM, out_dir: str | Path, dtype: str | N
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     jdtype = DTYPES[dtype or cfg.dtype]
-    tensors = {
-        ".".join(map(str, key)): jnp.asarray(var.get_value(), jdtype)
-        for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-    }
+    tensors = {}
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = ".".join(map(str, key))
+        value = jnp.asarray(var.get_value(), jdtype)
+        tensors[name] = value.T if name.endswith(TRANSPOSED) else value
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = dtype or cfg.dtype

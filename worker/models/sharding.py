@@ -1,7 +1,8 @@
 """Tensor parallelism over a 1-D device mesh ("tp"), declared once per parameter name.
 
-Attention heads and MLP columns are split across devices (q/k/v and gate/up by output rows,
-o and down by input columns, lm_head by vocabulary); KV pages are split by KV head. XLA
+Attention heads and MLP columns are split across devices (q/k/v and gate/up by output columns,
+o and down by input rows of their `[in, out]` weights, lm_head by vocabulary); KV pages are
+split by KV head. XLA
 (GSPMD) inserts the all-reduces, so the model code stays unaware of the mesh.
 """
 
@@ -15,21 +16,21 @@ from worker.models.config import ModelConfig
 
 AXIS = "tp"
 
-# parameter-name suffix -> how its [out, in] (or [vocab, hidden]) weight is split
+# parameter-name suffix -> how its [in, out] weight (or bias [out]) is split
 RULES: tuple[tuple[str, P], ...] = (
-    ("self_attn.q_proj.weight", P(AXIS, None)),
-    ("self_attn.k_proj.weight", P(AXIS, None)),
-    ("self_attn.v_proj.weight", P(AXIS, None)),
+    ("self_attn.q_proj.weight", P(None, AXIS)),
+    ("self_attn.k_proj.weight", P(None, AXIS)),
+    ("self_attn.v_proj.weight", P(None, AXIS)),
     ("self_attn.q_proj.bias", P(AXIS)),
     ("self_attn.k_proj.bias", P(AXIS)),
     ("self_attn.v_proj.bias", P(AXIS)),
-    ("self_attn.o_proj.weight", P(None, AXIS)),
-    ("mlp.gate_proj.weight", P(AXIS, None)),
-    ("mlp.up_proj.weight", P(AXIS, None)),
+    ("self_attn.o_proj.weight", P(AXIS, None)),
+    ("mlp.gate_proj.weight", P(None, AXIS)),
+    ("mlp.up_proj.weight", P(None, AXIS)),
     ("mlp.gate_proj.bias", P(AXIS)),
     ("mlp.up_proj.bias", P(AXIS)),
-    ("mlp.down_proj.weight", P(None, AXIS)),
-    ("lm_head.weight", P(AXIS, None)),
+    ("mlp.down_proj.weight", P(AXIS, None)),
+    ("lm_head.weight", P(None, AXIS)),
 )
 
 
