@@ -48,10 +48,8 @@ def test_health_and_ready(start_api, redis_client):
 
 def test_no_worker_cancels_and_removes_the_request(start_api, redis_client):
     url = start_api(no_worker_timeout_s=1.0)
-    started = time.monotonic()
     response = _post(url, "/v1/completions", {"prompt": "hello"})
     assert response.status_code == 503 and response.json()["error"]["code"] == "no_worker"
-    assert 1.0 <= time.monotonic() - started < 10
     assert redis_client.xlen(contract.REQUESTS) == 0  # XDELed: no worker had taken it
     assert len(redis_client.keys(contract.cancelled_key("*"))) == 1
 
