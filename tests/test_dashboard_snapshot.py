@@ -11,10 +11,9 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.testclient import TestClient
+from tests.conftest import free_port, redis_server
 from tests.test_dashboard_live import (
-    free_port,
     make_event,
-    private_redis,
     seed_events,
     seed_gone_worker,
     seed_queue,
@@ -123,7 +122,7 @@ def test_redis_down_banner_then_recovery(redis_url):
         assert page.status_code == 200
         assert '<div id="banner" class="banner" role="alert" >Redis unreachable' in page.text
         assert "Traceback" not in page.text and "hunter2" not in page.text
-        with private_redis(port, password="hunter2"):
+        with redis_server(port, password="hunter2"):
             time.sleep(0.6)  # past the snapshot cache
             assert client.get("/api/snapshot").json()["ok"] is True
             assert 'role="alert" hidden' in client.get("/").text

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tests.byte_bpe import byte_level_bpe
 from worker.engine.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
@@ -26,14 +27,7 @@ SAMPLES = [
 
 @pytest.fixture(scope="module")
 def byte_level() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", clean_up_tokenization_spaces=False)
+    return byte_level_bpe(CORPUS)
 
 
 @pytest.fixture(scope="module")

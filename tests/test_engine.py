@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tests.byte_bpe import byte_level_bpe
 from tests.hf_models import make_hf_model
 from worker.engine.config import EngineConfig
 from worker.engine.llm import LLM
@@ -50,14 +50,7 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=12, i
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", clean_up_tokenization_spaces=False)
+    return byte_level_bpe(CORPUS)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from dashboard import DashboardConfig, create_dashboard
-from tests.test_dashboard_live import free_port, make_event, seed_events, seed_gone_worker, seed_queue, seed_worker
+from tests.conftest import free_port
+from tests.test_dashboard_live import make_event, seed_events, seed_gone_worker, seed_queue, seed_worker
 from worker import contract
 
 
