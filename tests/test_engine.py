@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.byte_bpe import byte_level_bpe
 from tests.hf_models import make_hf_model
+from worker.engine import cpu_attention, paged_attention
 from worker.engine.config import EngineConfig
 from worker.engine.llm import LLM
 from worker.engine.llm_engine import LLMEngine
@@ -219,6 +220,17 @@ def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, gree
     else:
         assert engine.scheduler.num_preemptions == 0 and not split
     assert any(c["steps"] > 1 for c in chunks) == (decode_steps > 1)
+    assert engine.runner.decode_attention is cpu_attention.paged_decode_attention  # "auto" on CPU: the kernel
+
+
+def test_greedy_batch_equals_generate_on_the_jnp_decode_path(model, tokenizer, prompts, greedy_refs):
+    engine = make_engine(model, tokenizer, SIZES["tight"], decode_steps=4, decode_attention="jnp")
+    assert engine.runner.decode_attention is paged_attention.paged_decode_attention
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    results = drain(engine)
+    assert [results[(f"r{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
 
 
 def test_context_limit_ends_with_length(model, tokenizer, prompts, greedy_refs):

@@ -42,8 +42,8 @@ def test_paged_attention_equals_dense_causal_attention(window):
     queried = [range(9, 13), range(0, 6), range(15, 16)]  # a later prefill chunk, a whole prompt, a decode
     width, q_len = 4, 6  # page-table width, query rows per sequence (padded)
     # pages start full of garbage: only what the page tables and context lengths name may be read
-    k_pages = jnp.asarray(rng.standard_normal((num_pages, PAGE, kv_heads, dim)), jnp.float32) * 50
-    v_pages = jnp.asarray(rng.standard_normal((num_pages, PAGE, kv_heads, dim)), jnp.float32) * 50
+    k_pages = jnp.asarray(rng.standard_normal((kv_heads, num_pages, PAGE, dim)), jnp.float32) * 50
+    v_pages = jnp.asarray(rng.standard_normal((kv_heads, num_pages, PAGE, dim)), jnp.float32) * 50
     free = list(rng.permutation(np.arange(1, num_pages)))  # page 0 stays reserved
     tables = np.zeros((3, width), np.int32)
     seqs, q = [], np.zeros((3, q_len, heads, dim), np.float32)
@@ -68,11 +68,13 @@ def test_paged_attention_equals_dense_causal_attention(window):
 
 
 def test_write_kv_puts_each_token_in_its_slot():
-    pages = jnp.zeros((5, PAGE, 1, 2), jnp.float32)
-    new = jnp.arange(6, dtype=jnp.float32).reshape(3, 1, 2) + 1
+    pages = jnp.zeros((2, 5, PAGE, 2), jnp.float32)  # [KV, pages, page_size, D]
+    new = jnp.arange(12, dtype=jnp.float32).reshape(3, 2, 2) + 1  # [T, KV, D]
     out = np.asarray(write_kv(pages, new, jnp.asarray([3 * PAGE + 2, 1 * PAGE + 0, 4 * PAGE + 3], jnp.int32)))
-    assert out[3, 2, 0].tolist() == [1, 2] and out[1, 0, 0].tolist() == [3, 4] and out[4, 3, 0].tolist() == [5, 6]
-    assert np.count_nonzero(out) == 6
+    for t, (page, offset) in enumerate([(3, 2), (1, 0), (4, 3)]):
+        for head in range(2):
+            assert out[head, page, offset].tolist() == np.asarray(new[t, head]).tolist()
+    assert np.count_nonzero(out) == 12
 
 
 # ---- a paged forward of the real model, driven like the engine drives it ----
@@ -109,7 +111,7 @@ def test_paged_forward_with_chunks_and_decodes_equals_plain_forward():
     order = rng.permutation(np.arange(1, num_pages))  # scattered, interleaved pages
     tables = np.zeros((2, width), np.int32)
     tables[0], tables[1] = order[:width], order[width : 2 * width]
-    shape = (num_pages, PAGE, CFG.num_kv_heads, CFG.head_dim)
+    shape = (CFG.num_kv_heads, num_pages, PAGE, CFG.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape) for _ in range(CFG.num_layers))  # noqa: E731
     kv = (zeros(), zeros())  # (keys, values), per layer
     # prefill in uneven chunks (the second one starts mid-page), then 6 greedy decodes each
@@ -158,19 +160,49 @@ def test_paged_forward_with_chunks_and_decodes_equals_plain_forward():
         np.testing.assert_allclose(paged, plain[: len(paged)], rtol=0, atol=1e-5 * scale, err_msg=f"sequence {s}")
 
 
+def decode_inputs(dtype, seed=7):
+    """6 sequences over 40 scattered pages of 4 tokens; contexts on page boundaries and a full table."""
+    rng = np.random.default_rng(seed)
+    s, h, kv, d, n, ps, p = 6, 4, 2, 8, 40, 4, 6
+    k_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    tables = jnp.asarray(rng.permutation(n)[: s * p].reshape(s, p), jnp.int32)
+    ctx = jnp.asarray([1, 3, 4, 9, 17, 24], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(s, h, d)), jnp.float32)
+    return q, k_pages, v_pages, tables, ctx
+
+
+def reference_decode(q, k_pages, v_pages, tables, ctx, window):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return paged_attention(q[:, None], f32(k_pages), f32(v_pages), tables, (ctx - 1)[:, None], ctx, window)[:, 0]
+
+
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("pages_per_block", [None, 1, 2])
-def test_decode_kernel_matches_the_reference(window, pages_per_block):
-    """The decode kernel (online softmax over page blocks) against the reference it replaces."""
-    from worker.engine.paged_attention import paged_attention, paged_decode_attention
+def test_jnp_decode_path_matches_the_reference(window, pages_per_block):
+    """The jnp decode path (online softmax over page blocks) against the reference it replaces."""
+    q, k_pages, v_pages, tables, ctx = decode_inputs(jnp.float32)
+    out = pa.paged_decode_attention(q, k_pages, v_pages, tables, ctx - 1, ctx, window, pages_per_block)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference_decode(q, k_pages, v_pages, tables, ctx, window)),
+                               atol=1e-5, rtol=1e-5)
 
-    rng = np.random.default_rng(7)
-    s, h, kv, d, n, ps, p = 6, 4, 2, 8, 40, 4, 6
-    k_pages = jnp.asarray(rng.normal(size=(n, ps, kv, d)), jnp.float32)
-    v_pages = jnp.asarray(rng.normal(size=(n, ps, kv, d)), jnp.float32)
-    tables = jnp.asarray(rng.permutation(n)[: s * p].reshape(s, p), jnp.int32)
-    ctx = jnp.asarray([1, 3, 4, 9, 17, 24], jnp.int32)  # page boundaries and a full table
-    q = jnp.asarray(rng.normal(size=(s, h, d)), jnp.float32)
-    ref = paged_attention(q[:, None], k_pages, v_pages, tables, (ctx - 1)[:, None], ctx, window)[:, 0]
-    out = paged_decode_attention(q, k_pages, v_pages, tables, ctx - 1, ctx, window, pages_per_block)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize("window", [None, 3, 1])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cpu_kernel_matches_the_reference(window, dtype):
+    """The C++ decode kernel (built here with the system compiler) against the reference, with
+    float32 and bfloat16 pages, inside jit and with positions short of the context (a decode row
+    whose later tokens are already written must not see them)."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=3)
+    kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
+    out = kernel(q, k_pages, v_pages, tables, ctx - 1, ctx, window)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference_decode(q, k_pages, v_pages, tables, ctx, window)),
+                               atol=1e-5, rtol=1e-5)
+    early = jnp.maximum(ctx - 3, 0)  # query at position ctx - 3 with ctx keys present
+    ref = paged_attention(q[:, None], k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), tables,
+                          early[:, None], ctx, window)[:, 0]
+    np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, early, ctx, window)), np.asarray(ref),
+                               atol=1e-5, rtol=1e-5)

@@ -17,20 +17,20 @@ RESERVED_PAGES = 1  # page 0: padding tokens write there
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    keys: tuple[jax.Array, ...]  # per layer [num_pages, page_size, kv_heads, head_dim]
-    values: tuple[jax.Array, ...]  # per layer [num_pages, page_size, kv_heads, head_dim]
+    keys: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, page_size, head_dim]
+    values: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, page_size, head_dim]
 
     @classmethod
     def create(cls, model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> "KVCache":
         """Zeroed pages; `sharding` (tensor parallel) splits them by KV head."""
-        shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
+        shape = (model.num_kv_heads, num_pages, page_size, model.head_dim)
         out = None if sharding is None else (sharding,) * model.num_layers
         make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)), out_shardings=out)
         return cls(make(), make())
 
     @property
     def num_pages(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys[0].shape[1]
 
 
 def page_bytes(model: ModelConfig, page_size: int, itemsize: int) -> int:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import bucket
 from worker.engine.config import EngineConfig
+from worker.engine.cpu_attention import choose_decode_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
@@ -75,7 +76,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, dtype, kv_sharding(mesh) if mesh else None)
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
-                                  config.decode_steps)
+                                  config.decode_steps,
+                                  choose_decode_attention(config.decode_attention, config.tensor_parallel))
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}
@@ -313,6 +315,13 @@ class LLMEngine:
         return track.prompt_logprobs
 
     # ---- stats ----
+
+    @property
+    def decode_attention(self) -> str:
+        """Which decode attention the jitted step runs: "cpu-kernel" or "jnp"."""
+        from worker.engine import cpu_attention
+
+        return "cpu-kernel" if self.runner.decode_attention is cpu_attention.paged_decode_attention else "jnp"
 
     @property
     def pages_total(self) -> int:

@@ -49,7 +49,8 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1):
+    def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
+                 decode_attention=paged_decode_attention):
         self.graphdef, self.params = nnx.split(model)
         self.cfg = model.cfg
         self.kv = kv
@@ -61,7 +62,8 @@ class ModelRunner:
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
         self.compiled: set[tuple] = set()  # distinct (shape, flags) variants seen
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
-        self._step = _jitted_step(self.graphdef)
+        self.decode_attention = decode_attention  # jnp path or the compiled CPU kernel (same contract)
+        self._step = _jitted_step(self.graphdef, decode_attention)
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
@@ -75,13 +77,14 @@ class ModelRunner:
 
 
 @lru_cache(maxsize=8)
-def _jitted_step(graphdef):
+def _jitted_step(graphdef, decode_attention):
     """The jitted step of one model structure, shared by every runner of it (so are its compiled
     variants: a new engine on the same model compiles nothing again)."""
-    return jax.jit(partial(_step, graphdef), static_argnames=("shape", "flags"), donate_argnames=("kv",))
+    return jax.jit(partial(_step, graphdef, decode_attention), static_argnames=("shape", "flags"),
+                   donate_argnames=("kv",))
 
 
-def _step(graphdef, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: StepShape, flags: SamplerFlags):
+def _step(graphdef, decode_attention, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: StepShape, flags: SamplerFlags):
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     tokens = jnp.where(db.src >= 0, prev_tokens[jnp.maximum(db.src, 0)], db.tokens)  # i32[T]
@@ -90,7 +93,8 @@ def _step(graphdef, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: St
         def attend(layer, q, k, v, cache):  # q [T, H, D], k/v [T, KV, D]
             keys, values = cache
             kp, vp = write_kv(keys[layer], k, slots), write_kv(values[layer], v, slots)
-            out = _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer))
+            out = _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer),
+                                 decode_attention)
             return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
 
         hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values))  # [T, hidden]
@@ -127,13 +131,14 @@ def _step(graphdef, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: St
     return kv, StepOutput(*stacked, *prompt)
 
 
-def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, shape: StepShape, window):
+def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, shape: StepShape, window,
+                   decode_attention):
     """Decode rows (one query each) then prefill rows (Qp queries each) -> [T, H, D]."""
     sd, sp, qp = shape.num_decode, shape.num_prefill, shape.prefill_len
     h, d = q.shape[1:]
     outs = []
     if sd:
-        outs.append(paged_decode_attention(q[:sd], k_pages, v_pages, page_tables[:sd], positions[:sd],
+        outs.append(decode_attention(q[:sd], k_pages, v_pages, page_tables[:sd], positions[:sd],
                                            context_lens[:sd], window))
     if sp:
         outs.append(

@@ -57,5 +57,5 @@ def param_sharding(name: str, mesh: Mesh) -> NamedSharding:
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
-    """KV pages [num_pages, page_size, kv_heads, head_dim] split by KV head."""
-    return NamedSharding(mesh, P(None, None, AXIS, None))
+    """KV pages [kv_heads, num_pages, page_size, head_dim] split by KV head."""
+    return NamedSharding(mesh, P(AXIS, None, None, None))

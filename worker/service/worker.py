@@ -56,7 +56,8 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_signal)
         self.io.start()
         self.state = WorkerState.SERVING
-        log.info("worker %s serving %s", self.config.name, self.config.model_name)
+        log.info("worker %s serving %s (decode attention: %s)", self.config.name, self.config.model_name,
+                 self.engine.decode_attention)
         try:
             while not self._done():
                 self._take_work()

@@ -1,0 +1,96 @@
+"""The compiled CPU decode-attention kernel (`cpu_kernels/paged_decode_attention.cc`), built on
+first use with the system C++ compiler and called from jitted code through the XLA FFI.
+
+On XLA's CPU backend the jnp decode path spends most of its time gathering pages into a copy
+(and, on two threads, fighting over it); the kernel follows the page table in place instead.
+The shared library is cached under `~/.cache/redjax/kernels` (override: `REDJAX_KERNEL_DIR`),
+keyed by the source, the compiler flags and the jaxlib version, and published with an atomic
+rename so workers starting together never load a half-written file. Without a compiler the
+engine keeps the jnp path (`paged_attention.paged_decode_attention`), which gives the same
+result; tests hold the kernel to that reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode_attention.cc"
+TARGET = "redjax_paged_decode_attention"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+@lru_cache(maxsize=1)
+def load() -> bool:
+    """Build (once per source and flags) and register the kernel; False if it cannot be built."""
+    cxx = compiler()
+    if cxx is None:
+        log.warning("no C++ compiler found: CPU decode attention uses the jnp path")
+        return False
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((cxx, *FLAGS, jax.lib.__version__)).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("REDJAX_KERNEL_DIR") or Path.home() / ".cache" / "redjax" / "kernels")
+    library = cache / f"paged_decode_attention-{key}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            partial = Path(tmp) / library.name
+            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                log.warning("building the CPU decode attention kernel failed, using the jnp path:\n%s",
+                            result.stderr[-2000:])
+                return False
+            os.replace(partial, library)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(ctypes.CDLL(str(library)).PagedDecodeAttention),
+                                platform="cpu")
+    return True
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [S, H, D]
+    k_pages: jax.Array,  # [KV, num_pages, page_size, D], float32 or bfloat16
+    v_pages: jax.Array,  # [KV, num_pages, page_size, D]
+    page_tables: jax.Array,  # i32[S, P]
+    positions: jax.Array,  # i32[S]
+    context_lens: jax.Array,  # i32[S]
+    window: int | None = None,
+) -> jax.Array:  # [S, H, D]
+    """Same contract as `paged_attention.paged_decode_attention`; call `load()` first."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    out = call(q.astype(jnp.float32), k_pages, v_pages, page_tables.astype(jnp.int32), positions.astype(jnp.int32),
+               context_lens.astype(jnp.int32), window=np.int64(window or 0))
+    return out.astype(q.dtype)
+
+
+def choose_decode_attention(mode: str, tensor_parallel: int):
+    """The decode attention an engine runs for `EngineConfig.decode_attention`."""
+    from worker.engine import paged_attention
+
+    if mode == "jnp":
+        return paged_attention.paged_decode_attention
+    usable = jax.default_backend() == "cpu" and tensor_parallel == 1  # the FFI call is not partitioned
+    if mode == "kernel":
+        if not usable:
+            raise ValueError("decode_attention='kernel' needs the CPU backend and tensor_parallel 1")
+        if not load():
+            raise RuntimeError("the CPU decode attention kernel could not be built (see the log)")
+        return paged_decode_attention
+    return paged_decode_attention if usable and load() else paged_attention.paged_decode_attention

@@ -1,0 +1,168 @@
+// Paged decode attention for XLA's CPU backend, called from JAX through the XLA FFI.
+//
+// One query token per sequence attends over that sequence's pages, read in place: the page table
+// is followed row by row, so memory traffic is one read of each key and value that is visible,
+// with no gathered copy. Work items are (sequence, KV head) pairs spread over XLA's intra-op
+// thread pool; each keeps an online softmax for the G query heads that share its KV head.
+// Same masking as the jnp reference (worker/engine/paged_attention.py): key j is visible to the
+// query at position p iff j <= p, j < context_len and p - j < window (window 0: none).
+//
+// Shapes: q f32[S, H, D]; k_pages, v_pages f32 or bf16 [KV, N, page_size, D];
+// page_tables s32[S, P]; positions, context_lens s32[S]; out f32[S, H, D].
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Problem {
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* tables;
+  const int32_t* positions;
+  const int32_t* context_lens;
+  float* out;
+  int64_t seqs, heads, kv_heads, dim, num_pages, page_size, table_width, window;
+};
+
+// Attention of one sequence's G query heads that share KV head `kvh`: scores for every visible
+// key (walking the page table), one softmax per head, then the weighted sum of values.
+template <typename T>
+void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scratch) {
+  const int64_t d = pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
+  float* o = pb.out + (s * pb.heads + kvh * g) * d;  // [G, D]
+  const int64_t pos = pb.positions[s];
+  // exclusive end: also never past the page table (a fused decode row that has stopped keeps
+  // stepping with positions beyond its pages; its output is discarded)
+  const int64_t hi = std::min<int64_t>({pos + 1, pb.context_lens[s], pb.table_width * ps});
+  const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+  const int64_t n = hi - lo;  // visible keys
+  std::fill(o, o + g * d, 0.0f);
+  if (n <= 0) return;  // padding row
+  scratch.resize(g * n);
+  float* probs = scratch.data();  // [G, n]: scores, then probabilities
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float* qs = pb.q + (s * pb.heads + kvh * g) * d;  // [G, D]
+  const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * ps * d;
+  const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * ps * d;
+  const int32_t* table = pb.tables + s * pb.table_width;
+  auto row = [&](const T* base, int64_t j) {  // key or value row of token j: [D]
+    int64_t page = table[j / ps];
+    if (page < 0 || page >= pb.num_pages) page = 0;  // never read outside the cache
+    return base + (page * ps + j % ps) * d;
+  };
+  for (int64_t j = lo; j < hi; ++j) {
+    const T* k = row(kbase, j);
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = qs + h * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) dot += qh[i] * load(k, i);
+      probs[h * n + j - lo] = dot * scale;
+    }
+  }
+  std::vector<float> inv(g);
+  for (int64_t h = 0; h < g; ++h) {
+    float* p = probs + h * n;
+    float mx = -1e30f, sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, p[t]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      p[t] = std::exp(p[t] - mx);
+      sum += p[t];
+    }
+    inv[h] = 1.0f / sum;
+  }
+  for (int64_t j = lo; j < hi; ++j) {
+    const T* v = row(vbase, j);
+    for (int64_t h = 0; h < g; ++h) {
+      const float p = probs[h * n + j - lo];
+      float* oh = o + h * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) oh[i] += p * load(v, i);
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) o[h * d + i] *= inv[h];
+  }
+}
+
+// Items are claimed from a shared counter by the calling thread and by pool tasks; the state is
+// shared-owned, so a pool task that starts after all items are done only reads the counter.
+struct Work {
+  Problem pb;
+  bool bf16;
+  int64_t items;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void run() {
+    std::vector<float> scratch;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      const int64_t s = i / pb.kv_heads, kvh = i % pb.kv_heads;
+      bf16 ? attend<uint16_t>(pb, s, kvh, scratch) : attend<float>(pb, s, kvh, scratch);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_tables,
+                                    ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> context_lens,
+                                    int64_t window, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged_decode_attention: expected q [S,H,D], pages [KV,N,ps,D], tables [S,P]");
+  if (k_pages.element_type() != v_pages.element_type())
+    return ffi::Error::InvalidArgument("paged_decode_attention: key and value pages differ in dtype");
+  const bool bf16 = k_pages.element_type() == ffi::DataType::BF16;
+  if (!bf16 && k_pages.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("paged_decode_attention: pages must be float32 or bfloat16");
+  if (qd[1] % kd[0] != 0 || qd[2] != kd[3] || td[0] != qd[0])
+    return ffi::Error::InvalidArgument("paged_decode_attention: inconsistent shapes");
+  auto work = std::make_shared<Work>();
+  work->pb = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
+                     positions.typed_data(), context_lens.typed_data(), out->typed_data(),
+                     qd[0], qd[1], kd[0], qd[2], kd[1], kd[2], td[1], window};
+  work->bf16 = bf16;
+  work->items = qd[0] * kd[0];
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttention, PagedDecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
