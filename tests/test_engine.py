@@ -187,6 +187,22 @@ def record_chunks(engine: LLMEngine) -> list[dict]:
     return log
 
 
+def record_splits(engine: LLMEngine) -> list[bool]:
+    """Spy on the runner: per step with prefill, whether some chunk was split over several rows."""
+    log: list[bool] = []
+    dispatch = engine.runner.dispatch
+
+    def spy(batch):
+        flight = dispatch(batch)
+        longest = max((c.num_tokens for c in batch.chunks if c.num_tokens > 1), default=0)
+        if longest:
+            log.append(flight.shape.prefill_len < longest)
+        return flight
+
+    engine.runner.dispatch = spy
+    return log
+
+
 def assert_pages_returned(engine: LLMEngine, free_at_start: int) -> None:
     alloc = engine.allocator
     assert alloc.num_free_pages == free_at_start
@@ -255,6 +271,7 @@ def test_context_limit_ends_with_length(model, tokenizer, prompts, greedy_refs):
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_prompt_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts, overlap):
     engine = make_engine(model, tokenizer, TIGHT, async_overlap=overlap)  # prompts prefilled in chunks
+    splits = record_splits(engine)
     free = engine.allocator.num_free_pages
     engine.add_request("one", prompts[7], SamplingParams(prompt_logprobs=1, max_tokens=0))
     engine.add_request("top", prompts[6], SamplingParams(prompt_logprobs=20, max_tokens=0))
@@ -274,6 +291,7 @@ def test_prompt_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts, 
             np.testing.assert_allclose([lp for _, lp in entry["top"]], row[top], atol=2e-4)
     assert results[("one", 0)].token_ids == [] and results[("one", 0)].finish_reason == "length"
     assert len(results[("gen", 0)].token_ids) == 3
+    assert any(splits), "no step split a prefill chunk over several rows"
     assert_pages_returned(engine, free)
 
 

@@ -14,6 +14,10 @@ from worker.engine.sequence import IN_FLIGHT
 MIN_PREFILL_LEN = 8
 MIN_PAGES = 4
 LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
+# Reading one context token's K/V for a prefill row, relative to the matmuls of one query token:
+# (2 * layers * kv_heads * head_dim * bytes) / bandwidth over (2 * params) / FLOP/s is below 1/100
+# for the models measured here (CPU and GPU); 1/64 keeps a margin against tiny rows.
+ROW_CONTEXT_WEIGHT = 1 / 64
 
 
 @dataclass(frozen=True)
@@ -58,19 +62,52 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
 
 
+def row_bucket(n: int) -> int:
+    """Smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) >= n."""
+    b = bucket(n)
+    return b * 3 // 4 if b >= 4 and n <= b * 3 // 4 else b
+
+
+def plan_prefill(lengths: list[int], max_rows: int, context: int) -> tuple[int, int]:
+    """Split prefill chunks into rows of Qp tokens: -> (Qp, padded row count).
+
+    Padding every chunk to the longest one wastes up to half a step when one long chunk rides
+    with short ones (a 1024-token budget packed as 8 + 7 x 128 + 104 tokens took 16 rows of 128).
+    Each power of two Qp is costed as padded tokens plus, per row, its gathered context
+    (`context` tokens of K/V) at ROW_CONTEXT_WEIGHT of a token's cost; the cheapest wins,
+    ties going to the longer rows.
+    """
+    best: tuple[float, int, int] | None = None
+    qp = bucket(max(lengths), MIN_PREFILL_LEN)
+    while qp >= MIN_PREFILL_LEN:
+        rows = row_bucket(sum(-(-n // qp) for n in lengths))
+        cost = rows * (qp + context * ROW_CONTEXT_WEIGHT)
+        if rows <= max_rows and (best is None or cost < best[0]):
+            best = (cost, qp, rows)
+        qp //= 2
+    if best is None:
+        raise ValueError(f"{len(lengths)} prefill chunks do not fit in {max_rows} rows")
+    return best[1], best[2]
+
+
 def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int,
                 fused_steps: int = 1):
-    """-> (DeviceBatch, StepShape, SamplerFlags, rows: the chunk of each real row in order).
+    """-> (DeviceBatch, StepShape, SamplerFlags, rows, starts).
+
+    `rows[r]` is the chunk whose sampled token row r holds (None for padding and for the leading
+    rows of a prefill chunk split over several rows: it sits in its last one); `starts[r]` is the
+    index in T of that chunk's first token (a split chunk's tokens stay contiguous in T).
 
     A fused batch always runs `fused_steps` steps (rows with fewer stop writing after their own
     count), so fusion adds one compiled variant per shape, not one per step count.
     """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
-    sd, sp = bucket(len(decode)), bucket(len(prefill))
-    qp = bucket(max((c.num_tokens for c in prefill), default=0), MIN_PREFILL_LEN) if prefill else 0
-    steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
+    sd = bucket(len(decode))
     pages = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
+    lengths = [c.num_tokens for c in prefill]
+    qp, sp = plan_prefill(lengths, max_rows - sd, pages * page_size) if prefill else (0, 0)
+    steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
     want_prompt = any(c.seq.params.prompt_logprobs is not None for c in prefill + decode)
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows)
     if shape.num_rows > max_rows:
@@ -82,9 +119,14 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     tables, ctx, sample_rows = np.zeros((r, pages), np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
     row_steps = np.zeros(r, np.int32)
     rows: list[ScheduledChunk] = decode + prefill
-    offsets = list(range(len(decode))) + [sd + j * qp for j in range(len(prefill))]
-    row_ids = list(range(len(decode))) + [sd + j for j in range(len(prefill))]
-    for chunk, off, row in zip(rows, offsets, row_ids):
+    offsets, spans = list(range(len(decode))), [(i, i + 1) for i in range(len(decode))]  # rows [first, last + 1)
+    first = sd
+    for chunk in prefill:
+        pieces = -(-chunk.num_tokens // qp)
+        offsets.append(sd + (first - sd) * qp)
+        spans.append((first, first + pieces))
+        first += pieces
+    for chunk, off, (row0, row_end) in zip(rows, offsets, spans):
         seq, n = chunk.seq, chunk.num_tokens
         ids = np.asarray(seq.token_range(chunk.start, chunk.end), np.int32)
         if (ids == IN_FLIGHT).any():  # only the newest token can still be on device
@@ -96,20 +138,22 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         table = np.asarray(seq.page_table, np.int32)
         tokens[off : off + n], positions[off : off + n] = ids, pos
         slots[off : off + n] = table[pos // page_size] * page_size + pos % page_size
-        tables[row, : len(table)] = table
-        ctx[row] = chunk.end
-        sample_rows[row] = off + n - 1
-        row_steps[row] = chunk.num_steps
+        for row in range(row0, row_end):  # each row attends over the whole sequence's pages
+            tables[row, : len(table)] = table
+            ctx[row] = chunk.end
+            sample_rows[row] = off + min((row - row0 + 1) * max(qp, 1), n) - 1
+            row_steps[row] = chunk.num_steps
         if want_prompt and seq.params.prompt_logprobs is not None:
             nxt = pos + 1
             inside = nxt < seq.num_prompt_tokens
             targets[off : off + n][inside] = np.asarray(seq.prompt_token_ids, np.int32)[nxt[inside]]
     by_row: list[ScheduledChunk | None] = [None] * r
-    for chunk, row in zip(rows, row_ids):
-        by_row[row] = chunk
+    starts = [0] * r
+    for chunk, off, (_, row_end) in zip(rows, offsets, spans):
+        by_row[row_end - 1], starts[row_end - 1] = chunk, off
     sampling, flags = _sampling(by_row, max_logprobs, prev_rows)
     db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, sampling)
-    return db, shape, flags, by_row
+    return db, shape, flags, by_row, starts
 
 
 def _sampling(rows: list[ScheduledChunk | None], max_logprobs: int, prev_rows: dict[int, int]):

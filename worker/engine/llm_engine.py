@@ -294,8 +294,7 @@ class LLMEngine:
             return
         if not track.prompt_logprobs:
             track.prompt_logprobs.append(None)
-        shape = flight.shape
-        base = row if row < shape.num_decode else shape.num_decode + (row - shape.num_decode) * shape.prefill_len
+        base = flight.starts[row]
         n = seq.params.prompt_logprobs
         for i in range(chunk.num_tokens):
             pos = chunk.start + i

@@ -44,6 +44,7 @@ class InFlight:
 
     batch: ScheduledBatch
     rows: list  # ScheduledChunk per sampled row, in row order
+    starts: list[int]  # index in T of the first token of each row's chunk
     shape: StepShape
     out: StepOutput
 
@@ -67,13 +68,13 @@ class ModelRunner:
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
-        db, shape, flags, rows = build_batch(batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs,
+        db, shape, flags, rows, starts = build_batch(batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs,
                                              self.fused_steps)
         self.compiled.add((shape, flags))
         self.kv, out = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape, flags=flags)
         self.prev_tokens = out.tokens[-1]
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
-        return InFlight(batch, rows, shape, out)
+        return InFlight(batch, rows, starts, shape, out)
 
 
 @lru_cache(maxsize=8)

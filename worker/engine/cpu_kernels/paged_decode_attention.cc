@@ -45,10 +45,11 @@ struct Problem {
 };
 
 // Attention of one sequence's G query heads that share KV head `kvh`: scores for every visible
-// key (walking the page table), one softmax per head, then the weighted sum of values.
-template <typename T>
+// key (walking the page table), one softmax per head, then the weighted sum of values. DIM > 0
+// fixes the head dimension at compile time (fully unrolled, register-resident rows); 0: any.
+template <typename T, int DIM>
 void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scratch) {
-  const int64_t d = pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
+  const int64_t d = DIM > 0 ? DIM : pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
   float* o = pb.out + (s * pb.heads + kvh * g) * d;  // [G, D]
   const int64_t pos = pb.positions[s];
   // exclusive end: also never past the page table (a fused decode row that has stopped keeps
@@ -58,29 +59,33 @@ void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scrat
   const int64_t n = hi - lo;  // visible keys
   std::fill(o, o + g * d, 0.0f);
   if (n <= 0) return;  // padding row
-  scratch.resize(g * n);
+  scratch.resize(g * n + g);
   float* probs = scratch.data();  // [G, n]: scores, then probabilities
+  float* inv = probs + g * n;     // [G]: 1 / softmax denominator
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float* qs = pb.q + (s * pb.heads + kvh * g) * d;  // [G, D]
   const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * ps * d;
   const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * ps * d;
   const int32_t* table = pb.tables + s * pb.table_width;
-  auto row = [&](const T* base, int64_t j) {  // key or value row of token j: [D]
-    int64_t page = table[j / ps];
-    if (page < 0 || page >= pb.num_pages) page = 0;  // never read outside the cache
-    return base + (page * ps + j % ps) * d;
+  // visit every visible key row in order, a page at a time (no division per token)
+  auto for_each_row = [&](const T* base, auto&& visit) {
+    for (int64_t col = lo / ps; col * ps < hi; ++col) {
+      int64_t page = table[col];
+      if (page < 0 || page >= pb.num_pages) page = 0;  // never read outside the cache
+      const T* rows = base + page * ps * d;  // [page_size, D]
+      for (int64_t t = std::max(lo, col * ps) - col * ps, end = std::min(hi, col * ps + ps) - col * ps; t < end; ++t)
+        visit(col * ps + t - lo, rows + t * d);
+    }
   };
-  for (int64_t j = lo; j < hi; ++j) {
-    const T* k = row(kbase, j);
+  for_each_row(kbase, [&](int64_t j, const T* k) {
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = qs + h * d;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t i = 0; i < d; ++i) dot += qh[i] * load(k, i);
-      probs[h * n + j - lo] = dot * scale;
+      probs[h * n + j] = dot * scale;
     }
-  }
-  std::vector<float> inv(g);
+  });
   for (int64_t h = 0; h < g; ++h) {
     float* p = probs + h * n;
     float mx = -1e30f, sum = 0.0f;
@@ -93,15 +98,14 @@ void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scrat
     }
     inv[h] = 1.0f / sum;
   }
-  for (int64_t j = lo; j < hi; ++j) {
-    const T* v = row(vbase, j);
+  for_each_row(vbase, [&](int64_t j, const T* v) {
     for (int64_t h = 0; h < g; ++h) {
-      const float p = probs[h * n + j - lo];
+      const float p = probs[h * n + j];
       float* oh = o + h * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) oh[i] += p * load(v, i);
     }
-  }
+  });
   for (int64_t h = 0; h < g; ++h) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) o[h * d + i] *= inv[h];
@@ -110,17 +114,29 @@ void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scrat
 
 // Items are claimed from a shared counter by the calling thread and by pool tasks; the state is
 // shared-owned, so a pool task that starts after all items are done only reads the counter.
+using AttendFn = void (*)(const Problem&, int64_t, int64_t, std::vector<float>&);
+
+template <typename T>
+AttendFn for_dim(int64_t dim) {
+  switch (dim) {
+    case 32: return attend<T, 32>;
+    case 64: return attend<T, 64>;
+    case 128: return attend<T, 128>;
+    case 256: return attend<T, 256>;
+    default: return attend<T, 0>;
+  }
+}
+
 struct Work {
   Problem pb;
-  bool bf16;
+  AttendFn fn;
   int64_t items;
   std::atomic<int64_t> next{0}, done{0};
 
   void run() {
     std::vector<float> scratch;
     for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      const int64_t s = i / pb.kv_heads, kvh = i % pb.kv_heads;
-      bf16 ? attend<uint16_t>(pb, s, kvh, scratch) : attend<float>(pb, s, kvh, scratch);
+      fn(pb, i / pb.kv_heads, i % pb.kv_heads, scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -144,7 +160,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   work->pb = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
                      positions.typed_data(), context_lens.typed_data(), out->typed_data(),
                      qd[0], qd[1], kd[0], qd[2], kd[1], kd[2], td[1], window};
-  work->bf16 = bf16;
+  work->fn = bf16 ? for_dim<uint16_t>(qd[2]) : for_dim<float>(qd[2]);
   work->items = qd[0] * kd[0];
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });

@@ -1,0 +1,35 @@
+"""How prefill chunks are laid out in a step: row counts and the split of chunks into rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from worker.engine.batch import MIN_PREFILL_LEN, plan_prefill, row_bucket
+
+
+def test_row_bucket_ladder_is_powers_of_two_and_one_and_a_half_times_them():
+    assert [row_bucket(n) for n in range(1, 26)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16,
+                                                    24, 24, 24, 24, 24, 24, 24, 24, 32]
+
+
+def test_a_long_chunk_among_short_ones_is_split_instead_of_padding_every_row():
+    # a 1024-token budget packed as the rest of one prompt, 7 whole prompts and the start of another
+    qp, rows = plan_prefill([8] + [128] * 7 + [104], max_rows=128, context=128)
+    assert rows * qp == 1024  # no padded token (one row per chunk would pad to 12 x 128)
+    assert plan_prefill([128] * 8, max_rows=128, context=128) == (128, 8)  # nothing to gain: whole rows
+
+
+def test_long_contexts_keep_rows_long():
+    # each row gathers its sequence's whole context: tiny rows over 1024 tokens of K/V cost more
+    qp, rows = plan_prefill([17, 1000], max_rows=128, context=1024)
+    assert qp >= 256 and rows * qp <= 1536
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_plan_holds_every_token_and_fits(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, 300, rng.integers(1, 12)).tolist()
+    qp, rows = plan_prefill(lengths, max_rows=64, context=512)
+    assert qp >= MIN_PREFILL_LEN and qp & (qp - 1) == 0
+    assert sum(-(-n // qp) for n in lengths) <= rows <= 64
