@@ -26,7 +26,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, help="sequences per step at most (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int, help="tokens per step at most (default 1024)")
-    g.add_argument("--page-size", type=int, help="tokens per KV page (default 16)")
+    g.add_argument("--page-size", type=int, help="tokens per KV page (default 64 on CPU, 16 on accelerators)")
     g.add_argument("--num-pages", type=int, help="KV pages (default: from free memory)")
     g.add_argument("--kv-cache-memory-fraction", type=float, help="share of free memory for KV pages (default 0.5)")
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")

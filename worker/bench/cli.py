@@ -48,7 +48,8 @@ def offline(argv: list[str]) -> int:
     print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
     if "decode_step_ms" in r:
         print(f"  decode: {r['decode_step_ms']:.2f} ms/step at batch {r['decode_mean_batch']:.1f} (ideal "
-              f"{r['decode_ideal_step_ms']:.2f} ms): roofline {r['decode_roofline_fraction']:.1%}, "
+              f"{r['decode_ideal_step_ms']:.2f} ms = max of {r['decode_memory_step_ms']:.2f} ms memory, "
+              f"{r['decode_compute_step_ms']:.2f} ms compute): roofline {r['decode_roofline_fraction']:.1%}, "
               f"host {r['decode_host_fraction']:.1%} of step time")
     if "prefill_token_us" in r:
         print(f"  prefill: {r['prefill_token_us']:.1f} us/token (ideal {r['prefill_ideal_token_us']:.1f} us): "

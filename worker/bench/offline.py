@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,7 +53,8 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
         except FileNotFoundError:
             tokenizer = IdTokenizer()
     if "num_pages" not in overrides:  # enough for every sequence that can run at once, no more
-        per_seq = -(-(work.input_len + work.output_len) // overrides.get("page_size", 16))
+        page_size = EngineConfig(**overrides).for_backend(jax.default_backend()).page_size
+        per_seq = -(-(work.input_len + work.output_len) // page_size)
         running = min(work.num_prompts, overrides.get("max_num_seqs", 64))
         overrides = {**overrides, "num_pages": running * per_seq + RESERVED_PAGES}
     return LLMEngine(model, tokenizer, EngineConfig(**overrides)), path
@@ -145,8 +147,11 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
     if d.decode_steps:
         batch, context = d.batch_rows / d.decode_steps, d.context_tokens / max(d.batch_rows, 1)
         step_s = d.wall_s / d.decode_steps
-        ideal = roofline.decode_step_bytes(cfg, itemsize, batch, context) / (bandwidth * 1e9)
+        memory = roofline.decode_step_bytes(cfg, itemsize, batch, context) / (bandwidth * 1e9)
+        compute = roofline.decode_step_flops(cfg, batch, context) / (gflops * 1e9)
+        ideal = max(memory, compute)
         out |= {"decode_step_ms": step_s * 1e3, "decode_mean_batch": batch, "decode_mean_context": context,
+                "decode_memory_step_ms": memory * 1e3, "decode_compute_step_ms": compute * 1e3,
                 "decode_ideal_step_ms": ideal * 1e3, "decode_roofline_fraction": ideal / step_s,
                 "decode_host_fraction": d.host_s / d.wall_s}
     if p.prefill_tokens:

@@ -1,8 +1,10 @@
 """What this machine can do at best (copy bandwidth, matmul speed) and how close a run came.
 
-decode: an ideal step moves every weight once plus the KV of every running sequence, so its
-floor is bytes / bandwidth. prefill: an ideal token costs 2 * params FLOPs, so its floor is
-that / matmul speed. A fraction of 1.0 means the step ran at the machine's measured limit.
+decode: an ideal step reads every weight once plus the KV of every running sequence, and does
+2 * params FLOPs per sequence plus the attention over its context; its floor is the larger of
+bytes / bandwidth and FLOPs / matmul speed (small batches are bandwidth-bound, large ones on a CPU
+compute-bound). prefill: an ideal token costs 2 * params FLOPs, so its floor is that / matmul
+speed. A fraction of 1.0 means the step ran at the machine's measured limit.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
 def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float) -> float:
     """Bytes an ideal decode step reads: all weights once, plus each sequence's KV."""
     return cfg.num_params * itemsize + batch * mean_context * kv_bytes_per_token(cfg, itemsize)
+
+
+def decode_step_flops(cfg: ModelConfig, batch: float, mean_context: float) -> float:
+    """2 * params per sequence plus attention (scores and weighted values) over its context."""
+    attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * mean_context
+    return batch * (2.0 * cfg.num_params + attention)
 
 
 def prefill_token_flops(cfg: ModelConfig) -> float:

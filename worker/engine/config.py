@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+# Tokens per KV page when not configured: on the CPU backend longer pages keep each sequence's K/V
+# in longer contiguous runs (the decode kernel streams them; measured 94 -> 76 ms per llama-100m
+# decode step going from 16 to 64); accelerators keep the finer page of vLLM.
+DEFAULT_PAGE_SIZE = {"cpu": 64}
+ACCELERATOR_PAGE_SIZE = 16
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64  # sequences in one step at most
     max_num_batched_tokens: int = 1024  # tokens (prefill chunks + decodes) in one step at most
-    page_size: int = 16  # tokens per KV page
+    page_size: int | None = None  # tokens per KV page; None: 64 on the CPU backend, 16 on accelerators
     num_pages: int | None = None  # KV pages per layer; None: derived from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.5  # share of free device (or host) memory given to KV pages
     max_model_len: int | None = None  # context limit; None: the model's max_position_embeddings
@@ -27,7 +33,7 @@ class EngineConfig:
         checks = {
             "max_num_seqs must be >= 1": self.max_num_seqs >= 1,
             "max_num_batched_tokens must be >= max_num_seqs": self.max_num_batched_tokens >= self.max_num_seqs,
-            "page_size must be a power of two in [1, 256]": self.page_size in {2**i for i in range(9)},
+            "page_size must be a power of two in [1, 256]": self.page_size is None or self.page_size in {2**i for i in range(9)},
             "num_pages must be >= 2": self.num_pages is None or self.num_pages >= 2,
             "kv_cache_memory_fraction must be in (0, 1)": 0.0 < self.kv_cache_memory_fraction < 1.0,
             "max_model_len must be >= 1": self.max_model_len is None or self.max_model_len >= 1,
@@ -39,6 +45,12 @@ class EngineConfig:
         for message, ok in checks.items():
             if not ok:
                 raise ValueError(message)
+
+    def for_backend(self, backend: str) -> "EngineConfig":
+        """This config with the defaults that depend on the JAX backend ("cpu", "gpu", ...) filled in."""
+        if self.page_size is not None:
+            return self
+        return replace(self, page_size=DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE))
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
@@ -62,6 +63,7 @@ class _Track:
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig):
         cfg = model.cfg
+        config = config.for_backend(jax.default_backend())
         self.config = config
         self.model_config = cfg
         self.tokenizer = tokenizer
