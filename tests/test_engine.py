@@ -603,3 +603,17 @@ def test_unseeded_offline_sampling_is_reproducible(random_ckpt):
                                env={**os.environ, "PYTHONHASHSEED": str(h), "JAX_PLATFORMS": "cpu"}) for h in (1, 2)]
     seeds = [p.communicate(timeout=120)[0].strip() for p in probes]
     assert all(p.returncode == 0 for p in probes) and seeds[0] == seeds[1] != ""
+
+
+def test_warmup_compiles_the_decode_variants_a_server_meets_first(model, tokenizer, prompts):
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    free = engine.allocator.num_free_pages
+    assert engine.warmup() > 0
+    assert engine.num_generated_tokens == 0 and engine.num_steps == 0  # throwaway work is not counted
+    assert_pages_returned(engine, free)
+    decode_variants = {k for k in engine.runner.compiled if k[0].num_prefill == 0}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i in range(5):
+        engine.add_request(f"r{i}", [3], params)  # one-token prompts: every step is a pure decode step
+    drain(engine)
+    assert {k for k in engine.runner.compiled if k[0].num_prefill == 0} == decode_variants

@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis
 
-from tests.stack_support import jax_cache_env, start_api, start_worker, stop, stop_mid_request, wait_until
+from tests.stack_support import jax_cache_env, start_api, start_worker, stop, stop_when_in_flight, wait_until
 from tests.test_serving import _db_url, ids_of_dir, jax_cache, model_dir, offline, offline_greedy  # noqa: F401
 from worker import contract
 from worker.contract import OutputDelta, RequestEvent
@@ -47,13 +47,21 @@ def _drain(stream) -> tuple[str, str | None]:
 
 
 def _catch_in_flight(r, worker, client, model, ids):
-    """Start a streamed request and SIGSTOP `worker` while it is half done: (stream, request id, first text)."""
+    """Start a streamed request and SIGSTOP `worker` while it is half done: (stream, request id, first text).
+
+    A watcher thread polls Redis from before the request is sent and stops the worker as soon as
+    the request has output (reading the first chunk first would often be too late: the engine
+    can finish 200 tokens in the time the chunk takes to reach the client)."""
     for _ in range(8):
-        stream = _stream(client, model, ids)
-        first = next(iter(stream))
-        request_id = first.id.removeprefix("cmpl-")
-        if stop_mid_request(r, worker, request_id):
+        with ThreadPoolExecutor(1) as pool:
+            watcher = pool.submit(stop_when_in_flight, r, worker)
+            stream = _stream(client, model, ids)
+            first = next(iter(stream))
+            request_id = watcher.result(timeout=120)
+        if request_id == first.id.removeprefix("cmpl-"):
             return stream, request_id, first.choices[0].text
+        if request_id is not None:  # stopped on another request: let the worker go on
+            os.kill(worker.pid, signal.SIGCONT)
         stream.close()
     pytest.fail("never caught the worker with a request in flight")
 

@@ -12,6 +12,7 @@ from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 from worker.engine.sequence import IN_FLIGHT
 
 MIN_PREFILL_LEN = 8
+MIN_DECODE_ROWS = 8  # fewer compiled variants; padding decode rows costs next to nothing
 MIN_PAGES = 4
 LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 # Reading one context token's K/V for a prefill row, relative to the matmuls of one query token:
@@ -62,6 +63,12 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
 
 
+def decode_rows(n: int, max_rows: int) -> int:
+    """Padded decode row count for n decode rows: a power of two, at least MIN_DECODE_ROWS unless
+    that would take more than half of the runner's rows (prefill rows need the other half)."""
+    return bucket(n, min(MIN_DECODE_ROWS, max_rows // 2))
+
+
 def row_bucket(n: int) -> int:
     """Smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) >= n."""
     b = bucket(n)
@@ -90,8 +97,21 @@ def plan_prefill(lengths: list[int], max_rows: int, context: int) -> tuple[int, 
     return best[1], best[2]
 
 
+def fits(shape: StepShape, num_decode: int, prefill_lengths: list[int], pages: int) -> bool:
+    """Can a batch with these decode rows, prefill chunk lengths and page-table width run in `shape`?"""
+    if shape.num_decode < num_decode or shape.pages < pages or bool(shape.num_prefill) != bool(prefill_lengths):
+        return False
+    return not prefill_lengths or sum(-(-n // shape.prefill_len) for n in prefill_lengths) <= shape.num_prefill
+
+
+def step_cost(shape: StepShape) -> float:
+    """Relative work of a step shape: padded tokens plus the context each prefill row gathers."""
+    context = shape.pages * shape.page_size * ROW_CONTEXT_WEIGHT
+    return shape.decode_steps * shape.num_decode + shape.num_prefill * (shape.prefill_len + context)
+
+
 def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int,
-                fused_steps: int = 1):
+                fused_steps: int = 1, decode_pages: int | None = None, choose=None):
     """-> (DeviceBatch, StepShape, SamplerFlags, rows, starts).
 
     `rows[r]` is the chunk whose sampled token row r holds (None for padding and for the leading
@@ -99,12 +119,18 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     index in T of that chunk's first token (a split chunk's tokens stay contiguous in T).
 
     A fused batch always runs `fused_steps` steps (rows with fewer stop writing after their own
-    count), so fusion adds one compiled variant per shape, not one per step count.
+    count), so fusion adds one compiled variant per shape, not one per step count. With
+    `decode_pages` (a decode kernel that reads only each row's own context), pure-decode batches
+    use that fixed page-table width: their variants no longer multiply with context lengths.
+    `choose(exact_shape, flags, decode_rows, prefill_lengths, pages)` may return another shape the
+    batch fits in (an already compiled one) to run instead.
     """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
-    sd = bucket(len(decode))
+    sd = decode_rows(len(decode), max_rows)
     pages = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
+    if decode_pages is not None and not prefill:
+        pages = max(decode_pages, pages)
     lengths = [c.num_tokens for c in prefill]
     qp, sp = plan_prefill(lengths, max_rows - sd, pages * page_size) if prefill else (0, 0)
     steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
@@ -112,6 +138,10 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows)
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
+    flags = sampler_flags([c.seq.params for c in batch.chunks], max_logprobs)
+    if choose is not None:
+        shape = choose(shape, flags, len(decode), lengths, pages)
+        sd, qp, pages = shape.num_decode, shape.prefill_len, shape.pages
 
     t, r = shape.num_tokens, shape.num_rows
     tokens, src = np.zeros(t, np.int32), np.full(t, -1, np.int32)
@@ -151,27 +181,31 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     starts = [0] * r
     for chunk, off, (_, row_end) in zip(rows, offsets, spans):
         by_row[row_end - 1], starts[row_end - 1] = chunk, off
-    sampling, flags = _sampling(by_row, max_logprobs, prev_rows)
+    sampling = _sampling(by_row, flags, prev_rows)
     db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, sampling)
     return db, shape, flags, by_row, starts
 
 
-def _sampling(rows: list[ScheduledChunk | None], max_logprobs: int, prev_rows: dict[int, int]):
-    r = len(rows)
-    real = [c for c in rows if c is not None]
-    params = [c.seq.params for c in real]
+def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
+    """The static sampler switches a batch with these SamplingParams needs."""
     greedy = all(p.temperature == 0.0 for p in params)
-    penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
-    bias_len = max((len(p.logit_bias) for p in params), default=0)
     want_top = any((p.logprobs or 0) > 0 or (p.prompt_logprobs or 0) > 0 for p in params)
-    flags = SamplerFlags(
+    return SamplerFlags(
         all_greedy=greedy,
         needs_sort=not greedy and any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-        penalties=penalties,
-        bias=bias_len > 0,
+        penalties=any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params),
+        bias=any(p.logit_bias for p in params),
         num_logprobs=max_logprobs if want_top else 0,
         logprobs=any(p.logprobs is not None or p.prompt_logprobs is not None for p in params),
     )
+
+
+def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows: dict[int, int]):
+    r = len(rows)
+    real = [c for c in rows if c is not None]
+    params = [c.seq.params for c in real]
+    penalties = flags.penalties
+    bias_len = max((len(p.logit_bias) for p in params), default=0)
     b = next(x for x in LOGIT_BIAS_LADDER + (bias_len,) if x >= bias_len) if bias_len else 1
     out_len = bucket(max((c.seq.num_output_tokens for c in real), default=0) + 1) if penalties else 1
     prompt_len = bucket(max((c.seq.num_prompt_tokens for c in real), default=0)) if penalties else 1
@@ -206,4 +240,4 @@ def _sampling(rows: list[ScheduledChunk | None], max_logprobs: int, prev_rows: d
         repetition=rep, bias_ids=bias_ids, bias_vals=bias_vals, output_ids=out_ids, prompt_ids=prompt_ids,
         pending=pending,
     )
-    return tensors, flags
+    return tensors

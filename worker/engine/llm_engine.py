@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
-from worker.engine.batch import bucket
+from worker.engine.batch import bucket, decode_rows
 from worker.engine.config import EngineConfig
+from worker.engine import paged_attention
 from worker.engine.cpu_attention import choose_decode_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
@@ -77,9 +78,13 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, dtype, kv_sharding(mesh) if mesh else None)
+        decode_attention = choose_decode_attention(config.decode_attention, config.tensor_parallel)
+        # the CPU kernel reads only each row's own context, so pure-decode steps can use one
+        # page-table width (the longest sequence's) whatever the contexts: fewer compiled variants
+        kernel = decode_attention is not paged_attention.paged_decode_attention
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
-                                  config.decode_steps,
-                                  choose_decode_attention(config.decode_attention, config.tensor_parallel))
+                                  config.decode_steps, decode_attention,
+                                  bucket(config.pages_for(self.max_model_len)) if kernel else None)
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}
@@ -314,6 +319,25 @@ class LLMEngine:
             return None
         track.prompt_sent = True
         return track.prompt_logprobs
+
+    def warmup(self, sampling: tuple[SamplingParams, ...] = (SamplingParams(temperature=0.0),
+                                                             SamplingParams(temperature=1.0))) -> int:
+        """Compile the pure-decode step variants a server meets first (every decode batch-size
+        bucket, fused and single steps, for each of `sampling`) by running throwaway one-token
+        requests; returns how many variants were compiled. Counters are restored afterwards."""
+        counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
+        before = len(self.runner.compiled)
+        sizes = sorted({decode_rows(n, self.runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
+        for k, params in enumerate(sampling):
+            params = dataclasses.replace(params, n=1, max_tokens=self.config.decode_steps + 2, ignore_eos=True,
+                                         seed=k)
+            for size in sizes:
+                for i in range(size):
+                    self.add_request(f"warmup-{k}-{size}-{i}", [0], params)
+                while self.has_unfinished():
+                    self.step()
+        self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
+        return len(self.runner.compiled) - before
 
     # ---- stats ----
 

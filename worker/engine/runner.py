@@ -11,6 +11,7 @@ sampled tokens through `src`; the host never waits for it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 
@@ -19,11 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine.batch import DeviceBatch, StepShape, build_batch
+from worker.engine.batch import DeviceBatch, StepShape, build_batch, fits, step_cost
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import paged_attention, paged_decode_attention, write_kv
 from worker.engine.sampler import SamplerFlags, sample
 from worker.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+COMPILE_AFTER = 3  # an uncompiled shape is compiled the third time a batch needs it
 
 
 @jax.tree_util.register_dataclass
@@ -51,7 +56,7 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
-                 decode_attention=paged_decode_attention):
+                 decode_attention=paged_decode_attention, decode_pages: int | None = None):
         self.graphdef, self.params = nnx.split(model)
         self.cfg = model.cfg
         self.kv = kv
@@ -62,19 +67,41 @@ class ModelRunner:
         self.prev_tokens = jnp.zeros((max_rows,), jnp.int32)  # last sampled token per row
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
         self.compiled: set[tuple] = set()  # distinct (shape, flags) variants seen
+        self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
         self.decode_attention = decode_attention  # jnp path or the compiled CPU kernel (same contract)
+        self.decode_pages = decode_pages  # fixed page-table width of pure-decode steps (None: bucketed)
         self._step = _jitted_step(self.graphdef, decode_attention)
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
-        db, shape, flags, rows, starts = build_batch(batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs,
-                                             self.fused_steps)
-        self.compiled.add((shape, flags))
+        db, shape, flags, rows, starts = build_batch(batch, self.prev_rows, self.page_size, self.max_rows,
+                                                     self.max_logprobs, self.fused_steps, self.decode_pages,
+                                                     self._choose_shape)
+        if (shape, flags) not in self.compiled:
+            self.compiled.add((shape, flags))
+            log.info("step variant %d: decode rows %d, prefill rows %d x %d, pages %d, fused %d, greedy %s",
+                     len(self.compiled), shape.num_decode, shape.num_prefill, shape.prefill_len, shape.pages,
+                     shape.decode_steps, flags.all_greedy)
         self.kv, out = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape, flags=flags)
         self.prev_tokens = out.tokens[-1]
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, starts, shape, out)
+
+
+    def _choose_shape(self, exact: StepShape, flags, num_decode: int, lengths: list[int], pages: int) -> StepShape:
+        """The exact shape if compiled; else, until it has come up COMPILE_AFTER times, the cheapest
+        compiled variant the batch fits in (a stall of seconds to compile a shape that arrival
+        timing produced once costs more than padding one step); else the exact shape."""
+        key = (exact, flags)
+        if key in self.compiled:
+            return exact
+        self.wanted[key] = self.wanted.get(key, 0) + 1
+        if self.wanted[key] >= COMPILE_AFTER:
+            return exact
+        covering = [s for s, f in self.compiled if f == flags and s.decode_steps == exact.decode_steps
+                    and s.prompt_logprobs == exact.prompt_logprobs and fits(s, num_decode, lengths, pages)]
+        return min(covering, key=step_cost, default=exact)
 
 
 @lru_cache(maxsize=8)

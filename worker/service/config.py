@@ -19,6 +19,7 @@ ENV_NAMES = {
     "drain_timeout_s": "REDJAX_DRAIN_TIMEOUT_S",
     "log_level": "REDJAX_LOG_LEVEL",
     "compile_cache_dir": "REDJAX_COMPILE_CACHE_DIR",
+    "warmup": "REDJAX_WARMUP",
 }
 ENGINE_ENV_PREFIX = "REDJAX_"  # each EngineConfig field: REDJAX_<FIELD> (e.g. REDJAX_MAX_NUM_SEQS)
 
@@ -35,6 +36,7 @@ class WorkerConfig:
     log_level: str = "info"
     # persistent XLA compilation cache, so a restarted worker skips compiling its step shapes; "" disables
     compile_cache_dir: str = str(Path.home() / ".cache" / "redjax" / "xla")
+    warmup: bool = True  # compile the decode step variants before taking requests (LLMEngine.warmup)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -54,6 +54,10 @@ class Worker:
         """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if self.config.warmup:  # before joining the fleet: no request waits on these compiles
+            t0 = time.perf_counter()
+            n = self.engine.warmup()
+            log.info("worker %s warmed up %d step variants in %.1f s", self.config.name, n, time.perf_counter() - t0)
         self.io.start()
         self.state = WorkerState.SERVING
         log.info("worker %s serving %s (decode attention: %s)", self.config.name, self.config.model_name,
