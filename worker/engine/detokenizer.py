@@ -22,6 +22,10 @@ class Decoder(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        # a transformers fast tokenizer decodes in Rust; calling its backend directly skips the
+        # Python wrapper, which cost more than the decoding itself (no clean-up either way)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_ids = backend.decode if backend is not None else self._decode_slow
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT:])  # context, then tokens not emitted
@@ -55,6 +59,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
-        )
+        return self._decode_ids(ids, skip_special_tokens=self._skip_special)
+
+    def _decode_slow(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)

@@ -68,6 +68,7 @@ class ModelRunner:
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
         self.compiled: set[tuple] = set()  # distinct (shape, flags) variants seen
         self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
+        self.compile_after = COMPILE_AFTER  # 1: always compile the exact shape (benchmarks)
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
         self.decode_attention = decode_attention  # jnp path or the compiled CPU kernel (same contract)
         self.decode_pages = decode_pages  # fixed page-table width of pure-decode steps (None: bucketed)
@@ -90,14 +91,14 @@ class ModelRunner:
 
 
     def _choose_shape(self, exact: StepShape, flags, num_decode: int, lengths: list[int], pages: int) -> StepShape:
-        """The exact shape if compiled; else, until it has come up COMPILE_AFTER times, the cheapest
+        """The exact shape if compiled; else, until it has come up `compile_after` times, the cheapest
         compiled variant the batch fits in (a stall of seconds to compile a shape that arrival
         timing produced once costs more than padding one step); else the exact shape."""
         key = (exact, flags)
         if key in self.compiled:
             return exact
         self.wanted[key] = self.wanted.get(key, 0) + 1
-        if self.wanted[key] >= COMPILE_AFTER:
+        if self.wanted[key] >= self.compile_after:
             return exact
         covering = [s for s, f in self.compiled if f == flags and s.decode_steps == exact.decode_steps
                     and s.prompt_logprobs == exact.prompt_logprobs and fits(s, num_decode, lengths, pages)]
