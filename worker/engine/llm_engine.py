@@ -201,6 +201,7 @@ class LLMEngine:
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         out = to_host(flight.out)
+        tokens_by_row = out.tokens.T.tolist()  # [R][K]: one conversion instead of one per token
         results: list[RequestOutput] = []
         for row, chunk in enumerate(flight.rows):
             if chunk is None or chunk.seq.is_finished:
@@ -214,22 +215,25 @@ class LLMEngine:
                 continue
             if not chunk.samples:
                 continue
-            results.append(self._take_tokens(seq, track, [int(out.tokens[k, row]) for k in range(chunk.num_steps)],
-                                             [(out.logprobs[k, row], out.top_ids[k, row], out.top_logprobs[k, row])
-                                              for k in range(chunk.num_steps)]))
+            steps = range(chunk.num_steps)
+            lps = ([(out.logprobs[k, row], out.top_ids[k, row], out.top_logprobs[k, row]) for k in steps]
+                   if seq.params.logprobs is not None else None)
+            results.append(self._take_tokens(seq, track, tokens_by_row[row][: chunk.num_steps], lps))
         return results
 
-    def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list) -> RequestOutput:
+    def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list | None) -> RequestOutput:
         """Resolve read-back tokens one by one, checking every stop condition after each.
 
         Without stop strings the text of all of them is decoded at once (one detokenizer call
-        per fused step instead of one per token)."""
+        per fused step instead of one per token). `lps`: (logprob, top ids, top logprobs) per token,
+        only when the request asks for logprobs."""
         ids, logprobs, text, reason = [], [], "", None
         per_token = bool(seq.params.stop)
-        for token, (lp, top_ids, top_lps) in zip(tokens, lps):
+        for k, token in enumerate(tokens):
             seq.resolve_in_flight(token)
             ids.append(token)
-            if seq.params.logprobs is not None:
+            if lps is not None:
+                lp, top_ids, top_lps = lps[k]
                 top = [[int(i), float(x)] for i, x in zip(top_ids, top_lps)][: seq.params.logprobs]
                 logprobs.append({"token_id": token, "logprob": float(lp), "top": top})
             reason = self._stop_reason(seq, token)
