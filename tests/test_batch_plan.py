@@ -36,8 +36,9 @@ def test_every_plan_holds_every_token_and_fits(seed):
 
 
 def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
-    """ModelRunner._choose_shape: a shape arrival timing produced once borrows the cheapest compiled
-    variant it fits in; the third time it is asked for, it is compiled."""
+    """ModelRunner._choose_shape: a shape arrival timing produced borrows the cheapest compiled
+    variant it fits in; the third time it is asked for, its own compile is requested (dispatch
+    runs it in the background); with nothing to borrow, it is compiled at once."""
     from types import SimpleNamespace
 
     from worker.engine.batch import StepShape
@@ -47,13 +48,15 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     flags = SamplerFlags(all_greedy=True, needs_sort=False, penalties=False, bias=False, num_logprobs=0, logprobs=False)
     shape = lambda sd, sp, qp, pages=4: StepShape(sd, sp, qp, pages, 1, False, 16, 128)  # noqa: E731
     big, bigger = shape(16, 16, 64), shape(64, 32, 64)
-    runner = SimpleNamespace(compiled={(big, flags), (bigger, flags), (shape(8, 4, 8), flags)}, wanted={},
-                             compile_after=COMPILE_AFTER)
+    runner = SimpleNamespace(compiled={(big, flags), (shape(8, 4, 8), flags)}, ready={(bigger, flags): None},
+                             compiling=set(), wanted={}, compile_after=COMPILE_AFTER, _compile_next=None)
     exact = shape(8, 6, 32)
     lengths = [60, 30, 100, 20]  # 1 + 1 + 2 + 1 rows of 64 fit in 16
     for _ in range(COMPILE_AFTER - 1):
         assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == big  # cheapest that fits
-    assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == exact
+        assert runner._compile_next is None
+    assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == big
+    assert runner._compile_next == (exact, flags)
     other = SamplerFlags(**{**vars(flags), "all_greedy": False})  # no compiled variant with these flags
     assert ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4) == exact
     assert ModelRunner._choose_shape(runner, shape(8, 6, 32, pages=8), flags, 5, lengths, 8) == shape(8, 6, 32, 8)

@@ -12,8 +12,10 @@ sampled tokens through `src`; the host never waits for it.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,8 @@ from worker.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
-COMPILE_AFTER = 3  # an uncompiled shape is compiled the third time a batch needs it
+COMPILE_AFTER = 3  # an uncompiled shape that a compiled one covers is compiled (in the background)
+# the third time a batch needs it
 
 
 @jax.tree_util.register_dataclass
@@ -66,43 +69,79 @@ class ModelRunner:
         self.fused_steps = fused_steps  # steps of every fused decode call (EngineConfig.decode_steps)
         self.prev_tokens = jnp.zeros((max_rows,), jnp.int32)  # last sampled token per row
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
-        self.compiled: set[tuple] = set()  # distinct (shape, flags) variants seen
+        self.compiled: set[tuple] = set()  # (shape, flags) variants run through jit
+        self.ready: dict[tuple, Any] = {}  # (shape, flags) -> executable compiled in the background
+        self.compiling: set[tuple] = set()  # background compiles under way
         self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
-        self.compile_after = COMPILE_AFTER  # 1: always compile the exact shape (benchmarks)
-        # the graph definition is bound once: hashing it as a static argument on every call costs ms
+        self.compile_after = COMPILE_AFTER  # 1: always compile the exact shape at once (benchmarks)
+        self._compile_next: tuple | None = None  # set by _choose_shape: compile this exact variant
         self.decode_attention = decode_attention  # jnp path or the compiled CPU kernel (same contract)
         self.decode_pages = decode_pages  # fixed page-table width of pure-decode steps (None: bucketed)
+        # the graph definition is bound once: hashing it as a static argument on every call costs ms
         self._step = _jitted_step(self.graphdef, decode_attention)
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
-        db, shape, flags, rows, starts = build_batch(batch, self.prev_rows, self.page_size, self.max_rows,
-                                                     self.max_logprobs, self.fused_steps, self.decode_pages,
-                                                     self._choose_shape)
-        if (shape, flags) not in self.compiled:
-            self.compiled.add((shape, flags))
-            log.info("step variant %d: decode rows %d, prefill rows %d x %d, pages %d, fused %d, greedy %s",
-                     len(self.compiled), shape.num_decode, shape.num_prefill, shape.prefill_len, shape.pages,
-                     shape.decode_steps, flags.all_greedy)
-        self.kv, out = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape, flags=flags)
+        args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
+                self.decode_pages)
+        db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
+        if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
+            key, self._compile_next = self._compile_next, None
+            self._compile_in_background(key, build_batch(*args)[0])
+        ready = self.ready.get((shape, flags))
+        if ready is not None:
+            self.kv, out = ready(self.params, self.kv, db, self.prev_tokens)
+        else:
+            if (shape, flags) not in self.compiled:
+                self.compiled.add((shape, flags))
+                _log_variant("compiling", shape, flags)
+            self.kv, out = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape, flags=flags)
         self.prev_tokens = out.tokens[-1]
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, starts, shape, out)
 
-
     def _choose_shape(self, exact: StepShape, flags, num_decode: int, lengths: list[int], pages: int) -> StepShape:
-        """The exact shape if compiled; else, until it has come up `compile_after` times, the cheapest
-        compiled variant the batch fits in (a stall of seconds to compile a shape that arrival
-        timing produced once costs more than padding one step); else the exact shape."""
+        """The exact shape if compiled; else the cheapest compiled variant the batch fits in (a stall
+        of seconds to compile a shape that arrival timing produced once costs more than padding a
+        step), asking for the exact one to be compiled in the background once it has come up
+        `compile_after` times; the exact shape (compiled now) when nothing covers the batch."""
         key = (exact, flags)
-        if key in self.compiled:
+        if key in self.compiled or key in self.ready:
             return exact
-        self.wanted[key] = self.wanted.get(key, 0) + 1
-        if self.wanted[key] >= self.compile_after:
-            return exact
-        covering = [s for s, f in self.compiled if f == flags and s.decode_steps == exact.decode_steps
+        covering = [s for s, f in (*self.compiled, *self.ready) if f == flags and s.decode_steps == exact.decode_steps
                     and s.prompt_logprobs == exact.prompt_logprobs and fits(s, num_decode, lengths, pages)]
-        return min(covering, key=step_cost, default=exact)
+        self.wanted[key] = self.wanted.get(key, 0) + 1
+        if not covering or self.compile_after <= 1:
+            return exact
+        if self.wanted[key] >= self.compile_after and key not in self.compiling:
+            if flags.penalties or flags.bias:  # their array widths are not in the key: compile through jit
+                return exact
+            self._compile_next = key
+        return min(covering, key=step_cost)
+
+    def _compile_in_background(self, key: tuple, db: DeviceBatch) -> None:
+        """Compile variant `key` on a thread (the step keeps running borrowed variants meanwhile);
+        the executable is used from the first dispatch after it is ready."""
+        shape, flags = key
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        params, kv, prev = jax.tree.map(spec, (self.params, self.kv, self.prev_tokens))  # donated kv may go away
+        self.compiling.add(key)
+
+        def work():
+            try:
+                self.ready[key] = self._step.lower(params, kv, db, prev, shape=shape, flags=flags).compile()
+                _log_variant("compiled in the background", shape, flags)
+            except Exception:  # the step still runs through jit when this shape comes up again
+                log.exception("background compile of a step variant failed")
+            finally:
+                self.compiling.discard(key)
+
+        threading.Thread(target=work, name="redjax-compile", daemon=True).start()
+
+
+def _log_variant(what: str, shape: StepShape, flags: SamplerFlags) -> None:
+    log.info("%s step variant: decode rows %d, prefill rows %d x %d, pages %d, fused %d, greedy %s", what,
+             shape.num_decode, shape.num_prefill, shape.prefill_len, shape.pages, shape.decode_steps, flags.all_greedy)
 
 
 @lru_cache(maxsize=8)
