@@ -239,3 +239,12 @@ def test_a_rows_draw_ignores_what_its_neighbours_ask_for():
     tokens = np.asarray(sample(jnp.asarray(logits), busy, flags)[0])
     assert tokens[0] == alone and tokens[3] == alone
     assert tokens[2] == logits[2].argmax()
+
+
+def test_first_argmax_equals_argmax_including_ties():
+    from worker.engine.sampler import first_argmax
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(-3, 3, (64, 1000)).astype(np.float32)  # many ties: the first maximum wins
+    x[7] = -1e30  # all equal
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), x.argmax(-1))

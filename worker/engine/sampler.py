@@ -59,7 +59,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags):
     if flags.bias:
         rows = jnp.arange(r)[:, None]
         logits = logits.at[rows, t.bias_ids].add(t.bias_vals)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
     if flags.all_greedy:
         tokens = greedy
     else:
@@ -106,6 +106,15 @@ def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) ->
     return jnp.where(probs < floor, -jnp.inf, logits)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (first index of the maximum) as two plain reductions: XLA's
+    CPU backend runs argmax's (value, index) reduction unvectorized, 5.0 vs 1.1 ms on [64, 32000]."""
+    v = x.shape[-1]
+    top = x.max(axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+    return jnp.minimum(first, v - 1)  # a row of NaNs matches nowhere: stay inside the vocabulary
+
+
 def row_key(seed: jax.Array, choice: jax.Array, out_pos: jax.Array) -> jax.Array:
     key = jax.random.fold_in(jax.random.key(seed), choice)
     return jax.random.fold_in(key, out_pos)
@@ -114,4 +123,4 @@ def row_key(seed: jax.Array, choice: jax.Array, out_pos: jax.Array) -> jax.Array
 def _draw(logits: jax.Array, seed, choice, out_pos) -> jax.Array:
     """One categorical draw by the Gumbel-max trick: argmax(logits + Gumbel noise)."""
     noise = jax.random.gumbel(row_key(seed, choice, out_pos), logits.shape, jnp.float32)
-    return jnp.argmax(logits + noise).astype(jnp.int32)
+    return first_argmax(logits + noise)
