@@ -218,6 +218,19 @@ class SimulatedTraffic:
 # ---------------------------------------------------------------- the browser check
 
 
+def wait_for_js(page, function: str, arg=None, timeout_ms: float = 30_000) -> None:
+    """Poll a JS function through page.evaluate until it returns true.
+
+    Not page.wait_for_function: its polling compiles the predicate with eval inside the page, which
+    the dashboard's Content-Security-Policy (script-src 'self', no 'unsafe-eval') rightly blocks
+    whenever the first check is not already true."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while not page.evaluate(function, arg):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting in the page for: {function}")
+        page.wait_for_timeout(100)
+
+
 def launch_chromium(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 
@@ -249,21 +262,19 @@ def assert_dashboard_live(page_url: str, screenshot_path: str | Path, *, worker_
                 page.screenshot(path=str(login_shot))
                 page.fill("input[name=api_key]", api_key)
                 page.click("button[type=submit]")
-            page.wait_for_function("document.getElementById('live-text')?.textContent === 'Live'", timeout=timeout_ms)
+            wait_for_js(page, "() => document.getElementById('live-text')?.textContent === 'Live'", timeout_ms=timeout_ms)
             if worker_name is not None:
                 page.wait_for_selector(f'#workers tr[data-worker="{worker_name}"]', timeout=timeout_ms)
-            page.wait_for_function(
+            wait_for_js(
+                page,
                 """() => ['queue-waiting', 'queue-in-flight', 'fleet-tokens', 'fleet-requests'].some((id) => {
                        const v = parseFloat(document.getElementById(id).textContent.replace(/[^0-9.]/g, ''));
                        return v > 0; })""",
-                timeout=timeout_ms,
+                timeout_ms=timeout_ms,
             )
             first = page.get_attribute("#chart-tokens path.line", "d", timeout=timeout_ms)
-            page.wait_for_function(
-                "(d) => document.querySelector('#chart-tokens path.line')?.getAttribute('d') !== d",
-                arg=first,
-                timeout=timeout_ms,
-            )
+            wait_for_js(page, "(d) => document.querySelector('#chart-tokens path.line')?.getAttribute('d') !== d",
+                        arg=first, timeout_ms=timeout_ms)
             page.wait_for_timeout(300)
             figures = {
                 key: page.text_content(f"#{key}")
@@ -324,6 +335,6 @@ def test_banner_when_redis_goes_down_and_recovery(output_dir):
             with redis_server(port):
                 seed_worker(redis.Redis(port=port), "phoenix")
                 page.wait_for_selector("#banner", state="hidden", timeout=10_000)
-                page.wait_for_function("document.getElementById('live-text').textContent === 'Live'")
+                wait_for_js(page, "() => document.getElementById('live-text').textContent === 'Live'")
         finally:
             browser.close()

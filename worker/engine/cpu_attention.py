@@ -4,10 +4,10 @@ first use with the system C++ compiler and called from jitted code through the X
 On XLA's CPU backend the jnp decode path spends most of its time gathering pages into a copy
 (and, on two threads, fighting over it); the kernel follows the page table in place instead.
 The shared library is cached under `~/.cache/redjax/kernels` (override: `REDJAX_KERNEL_DIR`),
-keyed by the source, the compiler flags and the jaxlib version, and published with an atomic
-rename so workers starting together never load a half-written file. Without a compiler the
-engine keeps the jnp path (`paged_attention.paged_decode_attention`), which gives the same
-result; tests hold the kernel to that reference.
+keyed by the source, the compiler and its flags, the jaxlib version and the CPU, and published
+with an atomic rename so workers starting together never load a half-written file. Without a
+compiler the engine keeps the jnp path (`paged_attention.paged_decode_attention`), which gives
+the same result; tests hold the kernel to that reference.
 """
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
+def cpu_signature() -> str:
+    """The CPU model and feature flags (Linux), or the platform's processor string."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(sorted({line.split(":", 1)[1].strip() for line in info
+                                if line.startswith(("model name", "flags"))}))
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
 @lru_cache(maxsize=1)
 def load() -> bool:
     """Build (once per source and flags) and register the kernel; False if it cannot be built."""
@@ -45,7 +57,9 @@ def load() -> bool:
         log.warning("no C++ compiler found: CPU decode attention uses the jnp path")
         return False
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cxx, *FLAGS, jax.lib.__version__)).encode()).hexdigest()[:16]
+    # -march=native: a library built for one CPU must not be loaded on another sharing the cache
+    stamp = " ".join((cxx, *FLAGS, jax.lib.__version__, cpu_signature()))
+    key = hashlib.sha256(source + stamp.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("REDJAX_KERNEL_DIR") or Path.home() / ".cache" / "redjax" / "kernels")
     library = cache / f"paged_decode_attention-{key}.so"
     if not library.exists():
