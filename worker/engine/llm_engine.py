@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import bucket, decode_rows
 from worker.engine.config import EngineConfig
-from worker.engine import paged_attention
-from worker.engine.cpu_attention import choose_decode_attention
+from worker.engine import cpu_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
@@ -78,10 +77,10 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, dtype, kv_sharding(mesh) if mesh else None)
-        decode_attention = choose_decode_attention(config.decode_attention, config.tensor_parallel)
+        decode_attention = cpu_attention.choose_decode_attention(config.decode_attention, config.tensor_parallel)
         # the CPU kernel reads only each row's own context, so pure-decode steps can use one
-        # page-table width (the longest sequence's) whatever the contexts: fewer compiled variants
-        kernel = decode_attention is not paged_attention.paged_decode_attention
+        # page-table width (the most any sequence can hold) whatever the contexts: fewer variants
+        kernel = decode_attention is cpu_attention.paged_decode_attention
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
                                   config.decode_steps, decode_attention,
                                   bucket(config.pages_for(self.max_model_len)) if kernel else None)
@@ -348,8 +347,6 @@ class LLMEngine:
     @property
     def decode_attention(self) -> str:
         """Which decode attention the jitted step runs: "cpu-kernel" or "jnp"."""
-        from worker.engine import cpu_attention
-
         return "cpu-kernel" if self.runner.decode_attention is cpu_attention.paged_decode_attention else "jnp"
 
     @property
