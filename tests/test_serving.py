@@ -194,8 +194,12 @@ def test_concurrent_streams_are_batched_and_match_offline(stack, offline):
 def test_closed_stream_is_cancelled_and_frees_its_pages(stack):
     wait_until(lambda: stack.xlen() == 0 and stack.stats().pages_used == 0 and stack.stats().running == 0, 10)
     aborted = lambda: int(stack.redis.hget(contract.TOTALS, "finished:abort") or 0)  # noqa: E731
-    before = aborted()
+
+    def deltas(request_id: str) -> list[OutputDelta]:
+        return [OutputDelta.decode(fields) for _, fields in stack.redis.xrange(contract.out_stream(request_id))]
+
     for _ in range(8):  # until the worker is caught with the request half done (it is fast)
+        before = aborted()
         with ThreadPoolExecutor(1) as pool:
             watcher = pool.submit(stop_when_in_flight, stack.redis, stack.worker)
             try:
@@ -205,15 +209,22 @@ def test_closed_stream_is_cancelled_and_frees_its_pages(stack):
                 os.kill(stack.worker.pid, signal.SIGCONT)
                 raise
             request_id = watcher.result(timeout=60)
-        if request_id is not None:
-            try:  # the worker sleeps with the request in flight; the client goes away
-                stream.close()
-                # the API withdrew the request: cancel flag set and published while the worker sleeps
-                wait_until(lambda: stack.redis.exists(contract.cancelled_key(request_id)), 20)
-            finally:
-                os.kill(stack.worker.pid, signal.SIGCONT)
+        if request_id is None:
+            stream.close()
+            continue
+        try:  # the worker sleeps with the request in flight; the client goes away
+            stream.close()
+            # the API withdrew the request: cancel flag set and published while the worker sleeps
+            wait_until(lambda: stack.redis.exists(contract.cancelled_key(request_id)), 20)
+        finally:
+            os.kill(stack.worker.pid, signal.SIGCONT)
+        wait_until(lambda: any(d.done for d in deltas(request_id)), 20)
+        # the stream showed the request unfinished, but the engine may already have generated its
+        # last token and been about to publish it when stopped: then it ends by length, not abort
+        reasons = [d.finish_reason for d in deltas(request_id) if d.finish_reason]
+        if reasons == ["abort"]:
             break
-        stream.close()
+        assert reasons == ["length"]
     else:
         pytest.fail("never caught the worker with a request in flight")
     wait_until(lambda: aborted() == before + 1, 20)
