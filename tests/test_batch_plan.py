@@ -38,7 +38,8 @@ def test_every_plan_holds_every_token_and_fits(seed):
 def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     """ModelRunner._choose_shape: a shape arrival timing produced borrows the cheapest compiled
     variant it fits in; the third time it is asked for, its own compile is requested (dispatch
-    runs it in the background); with nothing to borrow, it is compiled at once."""
+    runs it in the background) unless the padding is within BORROW_TOLERANCE; with nothing to
+    borrow, it is compiled at once."""
     from types import SimpleNamespace
 
     from worker.engine.batch import StepShape
@@ -60,3 +61,8 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     other = SamplerFlags(**{**vars(flags), "all_greedy": False})  # no compiled variant with these flags
     assert ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4) == exact
     assert ModelRunner._choose_shape(runner, shape(8, 6, 32, pages=8), flags, 5, lengths, 8) == shape(8, 6, 32, 8)
+    near = shape(8, 16, 64)  # big only pads 8 decode rows more: borrowed, never compiled
+    runner._compile_next = None
+    for _ in range(2 * COMPILE_AFTER):
+        assert ModelRunner._choose_shape(runner, near, flags, 5, lengths, 4) == big
+        assert runner._compile_next is None

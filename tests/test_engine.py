@@ -236,12 +236,12 @@ def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, gree
     else:
         assert engine.scheduler.num_preemptions == 0 and not split
     assert any(c["steps"] > 1 for c in chunks) == (decode_steps > 1)
-    assert engine.runner.decode_attention is cpu_attention.paged_decode_attention  # "auto" on CPU: the kernel
+    assert engine.runner.attention is cpu_attention.KERNEL  # "auto" on CPU: the kernel, decode and prefill rows
 
 
-def test_greedy_batch_equals_generate_on_the_jnp_decode_path(model, tokenizer, prompts, greedy_refs):
-    engine = make_engine(model, tokenizer, SIZES["tight"], decode_steps=4, decode_attention="jnp")
-    assert engine.runner.decode_attention is paged_attention.paged_decode_attention
+def test_greedy_batch_equals_generate_on_the_jnp_attention_path(model, tokenizer, prompts, greedy_refs):
+    engine = make_engine(model, tokenizer, SIZES["tight"], decode_steps=4, attention="jnp")
+    assert engine.runner.attention is paged_attention.JNP
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -617,3 +617,21 @@ def test_warmup_compiles_the_decode_variants_a_server_meets_first(model, tokeniz
         engine.add_request(f"r{i}", [3], params)  # one-token prompts: every step is a pure decode step
     drain(engine)
     assert {k for k in engine.runner.compiled if k[0].num_prefill == 0} == decode_variants
+
+
+def test_new_mixes_after_warmup_run_in_an_envelope_without_stopping_to_compile(model, tokenizer, prompts, greedy_refs):
+    """After warmup, batches that mix running decodes with arriving prompts of any length run in a
+    precompiled envelope (or their own shape, compiled in the background) and give the same tokens."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    assert any(shape.num_prefill and shape.num_decode for shape, _ in engine.runner.ready)
+    stopped_to_compile = set(engine.runner.compiled)
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+
+    def arrive(k):  # one prompt joins the running batch every other step
+        if k % 2 == 0 and k // 2 < len(prompts):
+            engine.add_request(f"p{k // 2}", prompts[k // 2], params)
+
+    results = drain(engine, arrive)
+    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+    assert set(engine.runner.compiled) == stopped_to_compile

@@ -190,7 +190,7 @@ def test_jnp_decode_path_matches_the_reference(window, pages_per_block):
 @pytest.mark.parametrize("window", [None, 3, 1])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_compiled_cpu_kernel_matches_the_reference(window, dtype):
-    """The C++ decode kernel (built here with the system compiler) against the reference, with
+    """The C++ kernel on decode rows (built here with the system compiler) against the reference, with
     float32 and bfloat16 pages, inside jit and with positions short of the context (a decode row
     whose later tokens are already written must not see them)."""
     from worker.engine import cpu_attention
@@ -206,3 +206,34 @@ def test_compiled_cpu_kernel_matches_the_reference(window, dtype):
                           early[:, None], ctx, window)[:, 0]
     np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, early, ctx, window)), np.asarray(ref),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype):
+    """Rows of several queries (prefill chunks, one split over two rows, padding queries and a
+    padding row) through the C++ kernel against the reference, on a page table wider than any
+    context (the engine gives the kernel the widest table on every step)."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    rng = np.random.default_rng(11)
+    s, qn, h, kv, d, n, ps, p = 5, 6, 4, 2, 8, 48, 4, 8
+    k_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    tables = rng.permutation(n)[: s * p].reshape(s, p).astype(np.int32)
+    tables[3] = tables[2]  # rows 2 and 3: one sequence's 11-token chunk split over two rows
+    ctx = np.asarray([6, 13, 19, 19, 0], np.int32)  # row 4: padding
+    starts, lens = [0, 9, 8, 14, 0], [6, 4, 6, 5, 0]  # first position and real queries of each row
+    positions = np.zeros((s, qn), np.int32)
+    for r in range(s):
+        positions[r, : lens[r]] = np.arange(starts[r], starts[r] + lens[r])
+    q = jnp.asarray(rng.normal(size=(s, qn, h, d)), jnp.float32)
+    kernel = jax.jit(cpu_attention.paged_attention, static_argnames="window")
+    out = np.asarray(kernel(q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(ctx), window))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref = np.asarray(paged_attention(q, f32(k_pages), f32(v_pages), jnp.asarray(tables), jnp.asarray(positions),
+                                     jnp.asarray(ctx), window))
+    for r in range(s):
+        np.testing.assert_allclose(out[r, : lens[r]], ref[r, : lens[r]], atol=1e-5, rtol=1e-5, err_msg=f"row {r}")
+    assert not out[4].any()  # a padding row sees no key: zeros

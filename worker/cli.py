@@ -36,13 +36,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="read each step back before dispatching the next")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
     g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
-    g.add_argument("--decode-attention", choices=["auto", "kernel", "jnp"],
-                   help="decode attention: compiled CPU kernel when available (auto), required (kernel), or jnp")
+    g.add_argument("--attention", choices=["auto", "kernel", "jnp"],
+                   help="paged attention: compiled CPU kernel when available (auto), required (kernel), or jnp")
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "decode_steps", "async_overlap", "enable_prefix_cache", "tensor_parallel",
-               "decode_attention")
+               "attention")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:

@@ -104,7 +104,7 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
     report = {
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
-        "engine": {k: v for k, v in vars(engine.config).items()}, "decode_attention": engine.decode_attention,
+        "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
         "seconds": seconds, "output_tokens": out_tokens,
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": out_tokens / seconds,
         "total_tokens_per_s": (in_tokens + out_tokens) / seconds,

@@ -19,6 +19,8 @@ LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 # (2 * layers * kv_heads * head_dim * bytes) / bandwidth over (2 * params) / FLOP/s is below 1/100
 # for the models measured here (CPU and GPU); 1/64 keeps a margin against tiny rows.
 ROW_CONTEXT_WEIGHT = 1 / 64
+ENVELOPE_ROW_LEN = 64  # Qp of the warm-up envelopes (prefill rows of 64 tokens)
+ENVELOPE_SPARE_ROWS = 8  # rows for chunk ends beyond budget / Qp in the full envelope
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,36 @@ def step_cost(shape: StepShape) -> float:
     return shape.decode_steps * shape.num_decode + shape.num_prefill * (shape.prefill_len + context)
 
 
+def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_rows: int) -> list[StepShape]:
+    """Mixed (decode + prefill) shapes compiled at warm-up so that a batch of a new mix runs at
+    once, padded into one of them, instead of stopping the worker for seconds to compile:
+
+    - small: all decode rows plus 4 prefill rows (one or a few arrivals joining a running batch);
+    - full: all decode rows plus enough rows for a whole step budget of prefill split over
+      ENVELOPE_SPARE_ROWS more chunks than it takes rows of ENVELOPE_ROW_LEN tokens.
+
+    Both use the widest page table, so they cover any context. A batch fits one of them unless
+    it has more short prefill chunks than the spare rows; that shape is compiled when first met.
+    """
+    qp = min(ENVELOPE_ROW_LEN, bucket(budget))
+    full = min(row_bucket(-(-budget // qp) + ENVELOPE_SPARE_ROWS), max_rows - max_decode)
+    return [StepShape(max_decode, rows, qp, max_pages, 1, False, page_size, max_rows)
+            for rows in sorted({min(4, full), full})]
+
+
+def placeholder_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
+    """A DeviceBatch of `shape` holding no sequence: the argument for compiling a variant ahead of
+    time (its arrays have the dtypes and shapes build_batch gives a real batch of this shape)."""
+    if flags.penalties or flags.bias:
+        raise ValueError("penalty and logit-bias widths depend on the batch; compile those variants from one")
+    t, r = shape.num_tokens, shape.num_rows
+    i32 = lambda *dims: np.zeros(dims, np.int32)  # noqa: E731
+    return DeviceBatch(i32(t), np.full(t, -1, np.int32), i32(t), i32(t), i32(r, shape.pages), i32(r), i32(r),
+                       np.full(t, -1, np.int32), i32(r), _sampling([None] * r, flags, {}))
+
+
 def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int,
-                fused_steps: int = 1, decode_pages: int | None = None, choose=None):
+                fused_steps: int = 1, fixed_pages: int | None = None, choose=None):
     """-> (DeviceBatch, StepShape, SamplerFlags, rows, starts).
 
     `rows[r]` is the chunk whose sampled token row r holds (None for padding and for the leading
@@ -120,19 +150,18 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
 
     A fused batch always runs `fused_steps` steps (rows with fewer stop writing after their own
     count), so fusion adds one compiled variant per shape, not one per step count. With
-    `decode_pages` (a decode kernel that reads only each row's own context), pure-decode batches
-    use that fixed page-table width: their variants no longer multiply with context lengths.
+    `fixed_pages` (attention that reads only each row's own context), every batch uses that
+    page-table width: variants no longer multiply with context lengths.
     `choose(exact_shape, flags, decode_rows, prefill_lengths, pages)` may return another shape the
     batch fits in (an already compiled one) to run instead.
     """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
     sd = decode_rows(len(decode), max_rows)
-    pages = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
-    if decode_pages is not None and not prefill:
-        pages = max(decode_pages, pages)
+    needed = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
+    pages = needed if fixed_pages is None else max(fixed_pages, needed)
     lengths = [c.num_tokens for c in prefill]
-    qp, sp = plan_prefill(lengths, max_rows - sd, pages * page_size) if prefill else (0, 0)
+    qp, sp = plan_prefill(lengths, max_rows - sd, needed * page_size) if prefill else (0, 0)
     steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
     want_prompt = any(c.seq.params.prompt_logprobs is not None for c in prefill + decode)
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows)

@@ -26,8 +26,8 @@ class EngineConfig:
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
     seed: int = 0  # seed for requests that carry none (offline API)
     tensor_parallel: int = 1  # devices one model spans (heads and MLP columns split over a mesh)
-    decode_attention: str = "auto"  # "auto": compiled CPU kernel on the CPU backend if it builds, else jnp;
-    # "kernel": that kernel or an error; "jnp": the pure jax.numpy decode path (any backend)
+    attention: str = "auto"  # paged attention of decode and prefill rows: "auto": the compiled CPU kernel
+    # on the CPU backend if it builds, else jnp; "kernel": that kernel or an error; "jnp": pure jax.numpy
 
     def __post_init__(self) -> None:
         checks = {
@@ -40,7 +40,7 @@ class EngineConfig:
             "decode_steps must be >= 1": self.decode_steps >= 1,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
-            "decode_attention must be auto, kernel or jnp": self.decode_attention in ("auto", "kernel", "jnp"),
+            "attention must be auto, kernel or jnp": self.attention in ("auto", "kernel", "jnp"),
         }
         for message, ok in checks.items():
             if not ok:

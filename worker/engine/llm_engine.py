@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
-from worker.engine.batch import bucket, decode_rows
+from worker.engine.batch import bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import EngineConfig
 from worker.engine import cpu_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -77,13 +77,12 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, dtype, kv_sharding(mesh) if mesh else None)
-        decode_attention = cpu_attention.choose_decode_attention(config.decode_attention, config.tensor_parallel)
-        # the CPU kernel reads only each row's own context, so pure-decode steps can use one
-        # page-table width (the most any sequence can hold) whatever the contexts: fewer variants
-        kernel = decode_attention is cpu_attention.paged_decode_attention
+        attention = cpu_attention.choose_attention(config.attention, config.tensor_parallel)
+        # attention that reads only each row's own context lets every step use one page-table
+        # width (the most any sequence can hold) whatever the contexts: fewer compiled variants
+        widest = bucket(config.pages_for(self.max_model_len))
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
-                                  config.decode_steps, decode_attention,
-                                  bucket(config.pages_for(self.max_model_len)) if kernel else None)
+                                  config.decode_steps, attention, widest if attention.reads_own_context else None)
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}
@@ -325,12 +324,19 @@ class LLMEngine:
 
     def warmup(self, sampling: tuple[SamplingParams, ...] = (SamplingParams(temperature=0.0),
                                                              SamplingParams(temperature=1.0))) -> int:
-        """Compile the pure-decode step variants a server meets first (every decode batch-size
-        bucket, fused and single steps, for each of `sampling`) by running throwaway one-token
-        requests; returns how many variants were compiled. Counters are restored afterwards."""
+        """Compile the step variants a server meets first, for each of `sampling`: every
+        pure-decode batch-size bucket (fused and single steps), by running throwaway one-token
+        requests, and, when attention cost follows each row's own context (the CPU kernel: an
+        envelope's widest page table is free), the mixed decode + prefill envelopes
+        (`batch.envelopes`) that batches of new mixes borrow until their own shape is compiled in
+        the background. Returns how many variants were compiled; counters are restored afterwards."""
         counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
-        before = len(self.runner.compiled)
-        sizes = sorted({decode_rows(n, self.runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
+        runner = self.runner
+        before = len(runner.compiled) + len(runner.ready)
+        sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
+        max_pages = bucket(self.config.pages_for(self.max_model_len))
+        mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, max_pages, self.config.page_size,
+                          runner.max_rows) if runner.attention.reads_own_context else []
         for k, params in enumerate(sampling):
             params = dataclasses.replace(params, n=1, max_tokens=self.config.decode_steps + 2, ignore_eos=True,
                                          seed=k)
@@ -339,15 +345,17 @@ class LLMEngine:
                     self.add_request(f"warmup-{k}-{size}-{i}", [0], params)
                 while self.has_unfinished():
                     self.step()
+            for shape in mixed:
+                runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
         self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
-        return len(self.runner.compiled) - before
+        return len(runner.compiled) + len(runner.ready) - before
 
     # ---- stats ----
 
     @property
-    def decode_attention(self) -> str:
-        """Which decode attention the jitted step runs: "cpu-kernel" or "jnp"."""
-        return "cpu-kernel" if self.runner.decode_attention is cpu_attention.paged_decode_attention else "jnp"
+    def attention(self) -> str:
+        """Which paged attention the jitted step runs: "cpu-kernel" or "jnp"."""
+        return self.runner.attention.name
 
     @property
     def pages_total(self) -> int:

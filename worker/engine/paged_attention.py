@@ -1,5 +1,6 @@
-"""Paged attention: the pure `jax.numpy` reference, the oracle for any faster kernel, and the
-decode kernel the engine runs.
+"""Paged attention: the pure `jax.numpy` reference, the oracle for any faster kernel, the blocked
+jnp decode path, and `AttentionOps`, the pair of them a step runs (jnp here, the compiled CPU
+kernel in cpu_attention.py).
 
 Keys and values live in fixed-size pages shared by all sequences; a sequence's page table
 lists its pages in order, so token t of a sequence sits in page `page_table[t // page_size]`
@@ -12,6 +13,9 @@ first, XLA's CPU backend spent more time transposing gathered pages than multipl
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -119,3 +123,19 @@ def default_block_pages(num_seqs: int, kv_heads: int, page_size: int, head_dim: 
     while block * 2 * per_page <= BLOCK_BYTES:
         block *= 2
     return block
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The attention a step runs: `decode` for one-query rows (q [S, H, D], positions [S]) and
+    `prefill` for rows of Q queries (q [S, Q, H, D], positions [S, Q]), both with the contract of
+    `paged_attention`. `reads_own_context`: cost follows each row's context, not the page-table
+    width, so every step can use the widest table (fewer compiled variants)."""
+
+    name: str
+    decode: Callable
+    prefill: Callable
+    reads_own_context: bool
+
+
+JNP = AttentionOps("jnp", paged_decode_attention, paged_attention, reads_own_context=False)

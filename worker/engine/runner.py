@@ -22,16 +22,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine.batch import DeviceBatch, StepShape, build_batch, fits, step_cost
+from worker.engine.batch import DeviceBatch, StepShape, build_batch, fits, placeholder_batch, step_cost
 from worker.engine.kv_cache import KVCache
-from worker.engine.paged_attention import paged_attention, paged_decode_attention, write_kv
+from worker.engine.paged_attention import JNP, AttentionOps, write_kv
 from worker.engine.sampler import SamplerFlags, sample
 from worker.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
 COMPILE_AFTER = 3  # an uncompiled shape that a compiled one covers is compiled (in the background)
-# the third time a batch needs it
+# the third time a batch needs it...
+BORROW_TOLERANCE = 1.3  # ...unless the cheapest covering variant costs at most this much more: a
+# compile takes a core for seconds, a tenth of a step's padding is cheaper (2-core machines)
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +61,7 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
-                 decode_attention=paged_decode_attention, decode_pages: int | None = None):
+                 attention: AttentionOps = JNP, fixed_pages: int | None = None):
         self.graphdef, self.params = nnx.split(model)
         self.cfg = model.cfg
         self.kv = kv
@@ -75,15 +77,15 @@ class ModelRunner:
         self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
         self.compile_after = COMPILE_AFTER  # 1: always compile the exact shape at once (benchmarks)
         self._compile_next: tuple | None = None  # set by _choose_shape: compile this exact variant
-        self.decode_attention = decode_attention  # jnp path or the compiled CPU kernel (same contract)
-        self.decode_pages = decode_pages  # fixed page-table width of pure-decode steps (None: bucketed)
+        self.attention = attention  # jnp or the compiled CPU kernel (same contract)
+        self.fixed_pages = fixed_pages  # page-table width of every step (None: bucketed to the batch)
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
-        self._step = _jitted_step(self.graphdef, decode_attention)
+        self._step = _jitted_step(self.graphdef, attention)
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
         args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
-                self.decode_pages)
+                self.fixed_pages)
         db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
         if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
             key, self._compile_next = self._compile_next, None
@@ -104,33 +106,55 @@ class ModelRunner:
         """The exact shape if compiled; else the cheapest compiled variant the batch fits in (a stall
         of seconds to compile a shape that arrival timing produced once costs more than padding a
         step), asking for the exact one to be compiled in the background once it has come up
-        `compile_after` times; the exact shape (compiled now) when nothing covers the batch."""
+        `compile_after` times if the padding costs more than BORROW_TOLERANCE; the exact shape
+        (compiled now) when nothing covers the batch."""
         key = (exact, flags)
         if key in self.compiled or key in self.ready:
             return exact
         covering = [s for s, f in (*self.compiled, *self.ready) if f == flags and s.decode_steps == exact.decode_steps
                     and s.prompt_logprobs == exact.prompt_logprobs and fits(s, num_decode, lengths, pages)]
-        self.wanted[key] = self.wanted.get(key, 0) + 1
         if not covering or self.compile_after <= 1:
             return exact
+        best = min(covering, key=step_cost)
+        if step_cost(best) <= BORROW_TOLERANCE * step_cost(exact):
+            return best
+        self.wanted[key] = self.wanted.get(key, 0) + 1
         if self.wanted[key] >= self.compile_after and key not in self.compiling:
             if flags.penalties or flags.bias:  # their array widths are not in the key: compile through jit
                 return exact
             self._compile_next = key
-        return min(covering, key=step_cost)
+        return best
+
+    def precompile(self, shape: StepShape, flags: SamplerFlags) -> bool:
+        """Compile variant (shape, flags) now, ahead of any batch that needs it (warm-up of shapes a
+        real batch only borrows); false if it was already there."""
+        key = (shape, flags)
+        if key in self.compiled or key in self.ready:
+            return False
+        self.ready[key] = self._lower(key, placeholder_batch(shape, flags), self._specs()).compile()
+        _log_variant("precompiled", shape, flags)
+        return True
+
+    def _specs(self) -> tuple:
+        """Shapes, dtypes and shardings of (params, kv, prev_tokens): what a compile needs of them
+        (taken on the stepping thread; the kv arrays themselves are donated by the next step)."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        return jax.tree.map(spec, (self.params, self.kv, self.prev_tokens))
+
+    def _lower(self, key: tuple, db: DeviceBatch, specs: tuple):
+        shape, flags = key
+        return self._step.lower(*specs[:2], db, specs[2], shape=shape, flags=flags)
 
     def _compile_in_background(self, key: tuple, db: DeviceBatch) -> None:
         """Compile variant `key` on a thread (the step keeps running borrowed variants meanwhile);
         the executable is used from the first dispatch after it is ready."""
-        shape, flags = key
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        params, kv, prev = jax.tree.map(spec, (self.params, self.kv, self.prev_tokens))  # donated kv may go away
+        specs = self._specs()
         self.compiling.add(key)
 
         def work():
             try:
-                self.ready[key] = self._step.lower(params, kv, db, prev, shape=shape, flags=flags).compile()
-                _log_variant("compiled in the background", shape, flags)
+                self.ready[key] = self._lower(key, db, specs).compile()
+                _log_variant("compiled in the background", *key)
             except Exception:  # the step still runs through jit when this shape comes up again
                 log.exception("background compile of a step variant failed")
             finally:
@@ -145,14 +169,14 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags) -> None:
 
 
 @lru_cache(maxsize=8)
-def _jitted_step(graphdef, decode_attention):
+def _jitted_step(graphdef, attention: AttentionOps):
     """The jitted step of one model structure, shared by every runner of it (so are its compiled
     variants: a new engine on the same model compiles nothing again)."""
-    return jax.jit(partial(_step, graphdef, decode_attention), static_argnames=("shape", "flags"),
+    return jax.jit(partial(_step, graphdef, attention), static_argnames=("shape", "flags"),
                    donate_argnames=("kv",))
 
 
-def _step(graphdef, decode_attention, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: StepShape, flags: SamplerFlags):
+def _step(graphdef, attention: AttentionOps, params, kv: KVCache, db: DeviceBatch, prev_tokens, shape: StepShape, flags: SamplerFlags):
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     tokens = jnp.where(db.src >= 0, prev_tokens[jnp.maximum(db.src, 0)], db.tokens)  # i32[T]
@@ -162,7 +186,7 @@ def _step(graphdef, decode_attention, params, kv: KVCache, db: DeviceBatch, prev
             keys, values = cache
             kp, vp = write_kv(keys[layer], k, slots), write_kv(values[layer], v, slots)
             out = _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer),
-                                 decode_attention)
+                                 attention)
             return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
 
         hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values))  # [T, hidden]
@@ -200,17 +224,17 @@ def _step(graphdef, decode_attention, params, kv: KVCache, db: DeviceBatch, prev
 
 
 def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, shape: StepShape, window,
-                   decode_attention):
+                   attention: AttentionOps):
     """Decode rows (one query each) then prefill rows (Qp queries each) -> [T, H, D]."""
     sd, sp, qp = shape.num_decode, shape.num_prefill, shape.prefill_len
     h, d = q.shape[1:]
     outs = []
     if sd:
-        outs.append(decode_attention(q[:sd], k_pages, v_pages, page_tables[:sd], positions[:sd],
+        outs.append(attention.decode(q[:sd], k_pages, v_pages, page_tables[:sd], positions[:sd],
                                            context_lens[:sd], window))
     if sp:
         outs.append(
-            paged_attention(
+            attention.prefill(
                 q[sd:].reshape(sp, qp, h, d), k_pages, v_pages, page_tables[sd:], positions[sd:].reshape(sp, qp),
                 context_lens[sd:], window,
             ).reshape(sp * qp, h, d)

@@ -60,8 +60,8 @@ class Worker:
             log.info("worker %s warmed up %d step variants in %.1f s", self.config.name, n, time.perf_counter() - t0)
         self.io.start()
         self.state = WorkerState.SERVING
-        log.info("worker %s serving %s (decode attention: %s)", self.config.name, self.config.model_name,
-                 self.engine.decode_attention)
+        log.info("worker %s serving %s (attention: %s)", self.config.name, self.config.model_name,
+                 self.engine.attention)
         try:
             while not self._done():
                 self._take_work()

@@ -1,14 +1,15 @@
-// Paged decode attention for XLA's CPU backend, called from JAX through the XLA FFI.
+// Paged attention for XLA's CPU backend, called from JAX through the XLA FFI.
 //
-// One query token per sequence attends over that sequence's pages, read in place: the page table
-// is followed row by row, so memory traffic is one read of each key and value that is visible,
-// with no gathered copy. Work items are (sequence, KV head) pairs spread over XLA's intra-op
-// thread pool; each keeps an online softmax for the G query heads that share its KV head.
+// Each row holds Q query tokens of one sequence (Q = 1: decode; a prefill chunk otherwise) that
+// attend over that sequence's pages, read in place: the page table is followed row by row, so
+// each query reads only the keys and values visible to it, with no gathered copy and no work for
+// the masked part of a padded page table. Work items are (row, KV head) pairs spread over XLA's
+// intra-op thread pool; each handles the G query heads that share its KV head, query by query.
 // Same masking as the jnp reference (worker/engine/paged_attention.py): key j is visible to the
 // query at position p iff j <= p, j < context_len and p - j < window (window 0: none).
 //
-// Shapes: q f32[S, H, D]; k_pages, v_pages f32 or bf16 [KV, N, page_size, D];
-// page_tables s32[S, P]; positions, context_lens s32[S]; out f32[S, H, D].
+// Shapes: q f32[S, Q, H, D]; k_pages, v_pages f32 or bf16 [KV, N, page_size, D];
+// page_tables s32[S, P]; positions s32[S, Q]; context_lens s32[S]; out f32[S, Q, H, D].
 
 #include <algorithm>
 #include <atomic>
@@ -41,29 +42,31 @@ struct Problem {
   const int32_t* positions;
   const int32_t* context_lens;
   float* out;
-  int64_t seqs, heads, kv_heads, dim, num_pages, page_size, table_width, window;
+  int64_t seqs, queries, heads, kv_heads, dim, num_pages, page_size, table_width, window;
 };
 
-// Attention of one sequence's G query heads that share KV head `kvh`: scores for every visible
-// key (walking the page table), one softmax per head, then the weighted sum of values. DIM > 0
-// fixes the head dimension at compile time (fully unrolled, register-resident rows); 0: any.
+// Attention of query `qi` of row `s`, for its G query heads that share KV head `kvh`: scores for
+// every visible key (walking the page table), one softmax per head, then the weighted sum of
+// values. DIM > 0 fixes the head dimension at compile time (fully unrolled, register-resident
+// rows); 0: any.
 template <typename T, int DIM>
-void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scratch) {
+void attend_query(const Problem& pb, int64_t s, int64_t qi, int64_t kvh, std::vector<float>& scratch) {
   const int64_t d = DIM > 0 ? DIM : pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
-  float* o = pb.out + (s * pb.heads + kvh * g) * d;  // [G, D]
-  const int64_t pos = pb.positions[s];
+  const int64_t token = s * pb.queries + qi;
+  float* o = pb.out + (token * pb.heads + kvh * g) * d;  // [G, D]
+  const int64_t pos = pb.positions[token];
   // exclusive end: also never past the page table (a fused decode row that has stopped keeps
   // stepping with positions beyond its pages; its output is discarded)
   const int64_t hi = std::min<int64_t>({pos + 1, pb.context_lens[s], pb.table_width * ps});
   const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
   const int64_t n = hi - lo;  // visible keys
   std::fill(o, o + g * d, 0.0f);
-  if (n <= 0) return;  // padding row
+  if (n <= 0) return;  // padding
   scratch.resize(g * n + g);
   float* probs = scratch.data();  // [G, n]: scores, then probabilities
   float* inv = probs + g * n;     // [G]: 1 / softmax denominator
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const float* qs = pb.q + (s * pb.heads + kvh * g) * d;  // [G, D]
+  const float* qs = pb.q + (token * pb.heads + kvh * g) * d;  // [G, D]
   const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * ps * d;
   const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * ps * d;
   const int32_t* table = pb.tables + s * pb.table_width;
@@ -112,6 +115,11 @@ void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scrat
   }
 }
 
+template <typename T, int DIM>
+void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scratch) {
+  for (int64_t qi = 0; qi < pb.queries; ++qi) attend_query<T, DIM>(pb, s, qi, kvh, scratch);
+}
+
 // Items are claimed from a shared counter by the calling thread and by pool tasks; the state is
 // shared-owned, so a pool task that starts after all items are done only reads the counter.
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, std::vector<float>&);
@@ -142,25 +150,27 @@ struct Work {
   }
 };
 
-ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                                     ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_tables,
                                     ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> context_lens,
                                     int64_t window, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
-    return ffi::Error::InvalidArgument("paged_decode_attention: expected q [S,H,D], pages [KV,N,ps,D], tables [S,P]");
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || positions.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument(
+        "paged_attention: expected q [S,Q,H,D], pages [KV,N,ps,D], tables [S,P], positions [S,Q]");
   if (k_pages.element_type() != v_pages.element_type())
-    return ffi::Error::InvalidArgument("paged_decode_attention: key and value pages differ in dtype");
+    return ffi::Error::InvalidArgument("paged_attention: key and value pages differ in dtype");
   const bool bf16 = k_pages.element_type() == ffi::DataType::BF16;
   if (!bf16 && k_pages.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("paged_decode_attention: pages must be float32 or bfloat16");
-  if (qd[1] % kd[0] != 0 || qd[2] != kd[3] || td[0] != qd[0])
-    return ffi::Error::InvalidArgument("paged_decode_attention: inconsistent shapes");
+    return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16");
+  if (qd[2] % kd[0] != 0 || qd[3] != kd[3] || td[0] != qd[0] || positions.dimensions()[0] != qd[0] ||
+      positions.dimensions()[1] != qd[1] || context_lens.dimensions()[0] != qd[0])
+    return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   auto work = std::make_shared<Work>();
   work->pb = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
                      positions.typed_data(), context_lens.typed_data(), out->typed_data(),
-                     qd[0], qd[1], kd[0], qd[2], kd[1], kd[2], td[1], window};
-  work->fn = bf16 ? for_dim<uint16_t>(qd[2]) : for_dim<float>(qd[2]);
+                     qd[0], qd[1], qd[2], kd[0], qd[3], kd[1], kd[2], td[1], window};
+  work->fn = bf16 ? for_dim<uint16_t>(qd[3]) : for_dim<float>(qd[3]);
   work->items = qd[0] * kd[0];
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
@@ -171,7 +181,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttention, PagedDecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
