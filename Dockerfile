@@ -18,7 +18,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# g++: workers build the CPU decode-attention kernel on first start (for the host's own CPU)
+# g++: workers build the CPU paged-attention kernel on first start (for the host's own CPU)
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
