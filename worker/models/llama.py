@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from worker.models.config import ModelConfig
-from worker.models.rope import apply_rope, inverse_frequencies
+from worker.models.rope import apply_rope, rope_table
 
 # attend(layer, q [..., H, D], k [..., KV, D], v [..., KV, D], cache) -> (out [..., H, D], new cache)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -67,16 +67,15 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, layer: int, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
-        """x: [..., T, hidden], positions: i32[..., T] -> ([..., T, hidden], cache)."""
+    def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any):
+        """x: [..., T, hidden], rope: rope_table(positions) -> ([..., T, hidden], cache)."""
         cfg = self.cfg
         q = self.q_proj(x).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)  # [..., T, H, D]
         k = self.k_proj(x).reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)  # [..., T, KV, D]
         v = self.v_proj(x).reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)  # [..., T, KV, D]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = jnp.asarray(inverse_frequencies(cfg))
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out, cache = attend(layer, q, k, v, cache)  # [..., T, H, D]
         return self.o_proj(out.reshape(*x.shape[:-1], cfg.num_heads * cfg.head_dim)), cache
 
@@ -99,8 +98,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, layer: int, x: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
-        attn, cache = self.self_attn(layer, self.input_layernorm(x), positions, attend, cache)
+    def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any):
+        attn, cache = self.self_attn(layer, self.input_layernorm(x), rope, attend, cache)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
@@ -137,8 +136,9 @@ class LlamaForCausalLM(nnx.Module):
     def trunk(self, tokens: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
         """tokens i32[..., T], positions i32[..., T] -> (final-normed hidden [..., T, hidden], cache)."""
         x = jnp.take(self.model.embed_tokens.weight[...], tokens, axis=0).astype(self.model.dtype)  # [..., T, hidden]
+        rope = rope_table(positions, self.cfg)
         for i, layer in enumerate(self.model.layers):
-            x, cache = layer(i, x, positions, attend, cache)
+            x, cache = layer(i, x, rope, attend, cache)
         return self.model.norm(x), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
