@@ -51,6 +51,17 @@ def test_offline_compare_hf(tiny_model):
     assert report["greedy_match_fraction"] == 1.0  # same weights, same prompts, greedy
 
 
+def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_model):
+    code, out = _bench("offline", "--model", str(tiny_model), *TINY, "--compare", "hf", "--hf-batch-size", "2",
+                       "--rounds", "3")
+    report = json.loads(out)
+    assert code == 0 and report["rounds"] == 3 and len(report["per_round"]) == 3
+    ratios = sorted(f["ratio"] for f in report["per_round"])
+    assert report["ratio"] == ratios[1]
+    assert sorted(f["output_tokens_per_s"] for f in report["per_round"])[1] == report["output_tokens_per_s"]
+    assert all(f["output_tokens"] == 4 * 8 and f["greedy_match_fraction"] == 1.0 for f in report["per_round"])
+
+
 def test_offline_text_summary(tiny_model):
     code, out = _bench("offline", "--model", str(tiny_model), *TINY[:-1], "--decode-steps", "1")
     assert code == 0 and "output tokens/s" in out and "host" in out

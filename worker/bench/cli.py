@@ -24,6 +24,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", choices=["hf"], help="also run transformers generate on the same weights and prompts")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the run (and the baseline, alternating) on fresh prompts; report medians")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     _engine_flags(p)
     return p
@@ -35,7 +37,8 @@ def offline(argv: list[str]) -> int:
 
     work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed)
     model = resolve_model(args.model) if args.model else None
-    report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf", args.hf_batch_size)
+    report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf", args.hf_batch_size,
+                           args.rounds)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -57,6 +60,11 @@ def offline(argv: list[str]) -> int:
     if "ratio" in r:
         print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio "
               f"{r['ratio']:.2f}x (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts)")
+    for i, f in enumerate(r.get("per_round", [])):
+        base = f" vs {f['baseline_output_tokens_per_s']:.1f} -> {f['ratio']:.2f}x" if "ratio" in f else ""
+        print(f"  round {i + 1}: {f['output_tokens_per_s']:.1f} output tokens/s{base}")
+    if r["rounds"] > 1:
+        print(f"  (medians over {r['rounds']} rounds)")
     return 0
 
 
