@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from worker.models.config import ModelConfig
 
 
-def _best(fn, *args, repeats: int = 5) -> float:
+def _best(fn, *args, repeats: int = 10) -> float:
     jax.block_until_ready(fn(*args))  # compile
     times = []
     for _ in range(repeats):
@@ -37,7 +37,7 @@ def memory_bandwidth_gbs(mib: int = 256) -> float:
 def matmul_gflops(n: int = 2048, dtype=jnp.float32) -> float:
     """One [n, n] @ [n, n] product, in GFLOP/s."""
     a = jnp.ones((n, n), dtype)
-    seconds = _best(jax.jit(lambda x, y: x @ y), a, a, repeats=3)
+    seconds = _best(jax.jit(lambda x, y: x @ y), a, a)
     return 2 * n**3 / seconds / 1e9
 
 
