@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -635,3 +636,25 @@ def test_new_mixes_after_warmup_run_in_an_envelope_without_stopping_to_compile(m
     results = drain(engine, arrive)
     assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
     assert set(engine.runner.compiled) == stopped_to_compile
+
+
+@pytest.mark.parametrize("attention", ["kernel", "jnp"])
+def test_bfloat16_kv_cache_halves_page_memory_and_stays_close_to_the_float32_forward(model, tokenizer, hf, prompts,
+                                                                                       attention):
+    """kv_cache_dtype="bfloat16" with float32 compute: pages take half the bytes, and logprobs of
+    prompt and generated tokens stay within bfloat16 rounding of transformers' float32 forward
+    (both attention paths, decode rows fused)."""
+    f32 = make_engine(model, tokenizer, ROOMY, attention=attention)
+    engine = make_engine(model, tokenizer, ROOMY, attention=attention, kv_cache_dtype="bfloat16")
+    assert engine.runner.kv.dtype == jnp.bfloat16 and f32.runner.kv.dtype == jnp.float32
+    assert engine.runner.kv.keys[0].nbytes * 2 == f32.runner.kv.keys[0].nbytes
+    prompt = prompts[6]
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0,
+                                                   prompt_logprobs=0))
+    got = drain(engine)[("r", 0)]
+    ref = hf_logprobs(hf, prompt + got.token_ids)
+    for pos, entry in enumerate(got.prompt_logprobs[1:], start=1):
+        assert entry["logprob"] == pytest.approx(ref[pos - 1][prompt[pos]], abs=3e-2), pos
+    for k, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+        assert entry["logprob"] == pytest.approx(ref[len(prompt) - 1 + k][token], abs=3e-2), k
+        assert ref[len(prompt) - 1 + k][token] >= ref[len(prompt) - 1 + k].max() - 3e-2  # greedy up to rounding

@@ -132,7 +132,9 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
         "total_tokens_per_s": median("total_tokens_per_s"),
         "compiles_during_run": len(engine.runner.compiled) - compiled,
     }
-    report |= _host_and_roofline(probe, cfg, itemsize, dtype)
+    kv_itemsize = engine.runner.kv.dtype.itemsize
+    report["kv_cache_dtype"] = str(engine.runner.kv.dtype)
+    report |= _host_and_roofline(probe, cfg, itemsize, dtype, kv_itemsize)
     if compare_hf:
         report |= {
             "baseline": f"transformers generate (torch CPU, batch {hf_batch_size})",
@@ -157,7 +159,7 @@ def _model_of(engine: LLMEngine):
     return nnx.merge(engine.runner.graphdef, engine.runner.params)
 
 
-def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str) -> dict:
+def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int) -> dict:
     bandwidth = roofline.memory_bandwidth_gbs()
     gflops = roofline.matmul_gflops(dtype=DTYPES[dtype])
     d, p = probe.decode, probe.prefill
@@ -166,7 +168,7 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
     if d.decode_steps:
         batch, context = d.batch_rows / d.decode_steps, d.context_tokens / max(d.batch_rows, 1)
         step_s = d.wall_s / d.decode_steps
-        memory = roofline.decode_step_bytes(cfg, itemsize, batch, context) / (bandwidth * 1e9)
+        memory = roofline.decode_step_bytes(cfg, itemsize, batch, context, kv_itemsize) / (bandwidth * 1e9)
         compute = roofline.decode_step_flops(cfg, batch, context) / (gflops * 1e9)
         ideal = max(memory, compute)
         out |= {"decode_step_ms": step_s * 1e3, "decode_mean_batch": batch, "decode_mean_context": context,

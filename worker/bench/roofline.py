@@ -46,9 +46,10 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float) -> float:
+def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float,
+                      kv_itemsize: int | None = None) -> float:
     """Bytes an ideal decode step reads: all weights once, plus each sequence's KV."""
-    return cfg.num_params * itemsize + batch * mean_context * kv_bytes_per_token(cfg, itemsize)
+    return cfg.num_params * itemsize + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
 
 
 def decode_step_flops(cfg: ModelConfig, batch: float, mean_context: float) -> float:

@@ -24,6 +24,8 @@ class EngineConfig:
     async_overlap: bool = True  # dispatch step k+1 before reading back step k
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
+    kv_cache_dtype: str | None = None  # KV page dtype ("float32", "bfloat16"); None: the compute dtype.
+    # bfloat16 pages with float32 compute: half the KV memory and traffic, attention inputs rounded
     seed: int = 0  # seed for requests that carry none (offline API)
     tensor_parallel: int = 1  # devices one model spans (heads and MLP columns split over a mesh)
     attention: str = "auto"  # paged attention of decode and prefill rows: "auto": the compiled CPU kernel
@@ -39,6 +41,7 @@ class EngineConfig:
             "max_model_len must be >= 1": self.max_model_len is None or self.max_model_len >= 1,
             "decode_steps must be >= 1": self.decode_steps >= 1,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
+            "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
             "attention must be auto, kernel or jnp": self.attention in ("auto", "kernel", "jnp"),
         }

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.engine.config import EngineConfig
+from worker.engine.paged_attention import BF16_BITS, storage_dtype
 from worker.models.config import ModelConfig
 
 RESERVED_PAGES = 1  # page 0: padding tokens write there
@@ -25,8 +26,15 @@ class KVCache:
         """Zeroed pages; `sharding` (tensor parallel) splits them by KV head."""
         shape = (model.num_kv_heads, num_pages, page_size, model.head_dim)
         out = None if sharding is None else (sharding,) * model.num_layers
-        make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(model.num_layers)), out_shardings=out)
+        stored = storage_dtype(dtype)
+        make = jax.jit(lambda: tuple(jnp.zeros(shape, stored) for _ in range(model.num_layers)), out_shardings=out)
         return cls(make(), make())
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The pages' logical dtype (bfloat16 pages are stored as BF16_BITS)."""
+        stored = self.keys[0].dtype
+        return jnp.dtype(jnp.bfloat16) if stored == BF16_BITS else stored
 
     @property
     def num_pages(self) -> int:

@@ -68,15 +68,15 @@ class LLMEngine:
         self.model_config = cfg
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        dtype = DTYPES[config.dtype or cfg.dtype]
+        kv_dtype = DTYPES[config.kv_cache_dtype or config.dtype or cfg.dtype]
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         if mesh is not None:
             model = shard_model(model, mesh)
-        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(dtype).itemsize,
+        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(kv_dtype).itemsize,
                                      mesh.size if mesh else 1)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
-        kv = KVCache.create(cfg, num_pages, config.page_size, dtype, kv_sharding(mesh) if mesh else None)
+        kv = KVCache.create(cfg, num_pages, config.page_size, kv_dtype, kv_sharding(mesh) if mesh else None)
         attention = cpu_attention.choose_attention(config.attention, config.tensor_parallel)
         # attention that reads only each row's own context lets every step use one page-table
         # width (the most any sequence can hold) whatever the contexts: fewer compiled variants

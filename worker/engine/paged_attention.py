@@ -21,6 +21,20 @@ import jax
 import jax.numpy as jnp
 
 MASKED = -1e30  # finite, so an all-masked padding row gives garbage instead of NaN
+# bfloat16 pages are stored as their bit patterns: XLA's CPU backend widens a bfloat16 scatter's
+# whole operand to float32 and back (466 us vs 5 us per layer write of a 4 x 257 x 64 x 32 cache),
+# while a uint16 scatter is done in place; readers reinterpret gathered blocks (`page_values`)
+BF16_BITS = jnp.uint16
+
+
+def storage_dtype(dtype) -> jnp.dtype:
+    """The dtype KV pages of logical `dtype` are held in."""
+    return jnp.dtype(BF16_BITS) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+def page_values(x: jax.Array) -> jax.Array:
+    """Gathered page data as numbers (bfloat16 bit patterns reinterpreted, no copy of meaning)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
 BLOCK_BYTES = 2 << 20  # gathered keys per decode block: one block stays in a core's L2 cache
 
 
@@ -31,7 +45,10 @@ def write_kv(
 ) -> jax.Array:
     """Scatter one layer's new keys (or values) into their slots; returns the updated pages."""
     kv, n, ps, d = pages.shape
-    flat = pages.reshape(kv, n * ps, d).at[:, slots].set(new.transpose(1, 0, 2).astype(pages.dtype))
+    rows = new.transpose(1, 0, 2)  # [KV, T, D]
+    if pages.dtype == BF16_BITS:
+        rows = jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), BF16_BITS)
+    flat = pages.reshape(kv, n * ps, d).at[:, slots].set(rows.astype(pages.dtype))
     return flat.reshape(kv, n, ps, d)
 
 
@@ -48,8 +65,8 @@ def paged_attention(
     s, q_len, h, d = q.shape
     kv, _, ps, _ = k_pages.shape
     p = page_tables.shape[1]
-    keys = k_pages[:, page_tables].reshape(kv, s, p * ps, d)  # [KV, S, L, D]
-    values = v_pages[:, page_tables].reshape(kv, s, p * ps, d)  # [KV, S, L, D]
+    keys = page_values(k_pages[:, page_tables]).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
+    values = page_values(v_pages[:, page_tables]).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
     qg = q.reshape(s, q_len, kv, h // kv, d)  # [S, Q, KV, G, D]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     scores = jnp.einsum("sqkgd,ksld->skgql", qg, keys, preferred_element_type=jnp.float32) * scale
@@ -59,7 +76,7 @@ def paged_attention(
     if window is not None:
         visible &= (pos - j) < window
     scores = jnp.where(visible[:, None, None], scores, MASKED)  # [S, KV, G, Q, L]
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # the compute dtype, whatever the pages hold
     out = jnp.einsum("skgql,ksld->sqkgd", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(s, q_len, h, d).astype(q.dtype)
 
@@ -94,8 +111,8 @@ def paged_decode_attention(
     def body(carry, xs):
         m, l, acc = carry  # [KV, S, G], [KV, S, G], [KV, S, G, D]
         idx, table = xs  # block index, i32[S, B]
-        keys = k_pages[:, table].reshape(kv, s, block * ps, d)  # [KV, S, B*ps, D]
-        values = v_pages[:, table].reshape(kv, s, block * ps, d)
+        keys = page_values(k_pages[:, table]).reshape(kv, s, block * ps, d)  # [KV, S, B*ps, D]
+        values = page_values(v_pages[:, table]).reshape(kv, s, block * ps, d)
         scores = jnp.einsum("ksgd,ksld->ksgl", qg, keys, preferred_element_type=jnp.float32)  # [KV, S, G, B*ps]
         j = idx * block * ps + jnp.arange(block * ps)[None, :]  # [1, B*ps]
         visible = (j <= positions[:, None]) & (j < context_lens[:, None])  # [S, B*ps]

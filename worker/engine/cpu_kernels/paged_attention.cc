@@ -26,12 +26,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+constexpr int64_t kMaxDim = 512;  // head_dim limit (the row buffers below live on the stack)
+
+// A key or value row as float32: float32 pages are read in place; bfloat16 rows (the high half of
+// a float32) are widened into `buf` first, in one vectorizable pass, so the dot products below
+// run on plain floats either way.
+inline const float* as_floats(const float* row, float*, int64_t) { return row; }
+inline const float* as_floats(const uint16_t* row, float* buf, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    buf[i] = f;
+  }
+  return buf;
 }
 
 struct Problem {
@@ -80,12 +89,14 @@ void attend_query(const Problem& pb, int64_t s, int64_t qi, int64_t kvh, std::ve
         visit(col * ps + t - lo, rows + t * d);
     }
   };
-  for_each_row(kbase, [&](int64_t j, const T* k) {
+  alignas(64) float row_buf[kMaxDim];
+  for_each_row(kbase, [&](int64_t j, const T* k_row) {
+    const float* k = as_floats(k_row, row_buf, d);
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = qs + h * d;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < d; ++i) dot += qh[i] * load(k, i);
+      for (int64_t i = 0; i < d; ++i) dot += qh[i] * k[i];
       probs[h * n + j] = dot * scale;
     }
   });
@@ -101,12 +112,13 @@ void attend_query(const Problem& pb, int64_t s, int64_t qi, int64_t kvh, std::ve
     }
     inv[h] = 1.0f / sum;
   }
-  for_each_row(vbase, [&](int64_t j, const T* v) {
+  for_each_row(vbase, [&](int64_t j, const T* v_row) {
+    const float* v = as_floats(v_row, row_buf, d);
     for (int64_t h = 0; h < g; ++h) {
       const float p = probs[h * n + j];
       float* oh = o + h * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) oh[i] += p * load(v, i);
+      for (int64_t i = 0; i < d; ++i) oh[i] += p * v[i];
     }
   });
   for (int64_t h = 0; h < g; ++h) {
@@ -160,12 +172,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
         "paged_attention: expected q [S,Q,H,D], pages [KV,N,ps,D], tables [S,P], positions [S,Q]");
   if (k_pages.element_type() != v_pages.element_type())
     return ffi::Error::InvalidArgument("paged_attention: key and value pages differ in dtype");
-  const bool bf16 = k_pages.element_type() == ffi::DataType::BF16;
+  // bfloat16 pages come as BF16 or as their bit patterns in U16 (how the engine stores them)
+  const bool bf16 = k_pages.element_type() == ffi::DataType::BF16 || k_pages.element_type() == ffi::DataType::U16;
   if (!bf16 && k_pages.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16");
+    return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (or its bits as uint16)");
   if (qd[2] % kd[0] != 0 || qd[3] != kd[3] || td[0] != qd[0] || positions.dimensions()[0] != qd[0] ||
       positions.dimensions()[1] != qd[1] || context_lens.dimensions()[0] != qd[0])
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
+  if (qd[3] > kMaxDim) return ffi::Error::InvalidArgument("paged_attention: head_dim above 512");
   auto work = std::make_shared<Work>();
   work->pb = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
                      positions.typed_data(), context_lens.typed_data(), out->typed_data(),
