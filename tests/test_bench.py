@@ -108,3 +108,14 @@ def test_serve_sweep_plot(stack, tmp_path):
     for r in reports:
         _check_report(r, 4)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
+    """A model the server does not serve: every request fails with the server's HTTP error, and
+    the report says so instead of inventing latencies."""
+    out = tmp_path / "report.json"
+    code, text = _bench("serve", "--url", stack, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
+                        "--output-len", "4", "--json-out", str(out))
+    report = json.loads(out.read_text())
+    assert report["completed"] == 0 and report["failed"] == 3
+    assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
