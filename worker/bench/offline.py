@@ -88,7 +88,7 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
 
 
 def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
-                  compare_hf: bool = False, hf_batch_size: int = 16, rounds: int = 1) -> dict:
+                  compare_hf: bool = False, hf_batch_size: int = 32, rounds: int = 1) -> dict:
     """Run the workload `rounds` times (each round on fresh prompts, so the prefix cache gives
     nothing), with --compare hf transformers right after each round on the same prompts.
     Throughputs are medians over rounds and the ratio the median of the per-round ratios: on a
