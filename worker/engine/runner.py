@@ -1,9 +1,11 @@
 """ModelRunner: turns a ScheduledBatch into padded device arrays and runs the jitted step.
 
 Layout of one step's flattened tokens `i32[T]`: decode tokens first (one per sequence, Sd rows
-padded), then prefill chunks (Sp sequences, each padded to Qp tokens): T = Sd + Sp * Qp.
-Sd, Sp, Qp and the page-table width P are rounded up to powers of two, so the number of
-compiled variants is bounded by the product of those short ladders (and the sampler flags).
+padded), then prefill chunks split into Sp rows of Qp tokens: T = Sd + Sp * Qp. Sd, Sp, Qp and
+the page-table width P come from short ladders (P is fixed at the widest when the attention
+reads only each row's own context), so the compiled variants are bounded by the product of
+those ladders and the sampler flags; a batch of an uncompiled shape can also borrow a compiled
+one it fits in (`_choose_shape`).
 
 A decode token whose id is still on device (async overlap) is read from the previous step's
 sampled tokens through `src`; the host never waits for it.
