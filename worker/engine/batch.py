@@ -185,7 +185,15 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         offsets.append(sd + (first - sd) * qp)
         spans.append((first, first + pieces))
         first += pieces
-    for chunk, off, (row0, row_end) in zip(rows, offsets, spans):
+    one_token = [c for c in decode if not (want_prompt and c.seq.params.prompt_logprobs is not None)]
+    if len(one_token) == len(decode):  # the common case, in a few array operations instead of a
+        # dozen per row (row i of the decode block is decode[i], token i of T)
+        _fill_decode_rows(decode, prev_rows, page_size, tokens, src, positions, slots, tables, ctx, sample_rows,
+                          row_steps)
+        general = zip(prefill, offsets[len(decode):], spans[len(decode):])
+    else:
+        general = zip(rows, offsets, spans)
+    for chunk, off, (row0, row_end) in general:
         seq, n = chunk.seq, chunk.num_tokens
         ids = np.asarray(seq.token_range(chunk.start, chunk.end), np.int32)
         if (ids == IN_FLIGHT).any():  # only the newest token can still be on device
@@ -213,6 +221,29 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     sampling = _sampling(by_row, flags, prev_rows)
     db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, sampling)
     return db, shape, flags, by_row, starts
+
+
+def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], page_size: int, tokens, src,
+                      positions, slots, tables, ctx, sample_rows, row_steps) -> None:
+    """Rows 0..n-1 (and tokens 0..n-1) for one-token chunks: what the general loop of build_batch
+    writes for them, vectorized."""
+    n = len(decode)
+    if not n:
+        return
+    ids = np.fromiter((c.seq.token_range(c.start, c.end)[0] for c in decode), np.int32, n)
+    for i in np.flatnonzero(ids == IN_FLIGHT):  # the newest token, sampled by the previous step
+        seq_id = decode[i].seq.seq_id
+        if seq_id not in prev_rows:
+            raise RuntimeError(f"sequence {seq_id}: in-flight token not produced by the previous step")
+        src[i], ids[i] = prev_rows[seq_id], 0
+    pos = np.fromiter((c.start for c in decode), np.int32, n)
+    for i, c in enumerate(decode):
+        tables[i, : len(c.seq.page_table)] = c.seq.page_table
+    tokens[:n], positions[:n] = ids, pos
+    slots[:n] = tables[np.arange(n), pos // page_size] * page_size + pos % page_size
+    ctx[:n] = pos + 1
+    sample_rows[:n] = np.arange(n)
+    row_steps[:n] = np.fromiter((c.num_steps for c in decode), np.int32, n)
 
 
 def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
