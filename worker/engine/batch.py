@@ -129,7 +129,7 @@ def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_
             for rows in sorted({min(4, full), full})]
 
 
-def placeholder_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
+def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
     """A DeviceBatch of `shape` holding no sequence: the argument for compiling a variant ahead of
     time (its arrays have the dtypes and shapes build_batch gives a real batch of this shape)."""
     if flags.penalties or flags.bias:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine.batch import DeviceBatch, StepShape, build_batch, fits, placeholder_batch, step_cost
+from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, step_cost
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps, write_kv
 from worker.engine.sampler import SamplerFlags, sample
@@ -133,7 +133,7 @@ class ModelRunner:
         key = (shape, flags)
         if key in self.compiled or key in self.ready:
             return False
-        self.ready[key] = self._lower(key, placeholder_batch(shape, flags), self._specs()).compile()
+        self.ready[key] = self._lower(key, empty_batch(shape, flags), self._specs()).compile()
         _log_variant("precompiled", shape, flags)
         return True
 
