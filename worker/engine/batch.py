@@ -185,9 +185,8 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         offsets.append(sd + (first - sd) * qp)
         spans.append((first, first + pieces))
         first += pieces
-    one_token = [c for c in decode if not (want_prompt and c.seq.params.prompt_logprobs is not None)]
-    if len(one_token) == len(decode):  # the common case, in a few array operations instead of a
-        # dozen per row (row i of the decode block is decode[i], token i of T)
+    if not (want_prompt and any(c.seq.params.prompt_logprobs is not None for c in decode)):
+        # the common case, in a few array operations instead of a dozen per row
         _fill_decode_rows(decode, prev_rows, page_size, tokens, src, positions, slots, tables, ctx, sample_rows,
                           row_steps)
         general = zip(prefill, offsets[len(decode):], spans[len(decode):])
