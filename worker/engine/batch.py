@@ -185,14 +185,9 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         offsets.append(sd + (first - sd) * qp)
         spans.append((first, first + pieces))
         first += pieces
-    if not (want_prompt and any(c.seq.params.prompt_logprobs is not None for c in decode)):
-        # the common case, in a few array operations instead of a dozen per row
-        _fill_decode_rows(decode, prev_rows, page_size, tokens, src, positions, slots, tables, ctx, sample_rows,
-                          row_steps)
-        general = zip(prefill, offsets[len(decode):], spans[len(decode):])
-    else:
-        general = zip(rows, offsets, spans)
-    for chunk, off, (row0, row_end) in general:
+    _fill_decode_rows(decode, prev_rows, page_size, want_prompt, tokens, src, positions, slots, tables, ctx,
+                      sample_rows, row_steps, targets)
+    for chunk, off, (row0, row_end) in zip(prefill, offsets[len(decode):], spans[len(decode):]):
         seq, n = chunk.seq, chunk.num_tokens
         ids = np.asarray(seq.token_range(chunk.start, chunk.end), np.int32)
         if (ids == IN_FLIGHT).any():  # only the newest token can still be on device
@@ -222,10 +217,10 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     return db, shape, flags, by_row, starts
 
 
-def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], page_size: int, tokens, src,
-                      positions, slots, tables, ctx, sample_rows, row_steps) -> None:
-    """Rows 0..n-1 (and tokens 0..n-1) for one-token chunks: what the general loop of build_batch
-    writes for them, vectorized."""
+def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], page_size: int, want_prompt: bool,
+                      tokens, src, positions, slots, tables, ctx, sample_rows, row_steps, targets) -> None:
+    """Rows 0..n-1 (and tokens 0..n-1) for one-token chunks, in a few array operations instead of
+    the prefill loop's dozen per row."""
     n = len(decode)
     if not n:
         return
@@ -243,6 +238,11 @@ def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], p
     ctx[:n] = pos + 1
     sample_rows[:n] = np.arange(n)
     row_steps[:n] = np.fromiter((c.num_steps for c in decode), np.int32, n)
+    if want_prompt:  # a one-token chunk inside the prompt predicts the next prompt token
+        for i, c in enumerate(decode):
+            seq = c.seq
+            if seq.params.prompt_logprobs is not None and c.start + 1 < seq.num_prompt_tokens:
+                targets[i] = seq.prompt_token_ids[c.start + 1]
 
 
 def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
