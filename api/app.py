@@ -17,6 +17,7 @@ from api.errors import EXCEPTION_HANDLERS
 from api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from api.model_info import ModelInfo
 from api.services import ApiServices
+from worker.heap import freeze_startup_heap
 
 log = logging.getLogger("redjax.api")
 
@@ -32,6 +33,7 @@ def create_app(config: ApiConfig, *, model: ModelInfo | None = None, mounts: Seq
         services = ApiServices.create(config, model)
         app.state.services = services
         await services.start()
+        freeze_startup_heap()  # collections then skip the tokenizer and everything else loaded so far
         log.info("api serving %s (max_model_len %d) on redis %s", model.name, model.max_model_len,
                  _without_password(config.redis_url))  # fmt: skip
         try:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.engine.batch import MIN_PREFILL_LEN, plan_prefill, row_bucket
+from worker.engine.batch import (MIN_PREFILL_LEN, PACK_GRANULE, StepShape, envelopes, fits, plan_packed, plan_prefill,
+                                 row_bucket, slot_bucket)
+
+
+def test_slot_bucket_ladder_has_four_steps_per_octave():
+    assert [slot_bucket(n) for n in (1, 5, 8, 9, 11, 13, 16, 17, 33, 35, 64, 65)] == [1, 5, 8, 10, 12, 14, 16, 20, 40,
+                                                                                      40, 64, 80]
 
 
 def test_row_bucket_ladder_is_powers_of_two_and_one_and_a_half_times_them():
@@ -33,6 +39,34 @@ def test_every_plan_holds_every_token_and_fits(seed):
     qp, rows = plan_prefill(lengths, max_rows=64, context=512)
     assert qp >= MIN_PREFILL_LEN and qp & (qp - 1) == 0
     assert sum(-(-n // qp) for n in lengths) <= rows <= 64
+
+
+def test_packed_chunks_pad_only_the_total_not_each_chunk():
+    # a 1024-token budget as 6 prompts of 148 tokens and the start of another: in rows of 64 tokens
+    # (the row layout's best plan) that takes 21 rows, padded to 24 (1536 slots)
+    assert plan_packed([148] * 6 + [136], max_rows=64) == (8, 1024)
+    assert plan_prefill([148] * 6 + [136], max_rows=64, context=1024) == (64, 24)
+    assert plan_packed([1024], max_rows=64) == (4, 1024)  # a full budget in one chunk: no padding at all
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(2, 400, rng.integers(1, 20)).tolist()
+        rows, tokens = plan_packed(lengths, max_rows=64)
+        assert len(lengths) <= rows <= 64 and tokens % PACK_GRANULE == 0
+        assert sum(lengths) <= tokens < 1.25 * sum(lengths) + PACK_GRANULE
+    with pytest.raises(ValueError):
+        plan_packed([2] * 65, max_rows=64)
+
+
+def test_a_packed_shape_holds_any_split_of_its_tokens_over_its_rows():
+    shape = StepShape(64, 8, 0, 16, 1, False, 64, 128, prefill_tokens=1024)
+    assert shape.packed and shape.num_tokens == 64 + 1024
+    assert fits(shape, 64, [148] * 6 + [136], 16)
+    assert not fits(shape, 64, [148] * 7, 16)  # 1036 tokens
+    assert not fits(shape, 64, [100] * 9, 16)  # 9 chunks in 8 rows
+    assert not fits(shape, 65, [148], 16) and not fits(shape, 8, [148], 32)
+    small, full = envelopes(64, 1024, 16, 64, 128)
+    assert (small.num_prefill, small.prefill_tokens) == (4, 256) and (full.num_prefill, full.prefill_tokens) == (32, 1024)
+    assert all(e.packed and e.num_decode == 64 and e.pages == 16 for e in (small, full))
 
 
 def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():

@@ -237,3 +237,42 @@ def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype
     for r in range(s):
         np.testing.assert_allclose(out[r, : lens[r]], ref[r, : lens[r]], atol=1e-5, rtol=1e-5, err_msg=f"row {r}")
     assert not out[4].any()  # a padding row sees no key: zeros
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(window, dtype):
+    """The ragged form the engine's packed steps use: decode rows and prefill chunks of different
+    lengths (longer than the kernel's 16-query work blocks) packed back to back, padding rows and
+    trailing padding tokens. Each row must equal the reference run on that row alone; tokens in no
+    row come back as zeros."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    rng = np.random.default_rng(5)
+    h, kv, d, n, ps, p = 4, 2, 8, 64, 4, 12
+    k_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    # (first position, query tokens) per row: 2 decode rows, chunks of 37, 3 and 20 tokens, 2 padding rows
+    spans = [(9, 1), (30, 1), (0, 37), (21, 3), (11, 20), (0, 0), (0, 0)]
+    r, t = len(spans), sum(length for _, length in spans) + 7  # 7 trailing padding tokens
+    tables = rng.integers(1, n, size=(r, p)).astype(np.int32)
+    q_starts = np.cumsum([0] + [length for _, length in spans[:-1]]).astype(np.int32)
+    q_lens = np.asarray([length for _, length in spans], np.int32)
+    ctx = np.asarray([first + length for first, length in spans], np.int32)
+    positions = np.zeros(t, np.int32)
+    for (first, length), start in zip(spans, q_starts):
+        positions[start : start + length] = np.arange(first, first + length)
+    q = jnp.asarray(rng.normal(size=(t, h, d)), jnp.float32)
+    kernel = jax.jit(cpu_attention.ragged_paged_attention, static_argnames="window")
+    out = np.asarray(kernel(q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(q_starts),
+                            jnp.asarray(q_lens), jnp.asarray(ctx), window))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    for row, ((first, length), start) in enumerate(zip(spans, q_starts)):
+        if not length:
+            continue
+        ref = paged_attention(q[None, start : start + length], f32(k_pages), f32(v_pages), jnp.asarray(tables[row : row + 1]),
+                              jnp.asarray(positions[None, start : start + length]), jnp.asarray(ctx[row : row + 1]), window)
+        np.testing.assert_allclose(out[start : start + length], np.asarray(ref[0]), atol=1e-5, rtol=1e-5,
+                                   err_msg=f"row {row}")
+    assert not out[int(q_lens.sum()) :].any()  # padding tokens: zeros

@@ -389,6 +389,22 @@ def test_fused_decode_steps_only_when_pure_decode():
     assert [c.num_steps for c in batch.chunks if c.seq in seqs] == [3, 3]  # max_tokens caps it
 
 
+def test_decode_steps_fuse_while_a_request_waits_for_a_slot_but_not_when_one_is_free():
+    sched, new = make(max_num_seqs=2), Requests()
+    running = [new(sched, [1, 2, 3 + i], max_tokens=20, ignore_eos=True).sequences[0] for i in range(2)]
+    waiting = new(sched, [7, 8, 9], max_tokens=20, ignore_eos=True).sequences[0]
+    sched.advance(sched.schedule(4))  # both prompts; the third request has no slot
+    batch = sched.schedule(4)
+    assert sched.num_waiting == 1 and [c.num_steps for c in batch.chunks] == [4, 4]  # it could not join anyway
+    sched.advance(batch)
+    sched.abort(running[0].request_id)  # a slot frees: the next step admits the waiting request
+    while running[1].num_in_flight:
+        running[1].resolve_in_flight(3)
+    batch = sched.schedule(4)
+    assert sched.num_waiting == 0 and waiting in [c.seq for c in batch.chunks]
+    assert all(c.num_steps == 1 for c in batch.chunks)
+
+
 def test_randomized_stress_no_starvation():
     rng = random.Random(1234)
     for trial in range(6):

@@ -23,6 +23,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import RESERVED_PAGES
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+from worker.heap import freeze_startup_heap
 from worker.models.config import ModelConfig
 from worker.models.loader import DTYPES, build_model, load_model, load_tokenizer, save_checkpoint
 
@@ -101,6 +102,7 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
     itemsize = jnp.dtype(DTYPES[dtype]).itemsize
     engine.runner.compile_after = 1  # compile exactly the shapes the warmup meets: the run then reuses them
     warmup(engine, work, cfg.vocab_size)
+    freeze_startup_heap()  # as a worker does after its warm-up (and the baseline runs after it too)
     compiled = len(engine.runner.compiled)
     probe = StepProbe().install(engine)
     per_round: list[dict] = []

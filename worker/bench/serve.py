@@ -144,10 +144,12 @@ def bench_serve(base_url: str, model: str | None, prompts: list[str], load: Load
     from tqdm import tqdm
 
     from worker.bench.stats import summarize
+    from worker.heap import freeze_startup_heap
 
     model = model or served_model(base_url, api_key)
     bar = tqdm(total=len(prompts), desc=f"rate {load.request_rate:g}" if load.concurrency is None
                else f"concurrency {load.concurrency}", unit="req", file=sys.stderr)
+    freeze_startup_heap()  # the load generator shares the cores with the server: no walks of its imports
     seconds, results = asyncio.run(run_load(base_url, model, prompts, load, api_key, lambda: bar.update(1)))
     bar.close()
     rate = None if load.request_rate == float("inf") else load.request_rate

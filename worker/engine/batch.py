@@ -19,8 +19,10 @@ LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 # (2 * layers * kv_heads * head_dim * bytes) / bandwidth over (2 * params) / FLOP/s is below 1/100
 # for the models measured here (CPU and GPU); 1/64 keeps a margin against tiny rows.
 ROW_CONTEXT_WEIGHT = 1 / 64
-ENVELOPE_ROW_LEN = 64  # Qp of the warm-up envelopes (prefill rows of 64 tokens)
-ENVELOPE_SPARE_ROWS = 8  # rows for chunk ends beyond budget / Qp in the full envelope
+PACK_GRANULE = 32  # packed prefill token slots come in multiples of this (then on the row_bucket ladder)
+MIN_PACKED_ROWS = 4
+ENVELOPE_SMALL_TOKENS = 256  # packed prefill slots of the small warm-up envelope (a few arrivals)
+ENVELOPE_ROWS = (4, 32)  # prefill rows of the small and the full warm-up envelope
 
 
 @dataclass(frozen=True)
@@ -29,16 +31,27 @@ class StepShape:
 
     num_decode: int  # Sd: decode rows (one token each), padded
     num_prefill: int  # Sp: prefill rows, padded
-    prefill_len: int  # Qp: tokens per prefill row, padded
+    prefill_len: int  # Qp: tokens per prefill row, padded (row layout); 0 when packed
     pages: int  # P: page-table width
     decode_steps: int  # K: fused decode steps (pure decode batches only)
     prompt_logprobs: bool  # compute logits for every token, not only sampled rows
     page_size: int
     max_rows: int
+    prefill_tokens: int = 0  # Tp: packed layout only: prefill token slots, each chunk a run of them
+
+    @property
+    def packed(self) -> bool:
+        """Prefill chunks packed back to back (one row each, any length; needs ragged attention)
+        instead of split into rows of Qp tokens, each padded to Qp."""
+        return self.prefill_tokens > 0
+
+    @property
+    def prefill_slots(self) -> int:
+        return self.prefill_tokens if self.packed else self.num_prefill * self.prefill_len
 
     @property
     def num_tokens(self) -> int:
-        return self.num_decode + self.num_prefill * self.prefill_len
+        return self.num_decode + self.prefill_slots
 
     @property
     def num_rows(self) -> int:
@@ -57,6 +70,8 @@ class DeviceBatch:
     sample_rows: np.ndarray  # i32[R]: index into T of each row's last token
     targets: np.ndarray  # i32[T]: next prompt token at each position (prompt logprobs), or -1
     row_steps: np.ndarray  # i32[R]: fused decode steps of each row (a row stops writing after its own)
+    q_starts: np.ndarray  # i32[R]: index in T of each row's first query token
+    q_lens: np.ndarray  # i32[R]: query tokens of each row (0: padding row)
     sampling: SamplingTensors
 
 
@@ -99,34 +114,59 @@ def plan_prefill(lengths: list[int], max_rows: int, context: int) -> tuple[int, 
     return best[1], best[2]
 
 
+def slot_bucket(n: int) -> int:
+    """Smallest of 1..8, then four steps per octave (10, 12, 14, 16, 20, 24, 28, 32, 40, ...) >= n:
+    under a quarter of padding."""
+    b = bucket(n)
+    step = max(1, b // 8)
+    return -(-n // step) * step
+
+
+def plan_packed(lengths: list[int], max_rows: int) -> tuple[int, int]:
+    """Packed prefill chunks: -> (padded row count, padded token slots). Slots come in multiples
+    of PACK_GRANULE on the slot_bucket ladder, rows in powers of two (a padding row costs only
+    its sampled logits)."""
+    if len(lengths) > max_rows:
+        raise ValueError(f"{len(lengths)} prefill chunks do not fit in {max_rows} rows")
+    rows = min(bucket(len(lengths), MIN_PACKED_ROWS), max_rows)
+    return rows, PACK_GRANULE * slot_bucket(-(-sum(lengths) // PACK_GRANULE))
+
+
 def fits(shape: StepShape, num_decode: int, prefill_lengths: list[int], pages: int) -> bool:
     """Can a batch with these decode rows, prefill chunk lengths and page-table width run in `shape`?"""
     if shape.num_decode < num_decode or shape.pages < pages or bool(shape.num_prefill) != bool(prefill_lengths):
         return False
-    return not prefill_lengths or sum(-(-n // shape.prefill_len) for n in prefill_lengths) <= shape.num_prefill
+    if not prefill_lengths:
+        return True
+    if shape.packed:
+        return len(prefill_lengths) <= shape.num_prefill and sum(prefill_lengths) <= shape.prefill_tokens
+    return sum(-(-n // shape.prefill_len) for n in prefill_lengths) <= shape.num_prefill
 
 
 def step_cost(shape: StepShape) -> float:
-    """Relative work of a step shape: padded tokens plus the context each prefill row gathers."""
-    context = shape.pages * shape.page_size * ROW_CONTEXT_WEIGHT
-    return shape.decode_steps * shape.num_decode + shape.num_prefill * (shape.prefill_len + context)
+    """Relative work of a step shape: padded tokens plus, per prefill row, the context it gathers
+    (row layout) or its sampled logits, about a token's worth (packed: the ragged attention reads
+    only each row's own context)."""
+    per_row = 1 if shape.packed else shape.pages * shape.page_size * ROW_CONTEXT_WEIGHT
+    return shape.decode_steps * shape.num_decode + shape.prefill_slots + shape.num_prefill * per_row
 
 
 def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_rows: int) -> list[StepShape]:
-    """Mixed (decode + prefill) shapes compiled at warm-up so that a batch of a new mix runs at
-    once, padded into one of them, instead of stopping the worker for seconds to compile:
+    """Packed mixed (decode + prefill) shapes compiled at warm-up so that a batch of a new mix
+    runs at once, padded into one of them, instead of stopping the worker for seconds to compile:
 
-    - small: all decode rows plus 4 prefill rows (one or a few arrivals joining a running batch);
-    - full: all decode rows plus enough rows for a whole step budget of prefill split over
-      ENVELOPE_SPARE_ROWS more chunks than it takes rows of ENVELOPE_ROW_LEN tokens.
+    - small: all decode rows plus ENVELOPE_SMALL_TOKENS prefill tokens in up to 4 chunks (one or
+      a few arrivals joining a running batch);
+    - full: all decode rows plus a whole step budget of prefill tokens in up to 32 chunks.
 
-    Both use the widest page table, so they cover any context. A batch fits one of them unless
-    it has more short prefill chunks than the spare rows; that shape is compiled when first met.
+    Both use the widest page table, so they cover any context. A batch fits one of them unless it
+    has more prefill chunks than that; its shape is then compiled when first met.
     """
-    qp = min(ENVELOPE_ROW_LEN, bucket(budget))
-    full = min(row_bucket(-(-budget // qp) + ENVELOPE_SPARE_ROWS), max_rows - max_decode)
-    return [StepShape(max_decode, rows, qp, max_pages, 1, False, page_size, max_rows)
-            for rows in sorted({min(4, full), full})]
+    spare = max_rows - max_decode
+    sizes = {(min(ENVELOPE_ROWS[0], spare), min(ENVELOPE_SMALL_TOKENS, plan_packed([budget], 1)[1])),
+             (min(ENVELOPE_ROWS[1], spare), plan_packed([budget], 1)[1])}
+    return [StepShape(max_decode, rows, 0, max_pages, 1, False, page_size, max_rows, tokens)
+            for rows, tokens in sorted(sizes)]
 
 
 def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
@@ -137,11 +177,11 @@ def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
     t, r = shape.num_tokens, shape.num_rows
     i32 = lambda *dims: np.zeros(dims, np.int32)  # noqa: E731
     return DeviceBatch(i32(t), np.full(t, -1, np.int32), i32(t), i32(t), i32(r, shape.pages), i32(r), i32(r),
-                       np.full(t, -1, np.int32), i32(r), _sampling([None] * r, flags, {}))
+                       np.full(t, -1, np.int32), i32(r), i32(r), i32(r), _sampling([None] * r, flags, {}))
 
 
 def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int,
-                fused_steps: int = 1, fixed_pages: int | None = None, choose=None):
+                fused_steps: int = 1, fixed_pages: int | None = None, packed: bool = False, choose=None):
     """-> (DeviceBatch, StepShape, SamplerFlags, rows, starts).
 
     `rows[r]` is the chunk whose sampled token row r holds (None for padding and for the leading
@@ -151,7 +191,8 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     A fused batch always runs `fused_steps` steps (rows with fewer stop writing after their own
     count), so fusion adds one compiled variant per shape, not one per step count. With
     `fixed_pages` (attention that reads only each row's own context), every batch uses that
-    page-table width: variants no longer multiply with context lengths.
+    page-table width: variants no longer multiply with context lengths. `packed` (ragged
+    attention): prefill chunks are packed back to back, one row each (`StepShape.packed`).
     `choose(exact_shape, flags, decode_rows, prefill_lengths, pages)` may return another shape the
     batch fits in (an already compiled one) to run instead.
     """
@@ -161,10 +202,14 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     needed = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
     pages = needed if fixed_pages is None else max(fixed_pages, needed)
     lengths = [c.num_tokens for c in prefill]
-    qp, sp = plan_prefill(lengths, max_rows - sd, needed * page_size) if prefill else (0, 0)
+    qp = sp = tp = 0
+    if prefill and packed:
+        sp, tp = plan_packed(lengths, max_rows - sd)
+    elif prefill:
+        qp, sp = plan_prefill(lengths, max_rows - sd, needed * page_size)
     steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
     want_prompt = any(c.seq.params.prompt_logprobs is not None for c in prefill + decode)
-    shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows)
+    shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp)
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     flags = sampler_flags([c.seq.params for c in batch.chunks], max_logprobs)
@@ -176,19 +221,21 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     tokens, src = np.zeros(t, np.int32), np.full(t, -1, np.int32)
     positions, slots, targets = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
     tables, ctx, sample_rows = np.zeros((r, pages), np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
-    row_steps = np.zeros(r, np.int32)
+    row_steps, q_starts, q_lens = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
     rows: list[ScheduledChunk] = decode + prefill
     offsets, spans = list(range(len(decode))), [(i, i + 1) for i in range(len(decode))]  # rows [first, last + 1)
-    first = sd
-    for chunk in prefill:
-        pieces = -(-chunk.num_tokens // qp)
-        offsets.append(sd + (first - sd) * qp)
+    first, off = sd, sd
+    for chunk in prefill:  # packed: one row per chunk, tokens back to back; else rows of qp tokens
+        pieces = 1 if shape.packed else -(-chunk.num_tokens // qp)
+        offsets.append(off)
         spans.append((first, first + pieces))
         first += pieces
+        off += chunk.num_tokens if shape.packed else pieces * qp
     _fill_decode_rows(decode, prev_rows, page_size, want_prompt, tokens, src, positions, slots, tables, ctx,
-                      sample_rows, row_steps, targets)
+                      sample_rows, row_steps, q_starts, q_lens, targets)
     for chunk, off, (row0, row_end) in zip(prefill, offsets[len(decode):], spans[len(decode):]):
         seq, n = chunk.seq, chunk.num_tokens
+        piece = n if shape.packed else qp  # query tokens per row
         ids = np.asarray(seq.token_range(chunk.start, chunk.end), np.int32)
         if (ids == IN_FLIGHT).any():  # only the newest token can still be on device
             if ids[-1] != IN_FLIGHT or (ids[:-1] == IN_FLIGHT).any() or seq.seq_id not in prev_rows:
@@ -202,7 +249,9 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         for row in range(row0, row_end):  # each row attends over the whole sequence's pages
             tables[row, : len(table)] = table
             ctx[row] = chunk.end
-            sample_rows[row] = off + min((row - row0 + 1) * max(qp, 1), n) - 1
+            q_starts[row] = off + (row - row0) * piece
+            q_lens[row] = min(piece, n - (row - row0) * piece)
+            sample_rows[row] = q_starts[row] + q_lens[row] - 1
             row_steps[row] = chunk.num_steps
         if want_prompt and seq.params.prompt_logprobs is not None:
             nxt = pos + 1
@@ -213,12 +262,14 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     for chunk, off, (_, row_end) in zip(rows, offsets, spans):
         by_row[row_end - 1], starts[row_end - 1] = chunk, off
     sampling = _sampling(by_row, flags, prev_rows)
-    db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, sampling)
+    db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, q_starts, q_lens,
+                     sampling)
     return db, shape, flags, by_row, starts
 
 
 def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], page_size: int, want_prompt: bool,
-                      tokens, src, positions, slots, tables, ctx, sample_rows, row_steps, targets) -> None:
+                      tokens, src, positions, slots, tables, ctx, sample_rows, row_steps, q_starts, q_lens,
+                      targets) -> None:
     """Rows 0..n-1 (and tokens 0..n-1) for one-token chunks, in a few array operations instead of
     the prefill loop's dozen per row."""
     n = len(decode)
@@ -236,7 +287,8 @@ def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], p
     tokens[:n], positions[:n] = ids, pos
     slots[:n] = tables[np.arange(n), pos // page_size] * page_size + pos % page_size
     ctx[:n] = pos + 1
-    sample_rows[:n] = np.arange(n)
+    sample_rows[:n] = q_starts[:n] = np.arange(n)
+    q_lens[:n] = 1
     row_steps[:n] = np.fromiter((c.num_steps for c in decode), np.int32, n)
     if want_prompt:  # a one-token chunk inside the prompt predicts the next prompt token
         for i, c in enumerate(decode):

@@ -83,6 +83,26 @@ def load() -> bool:
     return True
 
 
+def ragged_paged_attention(
+    q: jax.Array,  # [T, H, D]: query tokens of all rows, packed
+    k_pages: jax.Array,  # [KV, num_pages, page_size, D], float32 or bfloat16
+    v_pages: jax.Array,  # [KV, num_pages, page_size, D]
+    page_tables: jax.Array,  # i32[R, P]
+    positions: jax.Array,  # i32[T]
+    q_starts: jax.Array,  # i32[R]: row r holds query tokens [q_starts[r], q_starts[r] + q_lens[r])
+    q_lens: jax.Array,  # i32[R]: 0 for a padding row
+    context_lens: jax.Array,  # i32[R]
+    window: int | None = None,
+) -> jax.Array:  # [T, H, D]; zeros for tokens in no row
+    """Each row's queries over its own sequence's pages, with the masking of
+    `paged_attention.paged_attention`; rows need no padding to a common length. Call `load()` first."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    out = call(q.astype(jnp.float32), k_pages, v_pages, i32(page_tables), i32(positions), i32(q_starts), i32(q_lens),
+               i32(context_lens), window=np.int64(window or 0))
+    return out.astype(q.dtype)
+
+
 def paged_attention(
     q: jax.Array,  # [S, Q, H, D]
     k_pages: jax.Array,  # [KV, num_pages, page_size, D], float32 or bfloat16
@@ -92,12 +112,13 @@ def paged_attention(
     context_lens: jax.Array,  # i32[S]
     window: int | None = None,
 ) -> jax.Array:  # [S, Q, H, D]
-    """Same contract as `paged_attention.paged_attention` (queries with no visible key get zeros
-    where the reference averages garbage); call `load()` first."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    out = call(q.astype(jnp.float32), k_pages, v_pages, page_tables.astype(jnp.int32), positions.astype(jnp.int32),
-               context_lens.astype(jnp.int32), window=np.int64(window or 0))
-    return out.astype(q.dtype)
+    """Same contract as `paged_attention.paged_attention` (rows of Q queries; queries with no
+    visible key get zeros where the reference averages garbage)."""
+    s, n, h, d = q.shape
+    starts = jnp.arange(s, dtype=jnp.int32) * n
+    out = ragged_paged_attention(q.reshape(s * n, h, d), k_pages, v_pages, page_tables, positions.reshape(s * n),
+                                 starts, jnp.full((s,), n, jnp.int32), context_lens, window)
+    return out.reshape(s, n, h, d)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tables: jax.Array,
@@ -106,7 +127,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return paged_attention(q[:, None], k_pages, v_pages, page_tables, positions[:, None], context_lens, window)[:, 0]
 
 
-KERNEL = AttentionOps("cpu-kernel", paged_decode_attention, paged_attention, reads_own_context=True)
+KERNEL = AttentionOps("cpu-kernel", paged_decode_attention, paged_attention, reads_own_context=True,
+                      ragged=ragged_paged_attention)
 
 
 def choose_attention(mode: str, tensor_parallel: int) -> AttentionOps:

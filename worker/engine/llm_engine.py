@@ -335,7 +335,7 @@ class LLMEngine:
         before = len(runner.compiled) + len(runner.ready)
         sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
-                          runner.max_rows) if runner.fixed_pages else []  # fixed: the attention reads own context
+                          runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
         for k, params in enumerate(sampling):
             params = dataclasses.replace(params, n=1, max_tokens=self.config.decode_steps + 2, ignore_eos=True,
                                          seed=k)

@@ -147,12 +147,16 @@ class AttentionOps:
     """The attention a step runs: `decode` for one-query rows (q [S, H, D], positions [S]) and
     `prefill` for rows of Q queries (q [S, Q, H, D], positions [S, Q]), both with the contract of
     `paged_attention`. `reads_own_context`: cost follows each row's context, not the page-table
-    width, so every step can use the widest table (fewer compiled variants)."""
+    width, so every step can use the widest table (fewer compiled variants). `ragged` (optional):
+    rows of any length packed back to back (q [T, H, D], positions [T], row r the tokens
+    `[q_starts[r], q_starts[r] + q_lens[r])`); with it a step packs prefill chunks without padding
+    each to a common row length (`batch.StepShape.packed`)."""
 
     name: str
     decode: Callable
     prefill: Callable
     reads_own_context: bool
+    ragged: Callable | None = None
 
 
 JNP = AttentionOps("jnp", paged_decode_attention, paged_attention, reads_own_context=False)

@@ -87,7 +87,7 @@ class ModelRunner:
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
         """Build the device batch and launch the step; returns without waiting for it."""
         args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
-                self.fixed_pages)
+                self.fixed_pages, self.attention.ragged is not None)
         db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
         if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
             key, self._compile_next = self._compile_next, None
@@ -166,8 +166,10 @@ class ModelRunner:
 
 
 def _log_variant(what: str, shape: StepShape, flags: SamplerFlags) -> None:
-    log.info("%s step variant: decode rows %d, prefill rows %d x %d, pages %d, fused %d, greedy %s", what,
-             shape.num_decode, shape.num_prefill, shape.prefill_len, shape.pages, shape.decode_steps, flags.all_greedy)
+    prefill = (f"{shape.num_prefill} packed in {shape.prefill_tokens} tokens" if shape.packed
+               else f"{shape.num_prefill} x {shape.prefill_len}")
+    log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, greedy %s", what,
+             shape.num_decode, prefill, shape.pages, shape.decode_steps, flags.all_greedy)
 
 
 @lru_cache(maxsize=8)
@@ -187,8 +189,12 @@ def _step(graphdef, attention: AttentionOps, params, kv: KVCache, db: DeviceBatc
         def attend(layer, q, k, v, cache):  # q [T, H, D], k/v [T, KV, D]
             keys, values = cache
             kp, vp = write_kv(keys[layer], k, slots), write_kv(values[layer], v, slots)
-            out = _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer),
-                                 attention)
+            if shape.packed:  # decode rows and packed prefill chunks in one ragged call
+                out = attention.ragged(q, kp, vp, db.page_tables, positions, db.q_starts, db.q_lens, context_lens,
+                                       cfg.window(layer))
+            else:
+                out = _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer),
+                                     attention)
             return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
 
         hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values))  # [T, hidden]
@@ -230,7 +236,7 @@ def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, sh
     """Decode rows (one query each) then prefill rows (Qp queries each) -> [T, H, D]."""
     sd, sp, qp = shape.num_decode, shape.num_prefill, shape.prefill_len
     h, d = q.shape[1:]
-    outs = []
+    outs = []  # row layout only: a packed step calls attention.ragged instead
     if sd:
         outs.append(attention.decode(q[:sd], k_pages, v_pages, page_tables[:sd], positions[:sd],
                                            context_lens[:sd], window))

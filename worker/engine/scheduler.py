@@ -147,14 +147,18 @@ class Scheduler:
 
     def schedule(self, max_decode_steps: int = 1) -> ScheduledBatch | None:
         """Pick this step's chunks (pages allocated). With `max_decode_steps > 1`, a pure decode
-        batch with nobody waiting gets fused steps (`ScheduledChunk.num_steps`)."""
+        batch gets fused steps (`ScheduledChunk.num_steps`) when nobody waits or every sequence
+        slot is taken (nobody waiting could join before a running sequence ends, and no fused
+        window runs past a sequence's token limit; one that stops early frees its slot at the end
+        of the window, at most max_decode_steps - 1 steps late)."""
         chunks: list[ScheduledChunk] = []
         finished: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
         budget, stalled = self._schedule_running(chunks, finished, budget)
         if not stalled:
             self._schedule_waiting(chunks, finished, budget)
-        if max_decode_steps > 1 and not self.waiting and chunks and all(c.is_decode for c in chunks):
+        full = len(self.running) >= self.config.max_num_seqs
+        if max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode for c in chunks):
             chunks = [self._fuse(c, max_decode_steps) for c in chunks]
         if not chunks and not finished:
             return None

@@ -19,6 +19,7 @@ from worker.contract import FinishReason, OutputDelta, RequestEvent, WorkerState
 from worker.engine.llm_engine import LLMEngine, RequestOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.service.config import WorkerConfig
+from worker.heap import freeze_startup_heap
 from worker.service.redis_io import Finished, Incoming, RedisIO
 
 log = logging.getLogger("redjax.worker")
@@ -58,6 +59,7 @@ class Worker:
             t0 = time.perf_counter()
             n = self.engine.warmup()
             log.info("worker %s warmed up %d step variants in %.1f s", self.config.name, n, time.perf_counter() - t0)
+        freeze_startup_heap()  # the model, tokenizer and compiled steps: out of the collector's walks
         self.io.start()
         self.state = WorkerState.SERVING
         log.info("worker %s serving %s (attention: %s)", self.config.name, self.config.model_name,

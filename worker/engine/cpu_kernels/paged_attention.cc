@@ -1,15 +1,17 @@
 // Paged attention for XLA's CPU backend, called from JAX through the XLA FFI.
 //
-// Each row holds Q query tokens of one sequence (Q = 1: decode; a prefill chunk otherwise) that
-// attend over that sequence's pages, read in place: the page table is followed row by row, so
-// each query reads only the keys and values visible to it, with no gathered copy and no work for
-// the masked part of a padded page table. Work items are (row, KV head) pairs spread over XLA's
-// intra-op thread pool; each handles the G query heads that share its KV head, query by query.
+// Query tokens are packed back to back; row r holds the q_lens[r] tokens starting at
+// q_starts[r], all of one sequence (1: a decode row; more: a prefill chunk), and they attend over
+// that sequence's pages, read in place: the page table is followed row by row, so each query
+// reads only the keys and values visible to it, with no gathered copy, no work for the masked
+// part of a padded page table and none for padding between rows (tokens in no row get zeros).
+// Work items are (row, block of queries, KV head) triples spread over XLA's intra-op thread pool;
+// each handles the G query heads that share its KV head, query by query.
 // Same masking as the jnp reference (worker/engine/paged_attention.py): key j is visible to the
 // query at position p iff j <= p, j < context_len and p - j < window (window 0: none).
 //
-// Shapes: q f32[S, Q, H, D]; k_pages, v_pages f32 or bf16 [KV, N, page_size, D];
-// page_tables s32[S, P]; positions s32[S, Q]; context_lens s32[S]; out f32[S, Q, H, D].
+// Shapes: q f32[T, H, D]; k_pages, v_pages f32 or bf16 [KV, N, page_size, D];
+// page_tables s32[R, P]; positions s32[T]; q_starts, q_lens, context_lens s32[R]; out f32[T, H, D].
 
 #include <algorithm>
 #include <atomic>
@@ -43,6 +45,8 @@ inline const float* as_floats(const uint16_t* row, float* buf, int64_t d) {
   return buf;
 }
 
+constexpr int64_t kBlock = 16;  // queries per work item: long prefill rows spread over the threads
+
 struct Problem {
   const float* q;
   const void* k;
@@ -51,17 +55,21 @@ struct Problem {
   const int32_t* positions;
   const int32_t* context_lens;
   float* out;
-  int64_t seqs, queries, heads, kv_heads, dim, num_pages, page_size, table_width, window;
+  int64_t heads, kv_heads, dim, num_pages, page_size, table_width, window;
 };
 
-// Attention of query `qi` of row `s`, for its G query heads that share KV head `kvh`: scores for
-// every visible key (walking the page table), one softmax per head, then the weighted sum of
-// values. DIM > 0 fixes the head dimension at compile time (fully unrolled, register-resident
-// rows); 0: any.
+// A work item's queries: tokens [begin, end) of row `row`.
+struct Block {
+  int64_t row, begin, end;
+};
+
+// Attention of query token `token` of row `s`, for its G query heads that share KV head `kvh`:
+// scores for every visible key (walking the page table), one softmax per head, then the weighted
+// sum of values. DIM > 0 fixes the head dimension at compile time (fully unrolled,
+// register-resident rows); 0: any.
 template <typename T, int DIM>
-void attend_query(const Problem& pb, int64_t s, int64_t qi, int64_t kvh, std::vector<float>& scratch) {
+void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, std::vector<float>& scratch) {
   const int64_t d = DIM > 0 ? DIM : pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
-  const int64_t token = s * pb.queries + qi;
   float* o = pb.out + (token * pb.heads + kvh * g) * d;  // [G, D]
   const int64_t pos = pb.positions[token];
   // exclusive end: also never past the page table (a fused decode row that has stopped keeps
@@ -128,13 +136,13 @@ void attend_query(const Problem& pb, int64_t s, int64_t qi, int64_t kvh, std::ve
 }
 
 template <typename T, int DIM>
-void attend(const Problem& pb, int64_t s, int64_t kvh, std::vector<float>& scratch) {
-  for (int64_t qi = 0; qi < pb.queries; ++qi) attend_query<T, DIM>(pb, s, qi, kvh, scratch);
+void attend(const Problem& pb, const Block& b, int64_t kvh, std::vector<float>& scratch) {
+  for (int64_t token = b.begin; token < b.end; ++token) attend_query<T, DIM>(pb, b.row, token, kvh, scratch);
 }
 
 // Items are claimed from a shared counter by the calling thread and by pool tasks; the state is
 // shared-owned, so a pool task that starts after all items are done only reads the counter.
-using AttendFn = void (*)(const Problem&, int64_t, int64_t, std::vector<float>&);
+using AttendFn = void (*)(const Problem&, const Block&, int64_t, std::vector<float>&);
 
 template <typename T>
 AttendFn for_dim(int64_t dim) {
@@ -150,42 +158,56 @@ AttendFn for_dim(int64_t dim) {
 struct Work {
   Problem pb;
   AttendFn fn;
+  std::vector<Block> blocks;
   int64_t items;
   std::atomic<int64_t> next{0}, done{0};
 
   void run() {
     std::vector<float> scratch;
     for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      fn(pb, i / pb.kv_heads, i % pb.kv_heads, scratch);
+      fn(pb, blocks[i / pb.kv_heads], i % pb.kv_heads, scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
-                                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_tables,
-                                    ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> context_lens,
-                                    int64_t window, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens,
+                              ffi::Buffer<ffi::S32> context_lens, int64_t window, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || positions.dimensions().size() != 2)
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || positions.dimensions().size() != 1)
     return ffi::Error::InvalidArgument(
-        "paged_attention: expected q [S,Q,H,D], pages [KV,N,ps,D], tables [S,P], positions [S,Q]");
+        "paged_attention: expected q [T,H,D], pages [KV,N,ps,D], tables [R,P], positions [T]");
   if (k_pages.element_type() != v_pages.element_type())
     return ffi::Error::InvalidArgument("paged_attention: key and value pages differ in dtype");
   // bfloat16 pages come as BF16 or as their bit patterns in U16 (how the engine stores them)
   const bool bf16 = k_pages.element_type() == ffi::DataType::BF16 || k_pages.element_type() == ffi::DataType::U16;
   if (!bf16 && k_pages.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (or its bits as uint16)");
-  if (qd[2] % kd[0] != 0 || qd[3] != kd[3] || td[0] != qd[0] || positions.dimensions()[0] != qd[0] ||
-      positions.dimensions()[1] != qd[1] || context_lens.dimensions()[0] != qd[0])
+  const int64_t tokens = qd[0], rows = td[0];
+  if (qd[1] % kd[0] != 0 || qd[2] != kd[3] || positions.dimensions()[0] != tokens ||
+      q_starts.dimensions()[0] != rows || q_lens.dimensions()[0] != rows || context_lens.dimensions()[0] != rows)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
-  if (qd[3] > kMaxDim) return ffi::Error::InvalidArgument("paged_attention: head_dim above 512");
+  if (qd[2] > kMaxDim) return ffi::Error::InvalidArgument("paged_attention: head_dim above 512");
   auto work = std::make_shared<Work>();
   work->pb = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
                      positions.typed_data(), context_lens.typed_data(), out->typed_data(),
-                     qd[0], qd[1], qd[2], kd[0], qd[3], kd[1], kd[2], td[1], window};
-  work->fn = bf16 ? for_dim<uint16_t>(qd[3]) : for_dim<float>(qd[3]);
-  work->items = qd[0] * kd[0];
+                     qd[1], kd[0], qd[2], kd[1], kd[2], td[1], window};
+  work->fn = bf16 ? for_dim<uint16_t>(qd[2]) : for_dim<float>(qd[2]);
+  std::vector<char> covered(tokens, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t start = q_starts.typed_data()[r], len = q_lens.typed_data()[r];
+    if (len <= 0) continue;  // a padding row
+    if (start < 0 || start + len > tokens)
+      return ffi::Error::InvalidArgument("paged_attention: a row's queries run outside q");
+    for (int64_t b = start; b < start + len; b += kBlock) work->blocks.push_back({r, b, std::min(b + kBlock, start + len)});
+    std::fill(covered.begin() + start, covered.begin() + start + len, 1);
+  }
+  const int64_t token_floats = qd[1] * qd[2];
+  for (int64_t t = 0; t < tokens; ++t)  // padding tokens: zeros, like a query with no visible key
+    if (!covered[t]) std::fill(out->typed_data() + t * token_floats, out->typed_data() + (t + 1) * token_floats, 0.0f);
+  work->items = static_cast<int64_t>(work->blocks.size()) * kd[0];
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
   work->run();
@@ -201,6 +223,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
