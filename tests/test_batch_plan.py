@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from worker.engine.batch import (MIN_PREFILL_LEN, PACK_GRANULE, StepShape, envelopes, fits, plan_packed, plan_prefill,
-                                 row_bucket, slot_bucket)
+                                 row_bucket, slot_bucket, step_cost)
 
 
 def test_slot_bucket_ladder_has_four_steps_per_octave():
@@ -64,9 +64,22 @@ def test_a_packed_shape_holds_any_split_of_its_tokens_over_its_rows():
     assert not fits(shape, 64, [148] * 7, 16)  # 1036 tokens
     assert not fits(shape, 64, [100] * 9, 16)  # 9 chunks in 8 rows
     assert not fits(shape, 65, [148], 16) and not fits(shape, 8, [148], 32)
-    small, full = envelopes(64, 1024, 16, 64, 128)
-    assert (small.num_prefill, small.prefill_tokens) == (4, 256) and (full.num_prefill, full.prefill_tokens) == (32, 1024)
-    assert all(e.packed and e.num_decode == 64 and e.pages == 16 for e in (small, full))
+    ladder = envelopes(64, 1024, 16, 64, 128)
+    assert [(e.num_prefill, e.prefill_tokens) for e in ladder] == [(4, 192), (4, 256), (8, 384), (8, 512), (16, 768), (32, 1024)]
+    assert all(e.packed and e.num_decode == 64 and e.pages == 16 for e in ladder)
+    assert [(e.num_prefill, e.prefill_tokens) for e in envelopes(8, 32, 4, 16, 16)] == [(8, 32)]  # rungs collapse
+
+
+def test_a_few_arrivals_joining_running_decodes_borrow_an_envelope_within_tolerance():
+    from worker.engine.runner import BORROW_TOLERANCE
+
+    ladder = envelopes(64, 1024, 16, 64, 128)
+    for prompts in range(1, 7):  # 1 to 6 arrivals of 148 tokens joining 60 running sequences
+        lengths = [148] * prompts
+        rows, tokens = plan_packed(lengths, 64)
+        exact = StepShape(64, rows, 0, 16, 1, False, 64, 128, tokens)
+        best = min((e for e in ladder if fits(e, 60, lengths, 16)), key=step_cost)
+        assert step_cost(best) <= BORROW_TOLERANCE * step_cost(exact), prompts
 
 
 def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():

@@ -21,8 +21,10 @@ LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 ROW_CONTEXT_WEIGHT = 1 / 64
 PACK_GRANULE = 32  # packed prefill token slots come in multiples of this (then on the row_bucket ladder)
 MIN_PACKED_ROWS = 4
-ENVELOPE_SMALL_TOKENS = 256  # packed prefill slots of the small warm-up envelope (a few arrivals)
-ENVELOPE_ROWS = (4, 32)  # prefill rows of the small and the full warm-up envelope
+# warm-up envelopes: (prefill rows, prefill tokens as a share of the step budget); consecutive
+# rungs are close enough that a mix of arrivals and running decodes borrows one within the
+# runner's BORROW_TOLERANCE instead of having its own shape compiled in the background
+ENVELOPE_LADDER = ((4, 3 / 16), (4, 1 / 4), (8, 3 / 8), (8, 1 / 2), (16, 3 / 4), (32, 1))
 
 
 @dataclass(frozen=True)
@@ -154,19 +156,19 @@ def step_cost(shape: StepShape) -> float:
 def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_rows: int) -> list[StepShape]:
     """Packed mixed (decode + prefill) shapes compiled at warm-up so that a batch of a new mix
     runs at once, padded into one of them, instead of stopping the worker for seconds to compile:
+    all decode rows plus, on ENVELOPE_LADDER, from a quarter of a step budget of prefill tokens in
+    up to 4 chunks (a few arrivals joining a running batch) to a whole budget in up to 32.
 
-    - small: all decode rows plus ENVELOPE_SMALL_TOKENS prefill tokens in up to 4 chunks (one or
-      a few arrivals joining a running batch);
-    - full: all decode rows plus a whole step budget of prefill tokens in up to 32 chunks.
-
-    Both use the widest page table, so they cover any context. A batch fits one of them unless it
+    All use the widest page table, so they cover any context. A batch fits the largest unless it
     has more prefill chunks than that; its shape is then compiled when first met.
     """
     spare = max_rows - max_decode
-    sizes = {(min(ENVELOPE_ROWS[0], spare), min(ENVELOPE_SMALL_TOKENS, plan_packed([budget], 1)[1])),
-             (min(ENVELOPE_ROWS[1], spare), plan_packed([budget], 1)[1])}
+    rows_for: dict[int, int] = {}  # prefill tokens -> rows (a small budget collapses rungs: keep the most rows)
+    for rows, share in ENVELOPE_LADDER:
+        tokens = plan_packed([max(1, int(budget * share))], 1)[1]
+        rows_for[tokens] = max(rows_for.get(tokens, 0), min(rows, spare))
     return [StepShape(max_decode, rows, 0, max_pages, 1, False, page_size, max_rows, tokens)
-            for rows, tokens in sorted(sizes)]
+            for tokens, rows in sorted(rows_for.items())]
 
 
 def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
