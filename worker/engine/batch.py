@@ -19,7 +19,7 @@ LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 # (2 * layers * kv_heads * head_dim * bytes) / bandwidth over (2 * params) / FLOP/s is below 1/100
 # for the models measured here (CPU and GPU); 1/64 keeps a margin against tiny rows.
 ROW_CONTEXT_WEIGHT = 1 / 64
-PACK_GRANULE = 32  # packed prefill token slots come in multiples of this (then on the row_bucket ladder)
+PACK_GRANULE = 32  # packed prefill token slots come in multiples of this (on the slot_bucket ladder)
 MIN_PACKED_ROWS = 4
 # warm-up envelopes: (prefill rows, prefill tokens as a share of the step budget); consecutive
 # rungs are close enough that a mix of arrivals and running decodes borrows one within the
@@ -156,7 +156,7 @@ def step_cost(shape: StepShape) -> float:
 def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_rows: int) -> list[StepShape]:
     """Packed mixed (decode + prefill) shapes compiled at warm-up so that a batch of a new mix
     runs at once, padded into one of them, instead of stopping the worker for seconds to compile:
-    all decode rows plus, on ENVELOPE_LADDER, from a quarter of a step budget of prefill tokens in
+    all decode rows plus, on ENVELOPE_LADDER, from 3/16 of a step budget of prefill tokens in
     up to 4 chunks (a few arrivals joining a running batch) to a whole budget in up to 32.
 
     All use the widest page table, so they cover any context. A batch fits the largest unless it
