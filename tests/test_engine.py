@@ -188,16 +188,17 @@ def record_chunks(engine: LLMEngine) -> list[dict]:
     return log
 
 
-def record_splits(engine: LLMEngine) -> list[bool]:
-    """Spy on the runner: per step with prefill, whether some chunk was split over several rows."""
-    log: list[bool] = []
+def record_splits(engine: LLMEngine) -> list[str]:
+    """Spy on the runner: per step with prefill, "packed" (chunks back to back, one row each),
+    "split" (some chunk over several rows of the row layout) or "whole"."""
+    log: list[str] = []
     dispatch = engine.runner.dispatch
 
     def spy(batch):
         flight = dispatch(batch)
         longest = max((c.num_tokens for c in batch.chunks if c.num_tokens > 1), default=0)
         if longest:
-            log.append(flight.shape.prefill_len < longest)
+            log.append("packed" if flight.shape.packed else "split" if flight.shape.prefill_len < longest else "whole")
         return flight
 
     engine.runner.dispatch = spy
@@ -269,9 +270,11 @@ def test_context_limit_ends_with_length(model, tokenizer, prompts, greedy_refs):
 
 # ---- 2. logits and logprobs of the paged step equal the plain forward ----
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_prompt_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts, overlap):
-    engine = make_engine(model, tokenizer, TIGHT, async_overlap=overlap)  # prompts prefilled in chunks
+@pytest.mark.parametrize("overlap,attention", [(True, "kernel"), (False, "kernel"), (True, "jnp")],
+                         ids=["overlap", "sync", "jnp-rows"])
+def test_prompt_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts, overlap, attention):
+    # prompts prefilled in chunks: packed by the kernel path, split over rows on the jnp path
+    engine = make_engine(model, tokenizer, TIGHT, async_overlap=overlap, attention=attention)
     splits = record_splits(engine)
     free = engine.allocator.num_free_pages
     engine.add_request("one", prompts[7], SamplingParams(prompt_logprobs=1, max_tokens=0))
@@ -292,7 +295,10 @@ def test_prompt_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts, 
             np.testing.assert_allclose([lp for _, lp in entry["top"]], row[top], atol=2e-4)
     assert results[("one", 0)].token_ids == [] and results[("one", 0)].finish_reason == "length"
     assert len(results[("gen", 0)].token_ids) == 3
-    assert any(splits), "no step split a prefill chunk over several rows"
+    if attention == "jnp":
+        assert "split" in splits, "no step split a prefill chunk over several rows"
+    else:
+        assert set(splits) == {"packed"}
     assert_pages_returned(engine, free)
 
 
