@@ -18,8 +18,8 @@ import redis
 from worker.contract import FinishReason, OutputDelta, RequestEvent, WorkerState, WorkerStats
 from worker.engine.llm_engine import LLMEngine, RequestOutput
 from worker.engine.sampling_params import SamplingParams
-from worker.service.config import WorkerConfig
 from worker.heap import freeze_startup_heap
+from worker.service.config import WorkerConfig
 from worker.service.redis_io import Finished, Incoming, RedisIO
 
 log = logging.getLogger("redjax.worker")
