@@ -1,11 +1,7 @@
-"""LLMEngine end to end on tiny checkpoints, against references written elsewhere:
-transformers' `generate` for greedy tokens, the torch forward for logprobs, the tokenizer's own
-`decode` for text.
-
-Two checkpoints, each with a byte-level BPE tokenizer trained here and saved beside it:
-- a random Qwen2 (sliding window on its upper layer, which crosses pages);
-- a "cycle" Llama built so that its greedy continuation walks a fixed text forever (its tokens,
-  then EOS, then again): predictable text for stop strings, EOS and split UTF-8 characters.
+"""LLMEngine end to end on a tiny random Qwen2 checkpoint (sliding window on its upper layer,
+which crosses pages) with a byte-level BPE tokenizer trained here, against references written
+elsewhere: transformers' `generate` for greedy tokens, the torch forward for logprobs.
+Stop conditions and streamed text: test_engine_text.py.
 
 Engines share two KV shapes (ROOMY, TIGHT) and max_num_seqs 8 so few step variants compile.
 """
@@ -16,16 +12,14 @@ import dataclasses
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
 
-from tests.byte_bpe import byte_level_bpe
+from tests.engine_support import ROOMY, Choice, collect, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
 from worker.engine import cpu_attention, paged_attention
 from worker.engine.config import EngineConfig
@@ -34,26 +28,14 @@ from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import load_model
 
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog, again and again and again.",
-    "Héllo wörld! The café serves crème brûlée to a naïve guest.",
-    "hello world, this is a test of the tokenizer; numbers 0123456789.",
-]
-CYCLE_TEXT = "naïve 日€🎉ж!"  # all its tokens differ; "ï" is split inside merged tokens, the rest over byte tokens
 PROMPT_LENGTHS = (1, 3, 6, 11, 17, 24, 30, 41)
 GEN = 16  # new tokens per prompt in the greedy runs
-ROOMY = dict(max_num_seqs=8, page_size=8, num_pages=64, max_num_batched_tokens=256)
 TIGHT = dict(max_num_seqs=8, page_size=4, num_pages=20, max_num_batched_tokens=16, decode_steps=4)  # 19 usable pages: 76 tokens
 SIZES = {"roomy": ROOMY, "tight": TIGHT}
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=12, ignore_eos=True)  # one sampler variant
 
 
 # ---- checkpoints ----
-
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    return byte_level_bpe(CORPUS)
-
 
 @pytest.fixture(scope="module")
 def random_ckpt(tokenizer, tmp_path_factory):
@@ -79,12 +61,6 @@ def prompts(tokenizer) -> list[list[int]]:
     return [rng.integers(1, len(tokenizer), n).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(hf, prompt: list[int], n: int, **kwargs) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, **kwargs)
-    return out[0, len(prompt) :].tolist()
-
-
 def hf_logprobs(hf, tokens: list[int]) -> np.ndarray:
     """Log-softmax of the torch forward at every position: f32[L, V]."""
     with torch.no_grad():
@@ -96,80 +72,10 @@ def greedy_refs(hf, prompts) -> list[list[int]]:
     return [hf_greedy(hf, p, GEN) for p in prompts]
 
 
-@pytest.fixture(scope="module")
-def cycle_ckpt(tokenizer, tmp_path_factory):
-    """A Llama whose greedy continuation of any cycle token is the next one. Attention and MLP
-    outputs are zeroed, so the final hidden state is norm(embedding(current token)); the head row
-    of each token's successor is that state, normalised, so it alone gets the top logit."""
-    cycle = tokenizer.encode(CYCLE_TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
-    assert len(set(cycle)) == len(cycle)
-    path = tmp_path_factory.mktemp("cycle")
-    hf = make_hf_model("llama", path, seed=3, vocab_size=len(tokenizer))
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        hidden = hf.model.norm(hf.model.embed_tokens.weight)  # [V, H]
-        head = torch.zeros_like(hf.lm_head.weight)
-        for cur, nxt in zip(cycle, cycle[1:] + cycle[:1]):
-            head[nxt] = 4.0 * hidden[cur] / hidden[cur].norm()
-        hf.lm_head.weight.copy_(head)
-    hf.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    assert hf_greedy(hf, cycle[:1], 3 * len(cycle)) == (cycle * 4)[1 : 3 * len(cycle) + 1]  # transformers agrees
-    return path, cycle
-
-
-@pytest.fixture(scope="module")
-def cycle_engine(cycle_ckpt) -> LLMEngine:
-    return LLMEngine.from_path(cycle_ckpt[0], EngineConfig(**ROOMY))  # async overlap and 4 fused decodes
-
-
 # ---- driving an engine ----
-
-@dataclass
-class Choice:
-    token_ids: list[int] = field(default_factory=list)
-    deltas: list[str] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.deltas)
-
 
 def make_engine(model, tokenizer, sizes: dict, **overrides) -> LLMEngine:
     return LLMEngine(model, tokenizer, EngineConfig(**{**sizes, **overrides}))
-
-
-def collect(results: dict[tuple[str, int], Choice], outputs) -> None:
-    """Fold RequestOutputs (deltas) into per-choice totals."""
-    for out in outputs:
-        choice = results.setdefault((out.request_id, out.index), Choice())
-        assert choice.finish_reason is None, f"{out.request_id}/{out.index}: output after it finished"
-        choice.token_ids += out.token_ids
-        choice.deltas.append(out.text)
-        choice.logprobs += out.logprobs or []
-        if out.prompt_logprobs is not None:
-            assert choice.prompt_logprobs is None, "prompt logprobs sent twice"
-            choice.prompt_logprobs = out.prompt_logprobs
-        choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
-
-
-def drain(engine: LLMEngine, before_step=None, results=None) -> dict[tuple[str, int], Choice]:
-    """Step until idle; `before_step(k)` runs before step k (to add or abort requests)."""
-    results = {} if results is None else results
-    k = 0
-    while engine.has_unfinished() or (before_step and k == 0):
-        if before_step:
-            before_step(k)
-        collect(results, engine.step())
-        k += 1
-        assert k < 3000, "engine does not finish"
-    return results
 
 
 def record_chunks(engine: LLMEngine) -> list[dict]:
@@ -409,93 +315,6 @@ def test_n_choices_share_prompt_pages_and_differ(model, tokenizer, prompts):
     outs = [tuple(results[("n4", i)].token_ids) for i in range(4)]
     assert all(len(o) == 8 for o in outs) and len(set(outs)) == 4
     assert_pages_returned(engine, free)
-
-
-# ---- 4. stops, EOS, lengths and text (cycle model) ----
-
-def cycle_tokens(cycle: list[int], start: int, count: int) -> list[int]:
-    return [cycle[(start + i) % len(cycle)] for i in range(count)]
-
-
-def completion_text(tokenizer, prompt: list[int], output: list[int]) -> str:
-    """What the output adds to the prompt's text, by decoding both at once (a character the prompt
-    leaves unfinished belongs to the output)."""
-    before = tokenizer.decode(prompt, skip_special_tokens=True).rstrip("\ufffd")
-    return tokenizer.decode(prompt + output, skip_special_tokens=True)[len(before) :]
-
-
-def test_stop_string_across_token_boundaries_trimmed_or_kept(cycle_engine, cycle_ckpt, tokenizer):
-    _, cycle = cycle_ckpt
-    prompt = cycle[:1]
-    expected = cycle_tokens(cycle, 1, 40)
-    full = completion_text(tokenizer, prompt, expected)
-    stop = "ve 日€"  # starts inside a merged token, ends inside byte tokens
-    cut = next(k for k in range(len(expected)) if stop in tokenizer.decode(expected[: k + 1]))
-    cases = {
-        "trim": SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)),
-        "keep": SamplingParams(temperature=0.0, max_tokens=40, stop=(stop, "zzz"), include_stop_str_in_output=True),
-        "never": SamplingParams(temperature=0.0, max_tokens=35, stop=("日本",), ignore_eos=True),  # "日" held, released
-        "over_eos": SamplingParams(temperature=0.0, max_tokens=40, stop=("!na",), ignore_eos=True),
-    }
-    for rid, params in cases.items():
-        cycle_engine.add_request(rid, prompt, params)
-    results = drain(cycle_engine)
-    at = full.index(stop)
-    assert results[("trim", 0)].text == full[:at] == "aï"
-    assert results[("keep", 0)].text == full[: at + len(stop)]
-    for rid in ("trim", "keep"):
-        assert results[(rid, 0)].finish_reason == "stop" and results[(rid, 0)].stop_reason == stop
-        assert results[(rid, 0)].token_ids == expected[: cut + 1]
-    never = results[("never", 0)]
-    assert never.finish_reason == "length" and never.text == full[: len(CYCLE_TEXT) * 2 - 1]
-    over = results[("over_eos", 0)]  # EOS decodes to nothing, so "!" and "na" meet across it
-    assert over.stop_reason == "!na" and over.text == full[: full.index("!na")]
-
-
-def test_stop_token_ids_eos_ignore_eos_and_max_tokens(cycle_engine, cycle_ckpt, tokenizer):
-    _, cycle = cycle_ckpt
-    bang = tokenizer.convert_tokens_to_ids("!")
-    prompt = cycle[:2]
-    cases = {
-        "eos": SamplingParams(temperature=0.0, max_tokens=40),
-        "ignore_eos": SamplingParams(temperature=0.0, max_tokens=2 * len(cycle) - 2, ignore_eos=True),
-        "stop_id": SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(bang,)),
-        "max": SamplingParams(temperature=0.0, max_tokens=5),
-    }
-    for rid, params in cases.items():
-        cycle_engine.add_request(rid, prompt, params)
-    results = drain(cycle_engine)
-    upto_eos = cycle[2:]
-    got = results[("eos", 0)]
-    assert (got.token_ids, got.finish_reason, got.stop_reason) == (upto_eos, "stop", None)
-    assert got.text == completion_text(tokenizer, prompt, upto_eos) == CYCLE_TEXT[2:]
-    got = results[("ignore_eos", 0)]
-    assert got.token_ids == cycle[2:] + cycle and got.finish_reason == "length"
-    assert got.text == CYCLE_TEXT[2:] + CYCLE_TEXT  # EOS kept generating, but is no text
-    got = results[("stop_id", 0)]
-    assert (got.token_ids[-1], got.finish_reason, got.stop_reason) == (bang, "stop", bang)
-    assert got.token_ids == cycle[2 : cycle.index(bang) + 1] and got.text == CYCLE_TEXT[2:-1]  # stop token: no text
-    got = results[("max", 0)]
-    assert got.token_ids == cycle[2:7] and got.finish_reason == "length"
-
-
-@pytest.mark.parametrize("decode_steps", [1, 4])
-def test_text_deltas_never_split_a_character(cycle_ckpt, tokenizer, decode_steps):
-    path, cycle = cycle_ckpt
-    assert sum("\ufffd" in tokenizer.decode([t]) for t in cycle) >= 10  # characters really span tokens
-    engine = LLMEngine.from_path(path, EngineConfig(**ROOMY, decode_steps=decode_steps))
-    count = {start: 3 * len(cycle) - start - 1 for start in range(4)}  # each ends on EOS, between characters
-    for start in range(4):  # prompts ending at different points, some inside a character
-        engine.add_request(f"s{start}", cycle[: start + 1],
-                           SamplingParams(temperature=0.0, max_tokens=count[start], ignore_eos=True))
-    results = drain(engine)
-    for start in range(4):
-        got = results[(f"s{start}", 0)]
-        assert got.token_ids == cycle_tokens(cycle, start + 1, count[start])
-        assert got.text == completion_text(tokenizer, cycle[: start + 1], got.token_ids)
-        assert not any("\ufffd" in d for d in got.deltas), got.deltas
-        # streamed in pieces, not at the end (a fused call decodes its tokens' text at once)
-        assert sum(1 for d in got.deltas if d) > (10 if decode_steps == 1 else 3)
 
 
 # ---- 5. pages come back after finishing and aborting ----

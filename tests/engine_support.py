@@ -1,0 +1,73 @@
+"""What the LLMEngine tests share: the byte-level BPE tokenizer they train, the KV shape most
+engines use, transformers' greedy reference, and driving an engine until it is idle while
+folding its deltas into per-choice totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from tests.byte_bpe import byte_level_bpe
+from worker.engine.llm_engine import LLMEngine
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog, again and again and again.",
+    "Héllo wörld! The café serves crème brûlée to a naïve guest.",
+    "hello world, this is a test of the tokenizer; numbers 0123456789.",
+]
+ROOMY = dict(max_num_seqs=8, page_size=8, num_pages=64, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return byte_level_bpe(CORPUS)
+
+
+def hf_greedy(hf, prompt: list[int], n: int, **kwargs) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+@dataclass
+class Choice:
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+
+def collect(results: dict[tuple[str, int], Choice], outputs) -> None:
+    """Fold RequestOutputs (deltas) into per-choice totals."""
+    for out in outputs:
+        choice = results.setdefault((out.request_id, out.index), Choice())
+        assert choice.finish_reason is None, f"{out.request_id}/{out.index}: output after it finished"
+        choice.token_ids += out.token_ids
+        choice.deltas.append(out.text)
+        choice.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            assert choice.prompt_logprobs is None, "prompt logprobs sent twice"
+            choice.prompt_logprobs = out.prompt_logprobs
+        choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+
+
+def drain(engine: LLMEngine, before_step=None, results=None) -> dict[tuple[str, int], Choice]:
+    """Step until idle; `before_step(k)` runs before step k (to add or abort requests)."""
+    results = {} if results is None else results
+    k = 0
+    while engine.has_unfinished() or (before_step and k == 0):
+        if before_step:
+            before_step(k)
+        collect(results, engine.step())
+        k += 1
+        assert k < 3000, "engine does not finish"
+    return results
