@@ -35,6 +35,8 @@ def storage_dtype(dtype) -> jnp.dtype:
 def page_values(x: jax.Array) -> jax.Array:
     """Gathered page data as numbers: bfloat16 bit patterns reinterpreted as bfloat16."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
+
+
 BLOCK_BYTES = 2 << 20  # gathered keys per decode block: one block stays in a core's L2 cache
 
 
