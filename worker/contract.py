@@ -102,7 +102,9 @@ class RequestMessage:
     attempt: int = 0  # incremented each time a worker claims it from a dead one
 
     def encode(self) -> dict[str, str]:
-        return {"data": json.dumps(asdict(self), separators=(",", ":"))}
+        # vars(), not asdict(): asdict deep-copies the prompt's token list (a tenth of the API's
+        # per-request CPU in a profile of 256 concurrent requests)
+        return {"data": json.dumps(vars(self), separators=(",", ":"))}
 
     @classmethod
     def decode(cls, fields: dict) -> "RequestMessage":
@@ -132,7 +134,7 @@ class OutputDelta:
     error: str | None = None
 
     def encode(self) -> dict[str, str]:
-        data = {k: v for k, v in asdict(self).items() if v not in (None, "", [], False) or k in ("seq", "index")}
+        data = {k: v for k, v in vars(self).items() if v not in (None, "", [], False) or k in ("seq", "index")}
         return {"data": json.dumps(data, separators=(",", ":"))}
 
     @classmethod

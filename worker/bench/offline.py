@@ -156,9 +156,7 @@ def run_hf_baseline(*args, **kwargs):
 
 
 def _model_of(engine: LLMEngine):
-    from flax import nnx
-
-    return nnx.merge(engine.runner.graphdef, engine.runner.params)
+    return engine.runner.model()
 
 
 def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int) -> dict:

@@ -33,9 +33,14 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if bias else None  # [out]
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
-        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> f32[..., out]
+        # Operands in the compute dtype, accumulated and returned in float32: activations between
+        # projections stay float32 (a bfloat16 model multiplies in bfloat16 only). On CPU, bfloat16
+        # products into a float32 accumulator are what XLA runs natively on AVX512-BF16, twice
+        # float32's speed; a bfloat16 result or residual stream costs a conversion per op.
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype),
+                       preferred_element_type=jnp.float32)
+        return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
 
 
 class Embedding(nnx.Module):
@@ -135,7 +140,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def trunk(self, tokens: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
         """tokens i32[..., T], positions i32[..., T] -> (final-normed hidden [..., T, hidden], cache)."""
-        x = jnp.take(self.model.embed_tokens.weight[...], tokens, axis=0).astype(self.model.dtype)  # [..., T, hidden]
+        # the residual stream is float32 in every compute dtype
+        x = jnp.take(self.model.embed_tokens.weight[...], tokens, axis=0).astype(jnp.float32)  # [..., T, hidden]
         rope = rope_table(positions, self.cfg)
         for i, layer in enumerate(self.model.layers):
             x, cache = layer(i, x, rope, attend, cache)
@@ -143,10 +149,12 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., hidden] -> logits f32[..., vocab]."""
+        dtype = self.model.dtype  # the compute dtype of the products
+        hidden = hidden.astype(dtype)
         if self.cfg.tie_word_embeddings:  # the embedding table [vocab, hidden] doubles as the head
-            weight = self.model.embed_tokens.weight[...].astype(hidden.dtype)
+            weight = self.model.embed_tokens.weight[...].astype(dtype)
             return jnp.einsum("...h,vh->...v", hidden, weight, preferred_element_type=jnp.float32)
-        weight = self.lm_head.weight[...].astype(hidden.dtype)  # [hidden, vocab]
+        weight = self.lm_head.weight[...].astype(dtype)  # [hidden, vocab]
         return jnp.einsum("...h,hv->...v", hidden, weight, preferred_element_type=jnp.float32)
 
     def _causal_attend(self, layer: int, q, k, v, cache):
