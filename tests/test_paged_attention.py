@@ -17,6 +17,10 @@ from worker.models.loader import build_model
 
 PAGE = 4
 write_kv = jax.jit(pa.write_kv)
+write_keys = jax.jit(pa.write_keys)
+# page shapes the kernel tests run on: plain loops (page size not a multiple of 16, head_dim 8) and
+# the vector path (16-key runs, head_dim 32)
+KERNEL_SHAPES = {"loops": (4, 8), "vectors": (16, 32)}
 paged_attention = jax.jit(pa.paged_attention, static_argnames="window")
 
 
@@ -42,7 +46,7 @@ def test_paged_attention_equals_dense_causal_attention(window):
     queried = [range(9, 13), range(0, 6), range(15, 16)]  # a later prefill chunk, a whole prompt, a decode
     width, q_len = 4, 6  # page-table width, query rows per sequence (padded)
     # pages start full of garbage: only what the page tables and context lengths name may be read
-    k_pages = jnp.asarray(rng.standard_normal((kv_heads, num_pages, PAGE, dim)), jnp.float32) * 50
+    k_pages = jnp.asarray(rng.standard_normal((kv_heads, num_pages, dim, PAGE)), jnp.float32) * 50
     v_pages = jnp.asarray(rng.standard_normal((kv_heads, num_pages, PAGE, dim)), jnp.float32) * 50
     free = list(rng.permutation(np.arange(1, num_pages)))  # page 0 stays reserved
     tables = np.zeros((3, width), np.int32)
@@ -56,7 +60,7 @@ def test_paged_attention_equals_dense_causal_attention(window):
         sv = rng.standard_normal((length, kv_heads, dim)).astype(np.float32)
         pos = np.arange(length)
         slots = jnp.asarray(np.asarray(pages)[pos // PAGE] * PAGE + pos % PAGE, jnp.int32)
-        k_pages, v_pages = write_kv(k_pages, jnp.asarray(sk), slots), write_kv(v_pages, jnp.asarray(sv), slots)
+        k_pages, v_pages = write_keys(k_pages, jnp.asarray(sk), slots), write_kv(v_pages, jnp.asarray(sv), slots)
         rows = list(queried[s])
         q[s, : len(rows)], positions[s, : len(rows)] = sq[rows], rows
         seqs.append((sq, sk, sv, rows))
@@ -77,6 +81,18 @@ def test_write_kv_puts_each_token_in_its_slot():
     assert np.count_nonzero(out) == 12
 
 
+def test_write_keys_puts_each_token_in_its_column_of_the_transposed_page():
+    pages = jnp.zeros((2, 5, 3, PAGE), jnp.float32)  # [KV, pages, D, page_size]
+    new = jnp.arange(18, dtype=jnp.float32).reshape(3, 2, 3) + 1  # [T, KV, D]
+    out = np.asarray(write_keys(pages, new, jnp.asarray([3 * PAGE + 2, 1 * PAGE + 0, 4 * PAGE + 3], jnp.int32)))
+    for t, (page, offset) in enumerate([(3, 2), (1, 0), (4, 3)]):
+        for head in range(2):
+            assert out[head, page, :, offset].tolist() == np.asarray(new[t, head]).tolist()
+    assert np.count_nonzero(out) == 18
+    bits = write_keys(jnp.zeros((2, 5, 3, PAGE), pa.BF16_BITS), new, jnp.asarray([2, 5, 9], jnp.int32))
+    assert np.asarray(pa.key_rows(bits[:, 0])[:, 2]).astype(np.float32).tolist() == np.asarray(new[0]).tolist()
+
+
 # ---- a paged forward of the real model, driven like the engine drives it ----
 
 CFG = ModelConfig(
@@ -93,7 +109,7 @@ def paged_forward(model, kv, tokens, positions, slots, tables, context_lens, row
 
     def attend(layer, q, k, v, cache):
         keys, values = cache
-        kp, vp = pa.write_kv(keys[layer], k, slots), pa.write_kv(values[layer], v, slots)
+        kp, vp = pa.write_keys(keys[layer], k, slots), pa.write_kv(values[layer], v, slots)
         out = pa.paged_attention(q.reshape(rows, q_len, h, d), kp, vp, tables, positions.reshape(rows, q_len),
                               context_lens, CFG.window(layer))
         return out.reshape(rows * q_len, h, d), (keys[:layer] + (kp,) + keys[layer + 1 :],
@@ -111,9 +127,9 @@ def test_paged_forward_with_chunks_and_decodes_equals_plain_forward():
     order = rng.permutation(np.arange(1, num_pages))  # scattered, interleaved pages
     tables = np.zeros((2, width), np.int32)
     tables[0], tables[1] = order[:width], order[width : 2 * width]
-    shape = (CFG.num_kv_heads, num_pages, PAGE, CFG.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape) for _ in range(CFG.num_layers))  # noqa: E731
-    kv = (zeros(), zeros())  # (keys, values), per layer
+    zeros = lambda *shape: tuple(jnp.zeros(shape) for _ in range(CFG.num_layers))  # noqa: E731
+    kv_heads, d = CFG.num_kv_heads, CFG.head_dim
+    kv = (zeros(kv_heads, num_pages, d, PAGE), zeros(kv_heads, num_pages, PAGE, d))  # (keys, values), per layer
     # prefill in uneven chunks (the second one starts mid-page), then 6 greedy decodes each
     chunks = [[(0, 6), (0, 3)], [(6, 13), (3, 11)], [(13, 19), None]]
     decodes = 6
@@ -160,14 +176,14 @@ def test_paged_forward_with_chunks_and_decodes_equals_plain_forward():
         np.testing.assert_allclose(paged, plain[: len(paged)], rtol=0, atol=1e-5 * scale, err_msg=f"sequence {s}")
 
 
-def decode_inputs(dtype, seed=7):
-    """6 sequences over 40 scattered pages of 4 tokens; contexts on page boundaries and a full table."""
+def decode_inputs(dtype, seed=7, ps=4, d=8):
+    """6 sequences over 40 scattered pages of `ps` tokens; contexts on and off page boundaries and a full table."""
     rng = np.random.default_rng(seed)
-    s, h, kv, d, n, ps, p = 6, 4, 2, 8, 40, 4, 6
-    k_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    s, h, kv, n, p = 6, 4, 2, 40, 6
+    k_pages = jnp.asarray(rng.normal(size=(kv, n, d, ps)), dtype)
     v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
     tables = jnp.asarray(rng.permutation(n)[: s * p].reshape(s, p), jnp.int32)
-    ctx = jnp.asarray([1, 3, 4, 9, 17, 24], jnp.int32)
+    ctx = jnp.asarray([1, ps - 1, ps, 2 * ps + 1, 4 * ps + 1, 6 * ps], jnp.int32)
     q = jnp.asarray(rng.normal(size=(s, h, d)), jnp.float32)
     return q, k_pages, v_pages, tables, ctx
 
@@ -187,16 +203,18 @@ def test_jnp_decode_path_matches_the_reference(window, pages_per_block):
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 3, 1])
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("window", [None, 3, 1, 21])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_compiled_cpu_kernel_matches_the_reference(window, dtype):
+def test_compiled_cpu_kernel_matches_the_reference(window, dtype, shape):
     """The C++ kernel on decode rows (built here with the system compiler) against the reference, with
     float32 and bfloat16 pages, inside jit and with positions short of the context (a decode row
     whose later tokens are already written must not see them)."""
     from worker.engine import cpu_attention
 
     assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
-    q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=3)
+    ps, d = KERNEL_SHAPES[shape]
+    q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=3, ps=ps, d=d)
     kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
     out = kernel(q, k_pages, v_pages, tables, ctx - 1, ctx, window)
     np.testing.assert_allclose(np.asarray(out), np.asarray(reference_decode(q, k_pages, v_pages, tables, ctx, window)),
@@ -208,9 +226,10 @@ def test_compiled_cpu_kernel_matches_the_reference(window, dtype):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype):
+def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype, shape):
     """Rows of several queries (prefill chunks, one split over two rows, padding queries and a
     padding row) through the C++ kernel against the reference, on a page table wider than any
     context (the engine gives the kernel the widest table on every step)."""
@@ -218,8 +237,9 @@ def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype
 
     assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
     rng = np.random.default_rng(11)
-    s, qn, h, kv, d, n, ps, p = 5, 6, 4, 2, 8, 48, 4, 8
-    k_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    s, qn, h, kv, n, p = 5, 6, 4, 2, 48, 8
+    ps, d = KERNEL_SHAPES[shape]
+    k_pages = jnp.asarray(rng.normal(size=(kv, n, d, ps)), dtype)
     v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
     tables = rng.permutation(n)[: s * p].reshape(s, p).astype(np.int32)
     tables[3] = tables[2]  # rows 2 and 3: one sequence's 11-token chunk split over two rows
@@ -239,9 +259,10 @@ def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype
     assert not out[4].any()  # a padding row sees no key: zeros
 
 
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(window, dtype):
+def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(window, dtype, shape):
     """The ragged form the engine's packed steps use: decode rows and prefill chunks of different
     lengths (longer than the kernel's 16-query work blocks) packed back to back, padding rows and
     trailing padding tokens. Each row must equal the reference run on that row alone; tokens in no
@@ -250,8 +271,9 @@ def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(wind
 
     assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
     rng = np.random.default_rng(5)
-    h, kv, d, n, ps, p = 4, 2, 8, 64, 4, 12
-    k_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
+    h, kv, n, p = 4, 2, 64, 12
+    ps, d = KERNEL_SHAPES[shape]
+    k_pages = jnp.asarray(rng.normal(size=(kv, n, d, ps)), dtype)
     v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
     # (first position, query tokens) per row: 2 decode rows, chunks of 37, 3 and 20 tokens, 2 padding rows
     spans = [(9, 1), (30, 1), (0, 37), (21, 3), (11, 20), (0, 0), (0, 0)]

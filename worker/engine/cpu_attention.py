@@ -85,7 +85,7 @@ def load() -> bool:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, H, D]: query tokens of all rows, packed
-    k_pages: jax.Array,  # [KV, num_pages, page_size, D], float32 or bfloat16
+    k_pages: jax.Array,  # [KV, num_pages, D, page_size], float32 or bfloat16
     v_pages: jax.Array,  # [KV, num_pages, page_size, D]
     page_tables: jax.Array,  # i32[R, P]
     positions: jax.Array,  # i32[T]
@@ -105,7 +105,7 @@ def ragged_paged_attention(
 
 def paged_attention(
     q: jax.Array,  # [S, Q, H, D]
-    k_pages: jax.Array,  # [KV, num_pages, page_size, D], float32 or bfloat16
+    k_pages: jax.Array,  # [KV, num_pages, D, page_size], float32 or bfloat16
     v_pages: jax.Array,  # [KV, num_pages, page_size, D]
     page_tables: jax.Array,  # i32[S, P]
     positions: jax.Array,  # i32[S, Q]

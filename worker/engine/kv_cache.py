@@ -18,17 +18,20 @@ RESERVED_PAGES = 1  # page 0: padding tokens write there
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    keys: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, page_size, head_dim]
+    keys: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, head_dim, page_size] (transposed pages)
     values: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, page_size, head_dim]
 
     @classmethod
     def create(cls, model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> "KVCache":
         """Zeroed pages; `sharding` (tensor parallel) splits them by KV head."""
-        shape = (model.num_kv_heads, num_pages, page_size, model.head_dim)
         out = None if sharding is None else (sharding,) * model.num_layers
         stored = storage_dtype(dtype)
-        make = jax.jit(lambda: tuple(jnp.zeros(shape, stored) for _ in range(model.num_layers)), out_shardings=out)
-        return cls(make(), make())
+
+        def make(shape):
+            return jax.jit(lambda: tuple(jnp.zeros(shape, stored) for _ in range(model.num_layers)), out_shardings=out)()
+
+        kv, d = model.num_kv_heads, model.head_dim
+        return cls(make((kv, num_pages, d, page_size)), make((kv, num_pages, page_size, d)))
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -6,10 +6,16 @@ Keys and values live in fixed-size pages shared by all sequences; a sequence's p
 lists its pages in order, so token t of a sequence sits in page `page_table[t // page_size]`
 at offset `t % page_size`. Page 0 is reserved: padding tokens write there and nobody reads it.
 
-Layout per layer: `[kv_heads, num_pages, page_size, head_dim]` (head-major). Gathering a batch's
-pages then yields `[KV, S, L, D]` with the attention's batch axes (KV head, sequence) leading,
-so the gathered block feeds the score and value matmuls without a transpose copy; with pages
-first, XLA's CPU backend spent more time transposing gathered pages than multiplying them.
+Layout per layer, head-major (gathered pages come out with the attention's batch axes, KV head
+and sequence, leading; with pages first, XLA's CPU backend spent more time transposing gathered
+pages than multiplying them):
+
+- values `[kv_heads, num_pages, page_size, head_dim]`;
+- keys `[kv_heads, num_pages, head_dim, page_size]`, transposed within the page: dimension i of
+  a page's keys is one contiguous run, so a kernel scores one query against 16 keys as the lanes
+  of one vector, summed over the dimensions, with no horizontal sum per key (the CPU kernel,
+  cpu_kernels/paged_attention.cc; vLLM's first CUDA kernel split its key cache the same way).
+  The jnp paths here transpose gathered key pages back (`key_rows`).
 """
 
 from __future__ import annotations
@@ -40,23 +46,44 @@ def page_values(x: jax.Array) -> jax.Array:
 BLOCK_BYTES = 2 << 20  # gathered keys per decode block: one block stays in a core's L2 cache
 
 
+def _stored(x: jax.Array, dtype) -> jax.Array:
+    """Values as the pages hold them (bfloat16 as its bit patterns)."""
+    if dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(dtype)
+
+
 def write_kv(
     pages: jax.Array,  # [KV, num_pages, page_size, D]
     new: jax.Array,  # [T, KV, D]
     slots: jax.Array,  # i32[T]: page * page_size + offset for each token
 ) -> jax.Array:
-    """Scatter one layer's new keys (or values) into their slots; returns the updated pages."""
+    """Scatter one layer's new values into their slots; returns the updated pages."""
     kv, n, ps, d = pages.shape
-    rows = new.transpose(1, 0, 2)  # [KV, T, D]
-    if pages.dtype == BF16_BITS:
-        rows = jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), BF16_BITS)
-    flat = pages.reshape(kv, n * ps, d).at[:, slots].set(rows.astype(pages.dtype))
+    rows = _stored(new.transpose(1, 0, 2), pages.dtype)  # [KV, T, D]
+    flat = pages.reshape(kv, n * ps, d).at[:, slots].set(rows)
     return flat.reshape(kv, n, ps, d)
+
+
+def write_keys(
+    pages: jax.Array,  # [KV, num_pages, D, page_size]
+    new: jax.Array,  # [T, KV, D]
+    slots: jax.Array,  # i32[T]
+) -> jax.Array:
+    """Scatter one layer's new keys into their slots of the transposed key pages."""
+    ps = pages.shape[3]
+    # pages[:, page, :, offset] with the two index arrays apart: the token axis comes first, [T, KV, D]
+    return pages.at[:, slots // ps, :, slots % ps].set(_stored(new, pages.dtype))
+
+
+def key_rows(gathered: jax.Array) -> jax.Array:
+    """Gathered key pages [..., D, page_size] -> [..., page_size, D], as numbers."""
+    return jnp.swapaxes(page_values(gathered), -1, -2)
 
 
 def paged_attention(
     q: jax.Array,  # [S, Q, H, D]: up to Q query tokens for each of S sequences
-    k_pages: jax.Array,  # [KV, num_pages, page_size, D]
+    k_pages: jax.Array,  # [KV, num_pages, D, page_size]
     v_pages: jax.Array,  # [KV, num_pages, page_size, D]
     page_tables: jax.Array,  # i32[S, P]
     positions: jax.Array,  # i32[S, Q]: absolute position of each query token
@@ -65,9 +92,9 @@ def paged_attention(
 ) -> jax.Array:  # [S, Q, H, D]
     """Causal attention of each query over its own sequence's pages (reference implementation)."""
     s, q_len, h, d = q.shape
-    kv, _, ps, _ = k_pages.shape
+    kv, _, ps, _ = v_pages.shape
     p = page_tables.shape[1]
-    keys = page_values(k_pages[:, page_tables]).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
+    keys = key_rows(k_pages[:, page_tables]).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
     values = page_values(v_pages[:, page_tables]).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
     qg = q.reshape(s, q_len, kv, h // kv, d)  # [S, Q, KV, G, D]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
@@ -85,7 +112,7 @@ def paged_attention(
 
 def paged_decode_attention(
     q: jax.Array,  # [S, H, D]: one query token per sequence
-    k_pages: jax.Array,  # [KV, num_pages, page_size, D]
+    k_pages: jax.Array,  # [KV, num_pages, D, page_size]
     v_pages: jax.Array,  # [KV, num_pages, page_size, D]
     page_tables: jax.Array,  # i32[S, P]
     positions: jax.Array,  # i32[S]: position of each query token
@@ -101,7 +128,7 @@ def paged_decode_attention(
     and read back from RAM.
     """
     s, h, d = q.shape
-    kv, _, ps, _ = k_pages.shape
+    kv, _, ps, _ = v_pages.shape
     p = page_tables.shape[1]
     block = min(pages_per_block or default_block_pages(s, kv, ps, d, k_pages.dtype.itemsize), p)
     if p % block:
@@ -113,7 +140,7 @@ def paged_decode_attention(
     def body(carry, xs):
         m, l, acc = carry  # [KV, S, G], [KV, S, G], [KV, S, G, D]
         idx, table = xs  # block index, i32[S, B]
-        keys = page_values(k_pages[:, table]).reshape(kv, s, block * ps, d)  # [KV, S, B*ps, D]
+        keys = key_rows(k_pages[:, table]).reshape(kv, s, block * ps, d)  # [KV, S, B*ps, D]
         values = page_values(v_pages[:, table]).reshape(kv, s, block * ps, d)
         scores = jnp.einsum("ksgd,ksld->ksgl", qg, keys, preferred_element_type=jnp.float32)  # [KV, S, G, B*ps]
         j = idx * block * ps + jnp.arange(block * ps)[None, :]  # [1, B*ps]

@@ -26,7 +26,7 @@ from flax import nnx
 
 from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, step_cost
 from worker.engine.kv_cache import KVCache
-from worker.engine.paged_attention import JNP, AttentionOps, write_kv
+from worker.engine.paged_attention import JNP, AttentionOps, write_keys, write_kv
 from worker.engine.sampler import SamplerFlags, sample
 from worker.engine.scheduler import ScheduledBatch
 
@@ -197,7 +197,7 @@ def _step(graphdef, param_def, attention: AttentionOps, params: tuple, kv: KVCac
     def forward(kv: KVCache, tokens, positions, slots, context_lens, prompt_lp: bool):
         def attend(layer, q, k, v, cache):  # q [T, H, D], k/v [T, KV, D]
             keys, values = cache
-            kp, vp = write_kv(keys[layer], k, slots), write_kv(values[layer], v, slots)
+            kp, vp = write_keys(keys[layer], k, slots), write_kv(values[layer], v, slots)
             if shape.packed:  # decode rows and packed prefill chunks in one ragged call
                 out = attention.ragged(q, kp, vp, db.page_tables, positions, db.q_starts, db.q_lens, context_lens,
                                        cfg.window(layer))

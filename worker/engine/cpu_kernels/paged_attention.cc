@@ -10,10 +10,18 @@
 // Same masking as the jnp reference (worker/engine/paged_attention.py): key j is visible to the
 // query at position p iff j <= p, j < context_len and p - j < window (window 0: none).
 //
-// Shapes: q f32[T, H, D]; k_pages, v_pages f32 or bf16 [KV, N, page_size, D];
-// page_tables s32[R, P]; positions s32[T]; q_starts, q_lens, context_lens s32[R]; out f32[T, H, D].
+// Key pages are transposed within the page ([D, page_size]: dimension i of all the page's keys
+// is one contiguous run), value pages are not ([page_size, D]). A query's scores against 16 keys
+// are then 16 lanes of one vector accumulated over the D dimensions (q[i] broadcast times a
+// contiguous run), with no horizontal sum per key; values are accumulated the same way over D.
+//
+// Shapes: q f32[T, H, D]; k_pages f32 or bf16 [KV, N, D, page_size]; v_pages the same dtype
+// [KV, N, page_size, D]; page_tables s32[R, P]; positions s32[T]; q_starts, q_lens,
+// context_lens s32[R]; out f32[T, H, D].
 
 #include <algorithm>
+#include <climits>
+#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -28,21 +36,33 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxDim = 512;  // head_dim limit (the row buffers below live on the stack)
+constexpr int64_t kLanes = 16;  // floats per vector below (one AVX-512 register)
 
-// A key or value row as float32: float32 pages are read in place; bfloat16 rows (the high half of
-// a float32) are widened into `buf` first, in one vectorizable pass, so the dot products below
-// run on plain floats either way.
-inline const float* as_floats(const float* row, float*, int64_t) { return row; }
-inline const float* as_floats(const uint16_t* row, float* buf, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    buf[i] = f;
-  }
-  return buf;
+// GCC/Clang vector extensions: plain C++ arithmetic on whole vectors, lowered to the target's
+// widest registers (-march=native); no intrinsics, and no reliance on the auto-vectorizer to keep
+// accumulators in registers.
+using f32xN = float __attribute__((vector_size(kLanes * 4)));
+using u32xN = uint32_t __attribute__((vector_size(kLanes * 4)));
+using u16xN = uint16_t __attribute__((vector_size(kLanes * 2)));
+
+inline f32xN load(const float* p) {
+  f32xN v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// bfloat16 (stored as its bits) is the high half of a float32: widen by a 16-bit shift
+inline f32xN load(const uint16_t* p) {
+  u16xN h;
+  std::memcpy(&h, p, sizeof h);
+  const u32xN w = __builtin_convertvector(h, u32xN) << 16;
+  return reinterpret_cast<const f32xN&>(w);
+}
+inline float scalar(float x) { return x; }
+inline float scalar(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 constexpr int64_t kBlock = 16;  // queries per work item: long prefill rows spread over the threads
@@ -63,49 +83,97 @@ struct Block {
   int64_t row, begin, end;
 };
 
-// Attention of query token `token` of row `s`, for its G query heads that share KV head `kvh`:
-// scores for every visible key (walking the page table), one softmax per head, then the weighted
-// sum of values. DIM > 0 fixes the head dimension at compile time (fully unrolled,
-// register-resident rows); 0: any.
+// Scores of query head `qh` [DIM] against NC * 16 consecutive keys of one key page (`kp` points at
+// the first key of the run in dimension 0; dimension i is `ps` further on). Two accumulator sets
+// (even and odd dimensions) keep 2 * NC independent FMA chains in flight.
+template <typename T, int DIM, int NC>
+inline void key_run_scores(const float* qh, const T* kp, int64_t ps, float* out) {
+  f32xN even[NC] = {}, odd[NC] = {};
+  for (int i = 0; i < DIM; i += 2) {
+    for (int c = 0; c < NC; ++c) even[c] += qh[i] * load(kp + i * ps + c * kLanes);
+    for (int c = 0; c < NC; ++c) odd[c] += qh[i + 1] * load(kp + (i + 1) * ps + c * kLanes);
+  }
+  for (int c = 0; c < NC; ++c) std::memcpy(out + c * kLanes, &(even[c] += odd[c]), sizeof(f32xN));
+}
+
 template <typename T, int DIM>
-void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, std::vector<float>& scratch) {
-  const int64_t d = DIM > 0 ? DIM : pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
-  float* o = pb.out + (token * pb.heads + kvh * g) * d;  // [G, D]
+inline void key_scores(const float* qh, const T* kp, int64_t ps, int64_t keys, float* out) {
+  // `keys` is a multiple of 16 (page sizes are), taken 64 at a time
+  int64_t t = 0;
+  for (; t + 4 * kLanes <= keys; t += 4 * kLanes) key_run_scores<T, DIM, 4>(qh, kp + t, ps, out + t);
+  switch ((keys - t) / kLanes) {
+    case 3: key_run_scores<T, DIM, 3>(qh, kp + t, ps, out + t); break;
+    case 2: key_run_scores<T, DIM, 2>(qh, kp + t, ps, out + t); break;
+    case 1: key_run_scores<T, DIM, 1>(qh, kp + t, ps, out + t); break;
+    default: break;
+  }
+}
+
+// Per-thread buffers, reused across work items.
+struct Scratch {
+  std::vector<float> probs;  // [G, n] scores, then probabilities; [G] inverse sums; [page_size] one page's scores
+  std::vector<float> keys, values;  // bfloat16 pages of one work item widened to float32
+};
+
+inline int64_t page_at(const Problem& pb, int64_t s, int64_t col) {
+  const int64_t page = pb.tables[s * pb.table_width + col];
+  return page < 0 || page >= pb.num_pages ? int64_t{0} : page;  // never read outside the cache
+}
+
+// The keys the query at `token` of row `s` sees: [lo, hi).
+inline void visible(const Problem& pb, int64_t s, int64_t token, int64_t& lo, int64_t& hi) {
   const int64_t pos = pb.positions[token];
   // exclusive end: also never past the page table (a fused decode row that has stopped keeps
   // stepping with positions beyond its pages; its output is discarded)
-  const int64_t hi = std::min<int64_t>({pos + 1, pb.context_lens[s], pb.table_width * ps});
-  const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
-  const int64_t n = hi - lo;  // visible keys
+  hi = std::min<int64_t>({pos + 1, pb.context_lens[s], pb.table_width * pb.page_size});
+  lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+}
+
+// Attention of query token `token` of row `s`, for its G query heads that share KV head `kvh`:
+// scores for every visible key (walking the page table), one softmax per head, then the weighted
+// sum of values. `key_page(col)` / `value_page(col)` give page `col` of the row's table as E
+// ([D, ps] and [ps, D]). DIM > 0 fixes the head dimension at compile time (a multiple of 16, page
+// sizes a multiple of 16, E = float: the vector path); 0: any shape, plain loops.
+template <int DIM, typename E, typename KeyPage, typename ValuePage>
+void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scratch& scratch, KeyPage key_page,
+                  ValuePage value_page) {
+  const int64_t d = DIM > 0 ? DIM : pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
+  float* o = pb.out + (token * pb.heads + kvh * g) * d;  // [G, D]
+  int64_t lo, hi;
+  visible(pb, s, token, lo, hi);
+  const int64_t n = hi - lo;
   std::fill(o, o + g * d, 0.0f);
   if (n <= 0) return;  // padding
-  scratch.resize(g * n + g);
-  float* probs = scratch.data();  // [G, n]: scores, then probabilities
-  float* inv = probs + g * n;     // [G]: 1 / softmax denominator
+  scratch.probs.resize(g * n + g + ps);
+  float* probs = scratch.probs.data();  // [G, n]
+  float* inv = probs + g * n;           // [G]: 1 / softmax denominator
+  float* page_scores = inv + g;         // [page_size]
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float* qs = pb.q + (token * pb.heads + kvh * g) * d;  // [G, D]
-  const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * ps * d;
-  const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * ps * d;
-  const int32_t* table = pb.tables + s * pb.table_width;
-  // visit every visible key row in order, a page at a time (no division per token)
-  auto for_each_row = [&](const T* base, auto&& visit) {
+  // the visible keys a page at a time: (column, first offset, end offset, index of the first in [0, n))
+  auto for_each_page = [&](auto&& visit) {
     for (int64_t col = lo / ps; col * ps < hi; ++col) {
-      int64_t page = table[col];
-      if (page < 0 || page >= pb.num_pages) page = 0;  // never read outside the cache
-      const T* rows = base + page * ps * d;  // [page_size, D]
-      for (int64_t t = std::max(lo, col * ps) - col * ps, end = std::min(hi, col * ps + ps) - col * ps; t < end; ++t)
-        visit(col * ps + t - lo, rows + t * d);
+      const int64_t first = std::max(lo, col * ps) - col * ps, end = std::min(hi, col * ps + ps) - col * ps;
+      visit(col, first, end, col * ps + first - lo);
     }
   };
-  alignas(64) float row_buf[kMaxDim];
-  for_each_row(kbase, [&](int64_t j, const T* k_row) {
-    const float* k = as_floats(k_row, row_buf, d);
+  for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
+    const E* kp = key_page(col);  // [D, ps]
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = qs + h * d;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < d; ++i) dot += qh[i] * k[i];
-      probs[h * n + j] = dot * scale;
+      float* p = probs + h * n + j - first;  // p[t] for t in [first, end)
+      if constexpr (DIM > 0) {
+        // whole 16-key runs covering [first, end); keys outside it are computed and dropped
+        const int64_t from = first / kLanes * kLanes, to = (end + kLanes - 1) / kLanes * kLanes;
+        key_scores<E, DIM>(qh, kp + from, ps, to - from, page_scores + from);
+        for (int64_t t = first; t < end; ++t) p[t] = page_scores[t] * scale;
+      } else {
+        for (int64_t t = first; t < end; ++t) {
+          float dot = 0.0f;
+          for (int64_t i = 0; i < d; ++i) dot += qh[i] * scalar(kp[i * ps + t]);
+          p[t] = dot * scale;
+        }
+      }
     }
   });
   for (int64_t h = 0; h < g; ++h) {
@@ -120,32 +188,92 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, std:
     }
     inv[h] = 1.0f / sum;
   }
-  for_each_row(vbase, [&](int64_t j, const T* v_row) {
-    const float* v = as_floats(v_row, row_buf, d);
-    for (int64_t h = 0; h < g; ++h) {
-      const float p = probs[h * n + j];
-      float* oh = o + h * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) oh[i] += p * v[i];
-    }
-  });
   for (int64_t h = 0; h < g; ++h) {
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) o[h * d + i] *= inv[h];
+    const float* p = probs + h * n;
+    float* oh = o + h * d;
+    if constexpr (DIM > 0) {
+      constexpr int NC = DIM / kLanes;
+      f32xN even[NC] = {}, odd[NC] = {};  // alternate keys: two independent chains per lane group
+      for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
+        const E* rows = value_page(col);  // [ps, D]
+        int64_t t = first;
+        for (; t + 1 < end; t += 2) {
+          const float p0 = p[j + t - first], p1 = p[j + t + 1 - first];
+          for (int c = 0; c < NC; ++c) even[c] += p0 * load(rows + t * DIM + c * kLanes);
+          for (int c = 0; c < NC; ++c) odd[c] += p1 * load(rows + (t + 1) * DIM + c * kLanes);
+        }
+        if (t < end)
+          for (int c = 0; c < NC; ++c) even[c] += p[j + t - first] * load(rows + t * DIM + c * kLanes);
+      });
+      for (int c = 0; c < NC; ++c) {
+        const f32xN sum = (even[c] + odd[c]) * inv[h];
+        std::memcpy(oh + c * kLanes, &sum, sizeof sum);
+      }
+    } else {
+      for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
+        const E* rows = value_page(col);
+        for (int64_t t = first; t < end; ++t) {
+          const float w = p[j + t - first];
+          for (int64_t i = 0; i < d; ++i) oh[i] += w * scalar(rows[t * d + i]);
+        }
+      });
+      for (int64_t i = 0; i < d; ++i) oh[i] *= inv[h];
+    }
   }
 }
 
+// bfloat16 -> float32 over `count` elements (a multiple of 16)
+inline void widen(const uint16_t* from, int64_t count, float* to) {
+  for (int64_t i = 0; i < count; i += kLanes) {
+    const f32xN v = load(from + i);
+    std::memcpy(to + i, &v, sizeof v);
+  }
+}
+
+// One work item: the queries of block `b` for KV head `kvh`. On the vector path, bfloat16 pages are
+// widened once per item (all its queries and heads then read float32 from cache) instead of once
+// per head and query.
 template <typename T, int DIM>
-void attend(const Problem& pb, const Block& b, int64_t kvh, std::vector<float>& scratch) {
-  for (int64_t token = b.begin; token < b.end; ++token) attend_query<T, DIM>(pb, b.row, token, kvh, scratch);
+void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
+  const int64_t d = pb.dim, ps = pb.page_size, page_floats = d * ps;
+  const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * page_floats;  // [N, D, ps]
+  const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * page_floats;  // [N, ps, D]
+  if constexpr (DIM > 0 && std::is_same_v<T, uint16_t>) {
+    int64_t lo = INT64_MAX, hi = 0;  // union of the block's visible ranges
+    for (int64_t token = b.begin; token < b.end; ++token) {
+      int64_t l, h;
+      visible(pb, b.row, token, l, h);
+      if (h > l) lo = std::min(lo, l), hi = std::max(hi, h);
+    }
+    const int64_t c0 = hi > lo ? lo / ps : 0, cols = hi > lo ? (hi - 1) / ps - c0 + 1 : 0;
+    scratch.keys.resize(cols * page_floats);
+    scratch.values.resize(cols * page_floats);
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t page = page_at(pb, b.row, c0 + c);
+      widen(kbase + page * page_floats, page_floats, scratch.keys.data() + c * page_floats);
+      widen(vbase + page * page_floats, page_floats, scratch.values.data() + c * page_floats);
+    }
+    const float* keys = scratch.keys.data();
+    const float* values = scratch.values.data();
+    for (int64_t token = b.begin; token < b.end; ++token)
+      attend_query<DIM, float>(
+          pb, b.row, token, kvh, scratch, [&](int64_t col) { return keys + (col - c0) * page_floats; },
+          [&](int64_t col) { return values + (col - c0) * page_floats; });
+  } else {
+    for (int64_t token = b.begin; token < b.end; ++token)
+      attend_query<DIM, T>(
+          pb, b.row, token, kvh, scratch, [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; },
+          [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; });
+  }
 }
 
 // Items are claimed from a shared counter by the calling thread and by pool tasks; the state is
 // shared-owned, so a pool task that starts after all items are done only reads the counter.
-using AttendFn = void (*)(const Problem&, const Block&, int64_t, std::vector<float>&);
+using AttendFn = void (*)(const Problem&, const Block&, int64_t, Scratch&);
 
 template <typename T>
-AttendFn for_dim(int64_t dim) {
+AttendFn for_shape(int64_t dim, int64_t page_size) {
+  if (page_size % kLanes != 0) return attend<T, 0>;
   switch (dim) {
     case 32: return attend<T, 32>;
     case 64: return attend<T, 64>;
@@ -163,7 +291,7 @@ struct Work {
   std::atomic<int64_t> next{0}, done{0};
 
   void run() {
-    std::vector<float> scratch;
+    thread_local Scratch scratch;  // kept by the pool's threads across calls: no allocation per call
     for (int64_t i; (i = next.fetch_add(1)) < items;) {
       fn(pb, blocks[i / pb.kv_heads], i % pb.kv_heads, scratch);
       done.fetch_add(1, std::memory_order_release);
@@ -175,10 +303,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> positions,
                               ffi::Buffer<ffi::S32> q_starts, ffi::Buffer<ffi::S32> q_lens,
                               ffi::Buffer<ffi::S32> context_lens, int64_t window, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), kd = k_pages.dimensions(), td = page_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || positions.dimensions().size() != 1)
+  auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = page_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || positions.dimensions().size() != 1)
     return ffi::Error::InvalidArgument(
-        "paged_attention: expected q [T,H,D], pages [KV,N,ps,D], tables [R,P], positions [T]");
+        "paged_attention: expected q [T,H,D], keys [KV,N,D,ps], values [KV,N,ps,D], tables [R,P], positions [T]");
   if (k_pages.element_type() != v_pages.element_type())
     return ffi::Error::InvalidArgument("paged_attention: key and value pages differ in dtype");
   // bfloat16 pages come as BF16 or as their bit patterns in U16 (how the engine stores them)
@@ -186,15 +314,15 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (!bf16 && k_pages.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (or its bits as uint16)");
   const int64_t tokens = qd[0], rows = td[0];
-  if (qd[1] % kd[0] != 0 || qd[2] != kd[3] || positions.dimensions()[0] != tokens ||
+  if (qd[1] % kd[0] != 0 || qd[2] != kd[2] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[3] ||
+      vd[3] != kd[2] || positions.dimensions()[0] != tokens ||
       q_starts.dimensions()[0] != rows || q_lens.dimensions()[0] != rows || context_lens.dimensions()[0] != rows)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
-  if (qd[2] > kMaxDim) return ffi::Error::InvalidArgument("paged_attention: head_dim above 512");
   auto work = std::make_shared<Work>();
   work->pb = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
                      positions.typed_data(), context_lens.typed_data(), out->typed_data(),
-                     qd[1], kd[0], qd[2], kd[1], kd[2], td[1], window};
-  work->fn = bf16 ? for_dim<uint16_t>(qd[2]) : for_dim<float>(qd[2]);
+                     qd[1], kd[0], qd[2], kd[1], kd[3], td[1], window};
+  work->fn = bf16 ? for_shape<uint16_t>(qd[2], kd[3]) : for_shape<float>(qd[2], kd[3]);
   std::vector<char> covered(tokens, 0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t start = q_starts.typed_data()[r], len = q_lens.typed_data()[r];
