@@ -82,6 +82,21 @@ def test_bfloat16_weights_load_and_run(tmp_path):
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
 
 
+def test_bfloat16_compute_is_at_least_as_close_to_float32_as_transformers_bfloat16(tmp_path):
+    """Our bfloat16 forward multiplies bfloat16 operands into float32 and keeps activations float32;
+    against the float32 forward of the same (bfloat16-rounded) weights it must err no more than
+    transformers' own bfloat16 forward does."""
+    hf = make_hf_model("llama", tmp_path, dtype=torch.bfloat16)
+    model = load_model(tmp_path)
+    tokens = np.array([[5, 17, 99, 3, 42, 7, 64, 11, 2, 80]], np.int32)
+    ours = np.asarray(model(jnp.asarray(tokens)))
+    with torch.no_grad():
+        hf_bf16 = hf(torch.tensor(tokens)).logits.float().numpy()
+        exact = hf.float()(torch.tensor(tokens)).logits.numpy()
+    ours_err, hf_err = np.abs(ours - exact).max(), np.abs(hf_bf16 - exact).max()
+    assert 0 < ours_err <= hf_err, (ours_err, hf_err)
+
+
 def test_bfloat16_checkpoint_can_be_served_in_float32(tmp_path):
     make_hf_model("llama", tmp_path, dtype=torch.bfloat16)
     model = load_model(tmp_path, dtype="float32")
