@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from worker.cli import _engine_flags, _engine_overrides, resolve_model
 

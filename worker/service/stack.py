@@ -18,7 +18,7 @@ from pathlib import Path
 def serve(args, model_dir: str, engine_overrides: dict) -> int:
     from api.config import ApiConfig
     from api.server import run_api
-    from worker.cli import ENGINE_KEYS, _dashboard_mounts
+    from worker.cli import _dashboard_mounts
 
     embedded = None
     redis_url = args.redis or os.environ.get("REDJAX_REDIS_URL")
