@@ -140,9 +140,10 @@ def paged_decode_attention(
     def body(carry, xs):
         m, l, acc = carry  # [KV, S, G], [KV, S, G], [KV, S, G, D]
         idx, table = xs  # block index, i32[S, B]
-        keys = key_rows(k_pages[:, table]).reshape(kv, s, block * ps, d)  # [KV, S, B*ps, D]
+        keys = page_values(k_pages[:, table])  # [KV, S, B, D, ps]: contracted over D as stored, no transpose
         values = page_values(v_pages[:, table]).reshape(kv, s, block * ps, d)
-        scores = jnp.einsum("ksgd,ksld->ksgl", qg, keys, preferred_element_type=jnp.float32)  # [KV, S, G, B*ps]
+        scores = jnp.einsum("ksgd,ksbdt->ksgbt", qg, keys, preferred_element_type=jnp.float32)
+        scores = scores.reshape(kv, s, g, block * ps)  # [KV, S, G, B*ps]
         j = idx * block * ps + jnp.arange(block * ps)[None, :]  # [1, B*ps]
         visible = (j <= positions[:, None]) & (j < context_lens[:, None])  # [S, B*ps]
         if window is not None:
