@@ -223,8 +223,10 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
 }
 
 // bfloat16 -> float32 over `count` elements (a multiple of 16)
-inline void widen(const uint16_t* from, int64_t count, float* to) {
+// `ahead` (may be null): the next page, whose lines are requested while this one converts
+inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t* ahead) {
   for (int64_t i = 0; i < count; i += kLanes) {
+    if (ahead != nullptr && i % (2 * kLanes) == 0) __builtin_prefetch(ahead + i);  // one 64-byte line
     const f32xN v = load(from + i);
     std::memcpy(to + i, &v, sizeof v);
   }
@@ -250,8 +252,11 @@ void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
     scratch.values.resize(cols * page_floats);
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t page = page_at(pb, b.row, c0 + c);
-      widen(kbase + page * page_floats, page_floats, scratch.keys.data() + c * page_floats);
-      widen(vbase + page * page_floats, page_floats, scratch.values.data() + c * page_floats);
+      const int64_t next = c + 1 < cols ? page_at(pb, b.row, c0 + c + 1) : -1;
+      widen(kbase + page * page_floats, page_floats, scratch.keys.data() + c * page_floats,
+            next < 0 ? nullptr : kbase + next * page_floats);
+      widen(vbase + page * page_floats, page_floats, scratch.values.data() + c * page_floats,
+            next < 0 ? nullptr : vbase + next * page_floats);
     }
     const float* keys = scratch.keys.data();
     const float* values = scratch.values.data();
