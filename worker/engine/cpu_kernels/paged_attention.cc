@@ -20,14 +20,13 @@
 // context_lens s32[R]; out f32[T, H, D].
 
 #include <algorithm>
-#include <climits>
-#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -86,8 +85,8 @@ struct Block {
 // Scores of query head `qh` [DIM] against NC * 16 consecutive keys of one key page (`kp` points at
 // the first key of the run in dimension 0; dimension i is `ps` further on). Two accumulator sets
 // (even and odd dimensions) keep 2 * NC independent FMA chains in flight.
-template <typename T, int DIM, int NC>
-inline void key_run_scores(const float* qh, const T* kp, int64_t ps, float* out) {
+template <int DIM, int NC>
+inline void key_run_scores(const float* qh, const float* kp, int64_t ps, float* out) {
   f32xN even[NC] = {}, odd[NC] = {};
   for (int i = 0; i < DIM; i += 2) {
     for (int c = 0; c < NC; ++c) even[c] += qh[i] * load(kp + i * ps + c * kLanes);
@@ -96,15 +95,15 @@ inline void key_run_scores(const float* qh, const T* kp, int64_t ps, float* out)
   for (int c = 0; c < NC; ++c) std::memcpy(out + c * kLanes, &(even[c] += odd[c]), sizeof(f32xN));
 }
 
-template <typename T, int DIM>
-inline void key_scores(const float* qh, const T* kp, int64_t ps, int64_t keys, float* out) {
+template <int DIM>
+inline void key_scores(const float* qh, const float* kp, int64_t ps, int64_t keys, float* out) {
   // `keys` is a multiple of 16 (page sizes are), taken 64 at a time
   int64_t t = 0;
-  for (; t + 4 * kLanes <= keys; t += 4 * kLanes) key_run_scores<T, DIM, 4>(qh, kp + t, ps, out + t);
+  for (; t + 4 * kLanes <= keys; t += 4 * kLanes) key_run_scores<DIM, 4>(qh, kp + t, ps, out + t);
   switch ((keys - t) / kLanes) {
-    case 3: key_run_scores<T, DIM, 3>(qh, kp + t, ps, out + t); break;
-    case 2: key_run_scores<T, DIM, 2>(qh, kp + t, ps, out + t); break;
-    case 1: key_run_scores<T, DIM, 1>(qh, kp + t, ps, out + t); break;
+    case 3: key_run_scores<DIM, 3>(qh, kp + t, ps, out + t); break;
+    case 2: key_run_scores<DIM, 2>(qh, kp + t, ps, out + t); break;
+    case 1: key_run_scores<DIM, 1>(qh, kp + t, ps, out + t); break;
     default: break;
   }
 }
@@ -165,7 +164,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
       if constexpr (DIM > 0) {
         // whole 16-key runs covering [first, end); keys outside it are computed and dropped
         const int64_t from = first / kLanes * kLanes, to = (end + kLanes - 1) / kLanes * kLanes;
-        key_scores<E, DIM>(qh, kp + from, ps, to - from, page_scores + from);
+        key_scores<DIM>(qh, kp + from, ps, to - from, page_scores + from);
         for (int64_t t = first; t < end; ++t) p[t] = page_scores[t] * scale;
       } else {
         for (int64_t t = first; t < end; ++t) {
@@ -195,7 +194,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
       constexpr int NC = DIM / kLanes;
       f32xN even[NC] = {}, odd[NC] = {};  // alternate keys: two independent chains per lane group
       for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
-        const E* rows = value_page(col);  // [ps, D]
+        const float* rows = value_page(col);  // [ps, D]
         int64_t t = first;
         for (; t + 1 < end; t += 2) {
           const float p0 = p[j + t - first], p1 = p[j + t + 1 - first];
