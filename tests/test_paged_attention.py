@@ -19,8 +19,8 @@ PAGE = 4
 write_kv = jax.jit(pa.write_kv)
 write_keys = jax.jit(pa.write_keys)
 # page shapes the kernel tests run on: plain loops (page size not a multiple of 16, head_dim 8) and
-# the vector path (16-key runs, head_dim 32)
-KERNEL_SHAPES = {"loops": (4, 8), "vectors": (16, 32)}
+# the vector path (16-key runs; head_dim 32, and 80: an odd number of 16-lane vectors)
+KERNEL_SHAPES = {"loops": (4, 8), "vectors": (16, 32), "vectors-80": (16, 80)}
 paged_attention = jax.jit(pa.paged_attention, static_argnames="window")
 
 

@@ -281,6 +281,8 @@ AttendFn for_shape(int64_t dim, int64_t page_size) {
   switch (dim) {
     case 32: return attend<T, 32>;
     case 64: return attend<T, 64>;
+    case 80: return attend<T, 80>;
+    case 96: return attend<T, 96>;
     case 128: return attend<T, 128>;
     case 256: return attend<T, 256>;
     default: return attend<T, 0>;
