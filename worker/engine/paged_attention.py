@@ -15,7 +15,8 @@ pages than multiplying them):
   a page's keys is one contiguous run, so a kernel scores one query against 16 keys as the lanes
   of one vector, summed over the dimensions, with no horizontal sum per key (the CPU kernel,
   cpu_kernels/paged_attention.cc; vLLM's first CUDA kernel split its key cache the same way).
-  The jnp paths here transpose gathered key pages back (`key_rows`).
+  The reference here transposes gathered key pages back (`key_rows`); the blocked decode path
+  contracts them over D as stored.
 """
 
 from __future__ import annotations
