@@ -67,16 +67,27 @@ class Run:
                 message = (f"no worker serving {config.model_name} has been alive for "
                            f"{config.no_worker_timeout_s:g} s; the request was cancelled")  # fmt: skip
                 raise ApiError(503, message, code="no_worker")
+            if not self.queue.empty():  # wait_for costs a task and a timer: only when there is a wait
+                return self._accept(*self.queue.get_nowait())
             try:
                 rid, item = await asyncio.wait_for(self.queue.get(), timeout=min(WATCH_S, deadline))
             except asyncio.TimeoutError:
                 continue
-            if isinstance(item, ReaderFailed):
-                self.unfinished.discard(rid)
-                raise redis_unavailable()
-            if item.done or item.error or item.finish_reason == FinishReason.ERROR.value:
-                self.unfinished.discard(rid)
-            return self.index[rid], item
+            return self._accept(rid, item)
+
+    def ready_event(self) -> tuple[int, OutputDelta] | None:
+        """The next (request index, delta) if one has arrived already, else None (never waits)."""
+        if self.queue.empty():
+            return None
+        return self._accept(*self.queue.get_nowait())
+
+    def _accept(self, rid: str, item: OutputDelta | ReaderFailed) -> tuple[int, OutputDelta]:
+        if isinstance(item, ReaderFailed):
+            self.unfinished.discard(rid)
+            raise redis_unavailable()
+        if item.done or item.error or item.finish_reason == FinishReason.ERROR.value:
+            self.unfinished.discard(rid)
+        return self.index[rid], item
 
     async def close(self) -> None:
         """Stop reading; withdraw what has not finished. Safe to call from a cancelled task."""

@@ -71,30 +71,43 @@ async def _all_pieces(run: Run, assembler: Assembler) -> list[Piece]:
     return pieces
 
 
-async def _sse(run: Run, assembler: Assembler, first: list[Piece]) -> AsyncIterator[str]:
+async def _sse(run: Run, assembler: Assembler, first: list[Piece]) -> AsyncIterator[bytes]:
     """OpenAI stream: chunks as `data:` events, then `data: [DONE]`. Errors after 200 become an error event.
 
-    A client that goes away cancels this generator; `run.close()` then withdraws the request.
+    Every chunk is its own event, but the events of all deltas that have arrived by the time the
+    stream is written go out in one write (one ASGI send, one syscall): under load a request's
+    deltas queue up while the event loop serves others, and a send per event cost more CPU than
+    building it. A client that goes away cancels this generator; `run.close()` then withdraws
+    the request.
     """
     parsed = assembler.parsed
+    events: list[str] = []
     try:
         if parsed.kind == "chat":
-            yield json.dumps(role_chunk(parsed))
+            events.append(json.dumps(role_chunk(parsed)))
         pieces = first
         while True:
-            for piece in pieces:
-                yield json.dumps(piece_chunk(parsed, piece))
+            events += [json.dumps(piece_chunk(parsed, piece)) for piece in pieces]
+            while not run.finished and (event := run.ready_event()) is not None:
+                events += [json.dumps(piece_chunk(parsed, piece)) for piece in assembler.feed(*event)]
             if run.finished:
                 break
+            yield _events(events)
+            events = []
             pieces = await _next_pieces(run, assembler)
         if parsed.include_usage:
-            yield json.dumps(usage_chunk(parsed, assembler.usage()))
-        yield "[DONE]"
+            events.append(json.dumps(usage_chunk(parsed, assembler.usage())))
+        events.append("[DONE]")
     except ApiError as exc:
-        yield exc.sse_data()
-        yield "[DONE]"
+        events += [exc.sse_data(), "[DONE]"]
     finally:
         await run.close()
+    yield _events(events)
+
+
+def _events(payloads: list[str]) -> bytes:
+    """Server-sent events, one `data:` line each (JSON payloads hold no newline)."""
+    return "".join(f"data: {p}\n\n" for p in payloads).encode()
 
 
 async def models(request: Request) -> Response:

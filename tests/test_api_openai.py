@@ -32,6 +32,9 @@ def test_completion_stream_matches_plain(start_api, fake_worker, redis_client):
                                             stream_options={"include_usage": True}))  # fmt: skip
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == plain.choices[0].text
+    # the fake worker writes all deltas at once, so the API writes several events per send: still
+    # one chunk per delta for the client
+    assert [len(c.choices[0].text) > 0 for c in chunks if c.choices] == [True] * 5
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert all(c.usage is None for c in chunks[:-1])

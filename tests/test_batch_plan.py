@@ -65,9 +65,23 @@ def test_a_packed_shape_holds_any_split_of_its_tokens_over_its_rows():
     assert not fits(shape, 64, [100] * 9, 16)  # 9 chunks in 8 rows
     assert not fits(shape, 65, [148], 16) and not fits(shape, 8, [148], 32)
     ladder = envelopes(64, 1024, 16, 64, 128)
-    assert [(e.num_prefill, e.prefill_tokens) for e in ladder] == [(4, 192), (4, 256), (8, 384), (8, 512), (16, 768), (32, 1024)]
-    assert all(e.packed and e.num_decode == 64 and e.pages == 16 for e in ladder)
-    assert [(e.num_prefill, e.prefill_tokens) for e in envelopes(8, 32, 4, 16, 16)] == [(8, 32)]  # rungs collapse
+    rungs = [(4, 192), (4, 256), (8, 384), (8, 512), (16, 768), (32, 1024)]
+    assert [(e.num_decode, e.num_prefill, e.prefill_tokens) for e in ladder] == [(d, *r) for d in (64, 0) for r in rungs]
+    assert all(e.packed and e.pages == 16 for e in ladder)
+    small = envelopes(8, 32, 4, 16, 16)
+    assert [(e.num_decode, e.num_prefill, e.prefill_tokens) for e in small] == [(8, 8, 32), (0, 8, 32)]  # rungs collapse
+
+
+def test_a_lone_prompt_at_an_idle_worker_borrows_a_prefill_only_envelope_within_tolerance():
+    from worker.engine.runner import BORROW_TOLERANCE
+
+    ladder = envelopes(64, 1024, 16, 64, 128)
+    for prompts in range(1, 7):
+        lengths = [148] * prompts
+        rows, tokens = plan_packed(lengths, 64)
+        exact = StepShape(0, rows, 0, 16, 1, False, 64, 128, tokens)
+        best = min((e for e in ladder if fits(e, 0, lengths, 16)), key=step_cost)
+        assert best.num_decode == 0 and step_cost(best) <= BORROW_TOLERANCE * step_cost(exact), prompts
 
 
 def test_a_few_arrivals_joining_running_decodes_borrow_an_envelope_within_tolerance():

@@ -157,7 +157,10 @@ def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_
     """Packed mixed (decode + prefill) shapes compiled at warm-up so that a batch of a new mix
     runs at once, padded into one of them, instead of stopping the worker for seconds to compile:
     all decode rows plus, on ENVELOPE_LADDER, from 3/16 of a step budget of prefill tokens in
-    up to 4 chunks (a few arrivals joining a running batch) to a whole budget in up to 32.
+    up to 4 chunks (a few arrivals joining a running batch) to a whole budget in up to 32; then
+    the same prefill rungs with no decode rows (arrivals at an idle worker: a lone prompt padded
+    into a full decode envelope costs half again its own step, so without these the first bursts
+    after start-up compiled their own shape in the background, a core for a second).
 
     All use the widest page table, so they cover any context. A batch fits the largest unless it
     has more prefill chunks than that; its shape is then compiled when first met.
@@ -167,8 +170,8 @@ def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_
     for rows, share in ENVELOPE_LADDER:
         tokens = plan_packed([max(1, int(budget * share))], 1)[1]
         rows_for[tokens] = max(rows_for.get(tokens, 0), min(rows, spare))
-    return [StepShape(max_decode, rows, 0, max_pages, 1, False, page_size, max_rows, tokens)
-            for tokens, rows in sorted(rows_for.items())]
+    return [StepShape(decode, rows, 0, max_pages, 1, False, page_size, max_rows, tokens)
+            for decode in (max_decode, 0) for tokens, rows in sorted(rows_for.items())]
 
 
 def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
