@@ -78,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="worker name, unique in the fleet (default host-pid)")
     p.add_argument("--served-model-name")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
+    p.add_argument("--backlog", type=int, help="requests held beyond --max-num-seqs, queued in the engine (default 16)")
     _engine_flags(p)
 
     p = sub.add_parser("dashboard", help="the dashboard alone")
@@ -152,6 +153,7 @@ def cmd_worker(args) -> int:
 
     overrides = {"model_dir": args.model and resolve_model(args.model), "redis_url": args.redis, "name": args.name,
                  "served_model_name": args.served_model_name, "drain_timeout_s": args.drain_timeout_s,
+                 "backlog": args.backlog,
                  "engine": _engine_overrides(args)}
     import os
 

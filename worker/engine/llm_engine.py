@@ -27,7 +27,7 @@ from worker.engine.page_allocator import PageAllocator
 from worker.engine.runner import InFlight, ModelRunner, to_host
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence, SequenceGroup
+from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from worker.engine.stop_checker import StopChecker
 from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
 from worker.models.sharding import kv_sharding, make_mesh
@@ -150,6 +150,12 @@ class LLMEngine:
             return []
         self.scheduler.abort(request_id)
         return [self._finish_output(seq) for seq in group.sequences if seq.finish_reason == FinishReason.ABORT]
+
+    def not_started(self, request_id: str) -> bool:
+        """Whether the request is still queued here with nothing computed (it can go elsewhere)."""
+        group = self._groups.get(request_id)
+        return group is not None and all(
+            seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0 for seq in group.sequences)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

@@ -20,6 +20,7 @@ ENV_NAMES = {
     "log_level": "REDJAX_LOG_LEVEL",
     "compile_cache_dir": "REDJAX_COMPILE_CACHE_DIR",
     "warmup": "REDJAX_WARMUP",
+    "backlog": "REDJAX_BACKLOG",
 }
 ENGINE_ENV_PREFIX = "REDJAX_"  # each EngineConfig field: REDJAX_<FIELD> (e.g. REDJAX_MAX_NUM_SEQS)
 
@@ -37,6 +38,9 @@ class WorkerConfig:
     # persistent XLA compilation cache, so a restarted worker skips compiling its step shapes; "" disables
     compile_cache_dir: str = str(Path.home() / ".cache" / "redjax" / "xla")
     warmup: bool = True  # compile the decode step variants before taking requests (LLMEngine.warmup)
+    # requests held beyond max_num_seqs, waiting in the engine: slots freed by finishing sequences
+    # refill in the same step instead of a step later, after a round trip through Redis
+    backlog: int = 16
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -46,6 +50,8 @@ class WorkerConfig:
             raise ValueError("redis_url must be a redis://, rediss:// or unix:// URL")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.backlog < 0:
+            raise ValueError("backlog must be >= 0")
 
     @property
     def model_name(self) -> str:

@@ -49,6 +49,7 @@ class Worker:
         self.started_at = time.time()
         self.finished_count = 0
         self._drain_deadline: float | None = None
+        self._backlog_returned = False
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
 
     def run(self) -> int:
@@ -95,6 +96,8 @@ class Worker:
     # ---- work in ----
 
     def _take_work(self) -> None:
+        if self._drain_deadline is not None and not self._backlog_returned:
+            self._return_backlog()
         while not self.io.cancels.empty():
             request_id = self.io.cancels.get_nowait()
             if request_id in self.active:
@@ -105,12 +108,12 @@ class Worker:
             self.io.set_capacity(self._capacity())
 
     def _capacity(self) -> int:
-        """Requests to pull now: free sequence slots (what this worker holds never exceeds what
-        it can run at once), and none while KV pages are nearly gone."""
+        """Requests to pull now: free sequence slots plus `backlog` more waiting in the engine (so
+        a step that frees slots refills them itself), and none while KV pages are nearly gone."""
         engine = self.engine
         if engine.pages_used > 0.9 * engine.pages_total:
             return 0
-        return max(0, engine.config.max_num_seqs - len(self.active))
+        return max(0, engine.config.max_num_seqs + self.config.backlog - len(self.active))
 
     def _start(self, incoming: Incoming) -> None:
         message = incoming.message
@@ -203,6 +206,17 @@ class Worker:
     def _next_seq(self, active: Active) -> int:
         active.next_seq += 1
         return active.next_seq - 1
+
+    def _return_backlog(self) -> None:
+        """Draining: requests held but not started go back on the queue at once (another worker
+        can start them now), instead of being run here or handed back at the deadline."""
+        self._backlog_returned = True
+        for request_id, active in list(self.active.items()):
+            if active.next_seq == active.incoming.next_seq and self.engine.not_started(request_id):
+                self.engine.abort(request_id)
+                self.io.hand_back(active.incoming.message)
+                del self.active[request_id]
+                log.info("handed back queued request %s", request_id)
 
     def _hand_back_rest(self) -> None:
         """Whatever is still unfinished goes back on the queue for another worker to resume."""

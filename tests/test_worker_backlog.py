@@ -1,0 +1,62 @@
+"""A worker holds its free slots plus `backlog` requests; draining hands the unstarted ones back at once.
+
+The worker runs in this process against real Redis and the real engine on the tiny served model;
+the test drives its loop by hand (pull, step, drain) instead of through its Redis thread.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from tests.test_serving import model_dir  # noqa: F401 (fixture)
+from worker import contract
+from worker.contract import RequestMessage
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.service.config import WorkerConfig
+from worker.service.redis_io import Incoming
+from worker.service.worker import Worker
+
+SEQS, BACKLOG = 4, 3
+
+
+def _worker(model_dir, redis_url) -> Worker:  # noqa: F811
+    engine_config = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=64, page_size=8, num_pages=64)
+    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-backlog", backlog=BACKLOG,
+                          warmup=False, engine=engine_config)
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    return Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
+
+
+def _message(i: int) -> RequestMessage:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, seed=i).to_dict()
+    return RequestMessage(f"req-{i}", "tinyllama", [3 + i, 5, 7, 11, 13, 17, 19, 23, 29, 31], params)
+
+
+def test_a_worker_holds_its_slots_plus_the_backlog_and_hands_unstarted_ones_back_when_draining(model_dir, redis_url):  # noqa: F811
+    worker = _worker(model_dir, redis_url)
+    engine, pages = worker.engine, worker.engine.allocator.num_free_pages
+    assert worker._capacity() == SEQS + BACKLOG
+    for i in range(SEQS + BACKLOG):
+        worker._start(Incoming(f"0-{i + 1}", _message(i)))
+    assert worker._capacity() == 0  # holds SEQS + BACKLOG: pulls nothing more
+
+    worker._publish(engine.step())  # 64 tokens of budget: at most 6 ten-token prompts start
+    started = {rid for rid in worker.active if not engine.not_started(rid)}
+    waiting = set(worker.active) - started
+    assert 0 < len(started) <= SEQS and waiting  # the backlog waits in the engine
+
+    worker._drain_deadline = float("inf")  # what SIGTERM sets
+    worker._take_work()
+    assert set(worker.active) == started  # the unstarted ones left at once...
+    worker.io._flush()
+    client = redis.Redis.from_url(redis_url)
+    requeued = [RequestMessage.decode(fields) for _, fields in client.xrange(contract.REQUESTS)]
+    assert {m.id for m in requeued} == waiting and all(m.attempt == 1 for m in requeued)  # ...back on the queue
+    assert not any(client.exists(contract.out_stream(rid)) for rid in waiting)  # having published nothing
+
+    while engine.has_unfinished():  # the started ones still finish here
+        worker._publish(engine.step())
+    assert not worker.active and engine.allocator.num_free_pages == pages
