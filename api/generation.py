@@ -1,8 +1,8 @@
 """Run: one HTTP request's queued requests, from enqueue to their last delta (or their cancel).
 
-Deltas of all of a run's requests arrive on one asyncio queue. While it waits, the run watches two
-deadlines: the whole request (request_timeout_s -> 504) and the fleet (no live worker for
-no_worker_timeout_s -> 503). Whenever it ends unfinished, its requests are withdrawn: taken off the
+Deltas of all of a run's requests arrive on one asyncio queue, with the output reader's TICK
+twice a second. While it waits, the run watches two deadlines: the whole request
+(request_timeout_s -> 504) and the fleet (no live worker for no_worker_timeout_s -> 503). Whenever it ends unfinished, its requests are withdrawn: taken off the
 queue if no worker has them yet, and a cancel is published for the rest.
 """
 
@@ -16,14 +16,12 @@ import anyio
 from redis.exceptions import RedisError
 
 from api.errors import ApiError, redis_unavailable
-from api.outputs import ReaderFailed
+from api.outputs import TICK, ReaderFailed
 from api.protocol import ParsedRequest
 from api.services import ApiServices
 from worker.contract import FinishReason, OutputDelta
 
 log = logging.getLogger("redjax.api")
-
-WATCH_S = 0.5  # how often a waiting run looks at its deadlines
 
 
 class Run:
@@ -56,30 +54,28 @@ class Run:
         log.info("request %s enqueued as %s", http_request_id, ",".join(self.ids))
 
     async def next_event(self) -> tuple[int, OutputDelta]:
-        """The next (request index, delta); raises ApiError when a deadline passes or Redis fails."""
+        """The next (request index, delta); raises ApiError when a deadline passes or Redis fails.
+        The deadlines are checked before each wait and at every TICK the output reader sends."""
         config = self.services.config
         while True:
-            deadline = self.started + config.request_timeout_s - time.monotonic()
-            if deadline <= 0:
+            if time.monotonic() - self.started >= config.request_timeout_s:
                 raise ApiError(504, f"the request did not finish within {config.request_timeout_s:g} s",
                                code="request_timeout")  # fmt: skip
             if self.services.fleet.missing_for(self.started) >= config.no_worker_timeout_s:
                 message = (f"no worker serving {config.model_name} has been alive for "
                            f"{config.no_worker_timeout_s:g} s; the request was cancelled")  # fmt: skip
                 raise ApiError(503, message, code="no_worker")
-            if not self.queue.empty():  # wait_for costs a task and a timer: only when there is a wait
-                return self._accept(*self.queue.get_nowait())
-            try:
-                rid, item = await asyncio.wait_for(self.queue.get(), timeout=min(WATCH_S, deadline))
-            except asyncio.TimeoutError:
-                continue
-            return self._accept(rid, item)
+            rid, item = await self.queue.get()
+            if item is not TICK:
+                return self._accept(rid, item)
 
     def ready_event(self) -> tuple[int, OutputDelta] | None:
         """The next (request index, delta) if one has arrived already, else None (never waits)."""
-        if self.queue.empty():
-            return None
-        return self._accept(*self.queue.get_nowait())
+        while not self.queue.empty():
+            rid, item = self.queue.get_nowait()
+            if item is not TICK:
+                return self._accept(rid, item)
+        return None
 
     def _accept(self, rid: str, item: OutputDelta | ReaderFailed) -> tuple[int, OutputDelta]:
         if isinstance(item, ReaderFailed):

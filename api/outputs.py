@@ -19,6 +19,8 @@ from worker.contract import OutputDelta, out_stream
 log = logging.getLogger("redjax.api")
 
 BLOCK_MS = 1000  # longest XREAD wait; new subscriptions wake it earlier through the wake stream
+TICK_S = 0.5  # how often every subscriber's queue gets TICK (waiting runs look at their deadlines)
+TICK = object()  # put on subscriber queues as (None, TICK): no output, only a moment to check deadlines
 BATCH = 256  # entries per stream per XREAD
 RETRY_S = 0.5  # pause after a Redis error
 
@@ -30,7 +32,7 @@ class ReaderFailed(Exception):
 @dataclass
 class Subscription:
     request_id: str
-    queue: asyncio.Queue  # receives (request_id, OutputDelta | ReaderFailed)
+    queue: asyncio.Queue  # receives (request_id, OutputDelta | ReaderFailed), and (None, TICK)
     last_id: str = "0"  # last stream entry id read
     seen: set[int] = field(default_factory=set)  # seq numbers delivered
 
@@ -56,6 +58,14 @@ class OutputReader:
     @property
     def active(self) -> int:
         return len(self._subs)
+
+    async def tick(self) -> None:
+        """Put TICK on every subscriber's queue each TICK_S, until cancelled: a run then waits on its
+        queue alone (one timer here instead of a timeout per awaited delta)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            for queue in {id(s.queue): s.queue for s in self._subs.values()}.values():
+                queue.put_nowait((None, TICK))
 
     async def run(self) -> None:
         """Read until cancelled."""

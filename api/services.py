@@ -52,6 +52,7 @@ class ApiServices:
 
     async def start(self) -> None:
         self.tasks = [asyncio.create_task(self.reader.run(), name="output-reader"),
+                      asyncio.create_task(self.reader.tick(), name="output-ticker"),
                       asyncio.create_task(self.fleet.run(), name="fleet-watch")]  # fmt: skip
 
     async def stop(self) -> None:
