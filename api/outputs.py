@@ -1,14 +1,20 @@
 """One background task reads the output streams of every active request of this API process.
 
-It blocks in a single XREAD over all of them (plus this process's wake stream, which every
-enqueue touches so a new request's stream joins at once) and hands each decoded OutputDelta to
-the request's own asyncio queue, dropping `seq`s already seen (delivery is at least once).
+Workers announce new output on this process's notify stream (contract.api_notify_stream) with
+the ids of the requests concerned. The reader blocks in XREAD on that one stream, then reads
+only the out_streams named, from where it last stopped, so a read costs what has new output, not
+what is queued. Once a second (SWEEP_S) it reads every subscribed stream instead: outputs of a
+notification trimmed away, or written by anything that does not notify, arrive within a second.
+Each decoded OutputDelta goes to the request's own asyncio queue; `seq`s already seen are
+dropped (delivery is at least once).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -18,11 +24,13 @@ from worker.contract import OutputDelta, out_stream
 
 log = logging.getLogger("redjax.api")
 
-BLOCK_MS = 1000  # longest XREAD wait; new subscriptions wake it earlier through the wake stream
-TICK_S = 0.5  # how often every subscriber's queue gets TICK (waiting runs look at their deadlines)
-TICK = object()  # put on subscriber queues as (None, TICK): no output, only a moment to check deadlines
+BLOCK_MS = 1000  # longest wait for a notification
+SWEEP_S = 1.0  # every subscribed stream is read at least this often
+NOTIFY_BATCH = 1024  # notifications per XREAD
 BATCH = 256  # entries per stream per XREAD
 RETRY_S = 0.5  # pause after a Redis error
+TICK_S = 0.5  # how often every subscriber's queue gets TICK (waiting runs look at their deadlines)
+TICK = object()  # put on subscriber queues as (None, TICK): no output, only a moment to check deadlines
 
 
 class ReaderFailed(Exception):
@@ -38,12 +46,15 @@ class Subscription:
 
 
 class OutputReader:
-    def __init__(self, client: Redis, wake_stream: str) -> None:
+    def __init__(self, client: Redis, notify_stream: str) -> None:
         self.client = client  # a connection of its own: it spends its life blocked in XREAD
-        self.wake_stream = wake_stream
+        self.notify_stream = notify_stream
         self._subs: dict[str, Subscription] = {}
         self._changed = asyncio.Event()
-        self._wake_id = "0"
+        self._notify_id = "0"
+        self._swept = 0.0  # monotonic time of the last read of every subscribed stream
+        self.sweep_s = SWEEP_S
+        self._closed = False
 
     def subscribe(self, request_id: str, queue: asyncio.Queue) -> Subscription:
         """Deliver request_id's deltas to `queue` as (request_id, delta); several requests may share one."""
@@ -67,18 +78,28 @@ class OutputReader:
             for queue in {id(s.queue): s.queue for s in self._subs.values()}.values():
                 queue.put_nowait((None, TICK))
 
+    def close(self) -> None:
+        """Make run() return at its next turn (at most BLOCK_MS): with redis-py 8 a task cancelled
+        right after a blocking read returned can miss the cancellation and read on."""
+        self._closed = True
+        self._changed.set()
+
     async def run(self) -> None:
-        """Read until cancelled."""
-        while True:
+        """Read until closed or cancelled."""
+        while not self._closed:
             if not self._subs:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            streams = {out_stream(rid): sub.last_id for rid, sub in self._subs.items()}
-            streams[self.wake_stream] = self._wake_id
             try:
-                replies = await self.client.xread(streams, count=BATCH, block=BLOCK_MS)
+                request_ids = await self._notified()
+                if time.monotonic() - self._swept >= self.sweep_s:
+                    request_ids, self._swept = set(self._subs), time.monotonic()
+                streams = {out_stream(rid): self._subs[rid].last_id for rid in request_ids if rid in self._subs}
+                replies = await self.client.xread(streams, count=BATCH) if streams else None
             except (RedisError, OSError) as exc:
+                if self._closed:
+                    return
                 log.warning("output reader: redis error %s; failing %d requests", type(exc).__name__, self.active)
                 for sub in list(self._subs.values()):
                     sub.queue.put_nowait((sub.request_id, ReaderFailed(str(exc))))
@@ -88,10 +109,22 @@ class OutputReader:
             for name, entries in replies or []:
                 self._dispatch(name.decode() if isinstance(name, bytes) else name, entries)
 
+    async def _notified(self) -> set[str]:
+        """Ids of requests with new output, from the notify stream (waits up to BLOCK_MS, less when
+        a sweep is due)."""
+        wait_ms = max(1, min(BLOCK_MS, int((self._swept + self.sweep_s - time.monotonic()) * 1000)))
+        replies = await self.client.xread({self.notify_stream: self._notify_id}, count=NOTIFY_BATCH, block=wait_ms)
+        ids: set[str] = set()
+        for _, entries in replies or []:
+            self._notify_id = _id(entries[-1][0])
+            for _, fields in entries:
+                try:
+                    ids.update(json.loads(fields.get(b"ids", fields.get("ids", "[]"))))
+                except (ValueError, TypeError):
+                    log.error("output reader: malformed notification in %s", self.notify_stream)
+        return ids
+
     def _dispatch(self, stream: str, entries: list) -> None:
-        if stream == self.wake_stream:
-            self._wake_id = _id(entries[-1][0])
-            return
         sub = self._subs.get(stream.removeprefix(out_stream("")))
         if sub is None:
             return

@@ -8,22 +8,20 @@ from api.errors import ApiError
 from worker import contract
 from worker.contract import RequestMessage
 
-# KEYS: requests stream, totals hash, wake stream. ARGV: group, max_queue_len, rejected field,
-# enqueued field, wake ttl, then one encoded RequestMessage per request.
+# KEYS: requests stream, totals hash. ARGV: group, max_queue_len, rejected field, enqueued field,
+# then one encoded RequestMessage per request.
 # Atomic, so concurrent enqueues cannot push the queue past its limit. Returns the entry ids, or
 # an empty list when the queue is full.
 _ENQUEUE = """
 redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
-local count = #ARGV - 5
+local count = #ARGV - 4
 if redis.call('XLEN', KEYS[1]) + count > tonumber(ARGV[2]) then
   redis.call('HINCRBY', KEYS[2], ARGV[3], count)
   return {}
 end
 local ids = {}
-for i = 6, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
+for i = 5, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
 redis.call('HINCRBY', KEYS[2], ARGV[4], count)
-redis.call('XADD', KEYS[3], 'MAXLEN', '1', '*', 'n', '1')
-redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
 return ids
 """
 
@@ -37,18 +35,20 @@ return redis.call('XDEL', KEYS[1], ARGV[2])
 
 
 class RequestQueue:
-    def __init__(self, client: Redis, max_queue_len: int, wake_stream: str) -> None:
+    def __init__(self, client: Redis, max_queue_len: int, notify_stream: str) -> None:
         self.client = client
         self.max_queue_len = max_queue_len
-        self.wake_stream = wake_stream
+        self.notify_stream = notify_stream  # where workers announce these requests' outputs
         self._enqueue = client.register_script(_ENQUEUE)
         self._remove = client.register_script(_REMOVE_UNDELIVERED)
 
     async def enqueue(self, messages: list[RequestMessage]) -> list[str]:
         """XADD every message (all or none); their stream entry ids. 429 when the queue is full."""
+        for m in messages:
+            m.notify = self.notify_stream
         args = [contract.WORKERS_GROUP, self.max_queue_len, contract.TOTAL_REJECTED, contract.TOTAL_ENQUEUED,
-                contract.WAKE_TTL_S] + [m.encode()["data"] for m in messages]  # fmt: skip
-        keys = [contract.REQUESTS, contract.TOTALS, self.wake_stream]
+                *(m.encode()["data"] for m in messages)]  # fmt: skip
+        keys = [contract.REQUESTS, contract.TOTALS]
         ids = await self._enqueue(keys=keys, args=args)
         if not ids:
             raise ApiError(

@@ -13,7 +13,7 @@ from api.fleet import FleetWatch
 from api.model_info import ModelInfo
 from api.outputs import BLOCK_MS, OutputReader
 from api.queue import RequestQueue
-from worker.contract import api_wake_stream
+from worker.contract import api_notify_stream
 
 REDIS_TIMEOUT_S = 5.0  # connect timeout, and how long a request waits for a free pooled connection
 REDIS_COMMAND_TIMEOUT_S = 15.0  # a command unanswered this long means Redis is gone (a busy host is not)
@@ -43,10 +43,10 @@ class ApiServices:
             config.redis_url, socket_timeout=REDIS_COMMAND_TIMEOUT_S + BLOCK_MS / 1000,
             socket_connect_timeout=REDIS_TIMEOUT_S
         )
-        wake = api_wake_stream(uuid.uuid4().hex)
+        notify = api_notify_stream(uuid.uuid4().hex)
         return cls(
             config=config, model=model, client=client, reader_client=reader_client,
-            queue=RequestQueue(client, config.max_queue_len, wake), reader=OutputReader(reader_client, wake),
+            queue=RequestQueue(client, config.max_queue_len, notify), reader=OutputReader(reader_client, notify),
             fleet=FleetWatch(client, config.model_name),
         )  # fmt: skip
 
@@ -56,6 +56,7 @@ class ApiServices:
                       asyncio.create_task(self.fleet.run(), name="fleet-watch")]  # fmt: skip
 
     async def stop(self) -> None:
+        self.reader.close()
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

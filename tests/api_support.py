@@ -142,7 +142,7 @@ class FakeWorker:
         if params.prompt_logprobs is not None:
             rest = message.prompt_token_ids[1:]
             entries = [None] + [_entry(t, -1.0 - 0.1 * i, params.prompt_logprobs) for i, t in enumerate(rest)]
-            self.client.xadd(stream, OutputDelta(seq=seq, prompt_logprobs=entries).encode())
+            self._emit(message, OutputDelta(seq=seq, prompt_logprobs=entries).encode())
             seq += 1
         budget = params.max_tokens if params.max_tokens is not None else len(self.reply_ids)
         count = min(budget, len(self.reply_ids))
@@ -159,22 +159,30 @@ class FakeWorker:
                     logprobs=[_entry(token, -0.5, params.logprobs)] if params.logprobs is not None else None,
                     finish_reason=("length" if count == budget else "stop") if last else None,
                 )  # fmt: skip
-                self.client.xadd(stream, delta.encode())
+                self._emit(message, delta.encode())
                 seq += 1
                 produced += 1
             time.sleep(self.delay_s)
         if count == 0:
             for index in range(params.n):
-                self.client.xadd(stream, OutputDelta(seq=seq, index=index, finish_reason="length").encode())
+                self._emit(message, OutputDelta(seq=seq, index=index, finish_reason="length").encode())
                 seq += 1
         self._finish(stream, seq, message, produced, None)
+
+    def _emit(self, message: RequestMessage, entry: dict) -> None:
+        """XADD one entry to the request's out_stream and tell its API (as a worker does)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xadd(contract.out_stream(message.id), entry)
+        if message.notify:
+            contract.notify_outputs(pipe, message.notify, [message.id])
+        pipe.execute()
 
     def _finish(self, stream: str, seq: int, message: RequestMessage, produced: int, reason: str | None) -> None:
         usage = {"prompt_tokens": len(message.prompt_token_ids), "completion_tokens": produced,
                  "total_tokens": len(message.prompt_token_ids) + produced}  # fmt: skip
         final = OutputDelta(seq=seq, finish_reason=reason, done=True, usage=usage)
-        self.client.xadd(stream, final.encode())
-        self.client.xadd(stream, final.encode())  # a duplicate seq, which readers must drop
+        self._emit(message, final.encode())
+        self._emit(message, final.encode())  # a duplicate seq, which readers must drop
         self.client.expire(stream, contract.OUTPUT_TTL_S)
 
 

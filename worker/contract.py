@@ -60,14 +60,22 @@ def out_stream(request_id: str) -> str:
     return f"{PREFIX}:out:{request_id}"
 
 
-def api_wake_stream(instance: str) -> str:
-    """Private to one API process (capped at 1 entry, TTL WAKE_TTL_S): the API XADDs to it with every
-    enqueue so its single output reader, blocked in XREAD on the active out_streams, wakes to add
-    the new request's stream."""
-    return f"{PREFIX}:api-wake:{instance}"
+def api_notify_stream(instance: str) -> str:
+    """Private to one API process: workers XADD {"ids": JSON list of request ids} to it after
+    writing new entries to those requests' out_streams (`notify_outputs`), so the API's single
+    output reader blocks on this one stream and then reads only the out_streams named, however
+    many requests are queued. Trimmed to about NOTIFY_MAXLEN entries; TTL NOTIFY_TTL_S."""
+    return f"{PREFIX}:api-notify:{instance}"
 
 
-WAKE_TTL_S = 3600
+NOTIFY_MAXLEN = 4096
+NOTIFY_TTL_S = 3600
+
+
+def notify_outputs(pipe, stream: str, request_ids: list[str]) -> None:
+    """Queue on `pipe` (a client or pipeline) the notification that `request_ids` have new output."""
+    pipe.xadd(stream, {"ids": json.dumps(request_ids)}, maxlen=NOTIFY_MAXLEN, approximate=True)
+    pipe.expire(stream, NOTIFY_TTL_S)
 
 
 def cancelled_key(request_id: str) -> str:
@@ -100,6 +108,7 @@ class RequestMessage:
     params: dict[str, Any]  # SamplingParams.to_dict(); seed is always set by the API
     enqueued_at: float = field(default_factory=time.time)
     attempt: int = 0  # incremented each time a worker claims it from a dead one
+    notify: str = ""  # the enqueuing API's api_notify_stream ("": nobody to notify)
 
     def encode(self) -> dict[str, str]:
         # vars(), not asdict(): asdict deep-copies the prompt's token list (a tenth of the API's

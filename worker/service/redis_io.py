@@ -59,6 +59,7 @@ class RedisIO:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pulled: dict[str, str] = {}  # request id -> entry id, for requests this worker holds
+        self._notify: dict[str, str] = {}  # request id -> its API's notify stream
         self._thread = threading.Thread(target=self._run, name="redis-io", daemon=True)
 
     # ---- called from the engine loop ----
@@ -146,6 +147,8 @@ class RedisIO:
             self._read_emitted(incoming)
         incoming.cancelled = bool(self.client.exists(contract.cancelled_key(message.id)))
         self._pulled[message.id] = entry_id
+        if message.notify:
+            self._notify[message.id] = message.notify
         self.inbox.put(incoming)
         self.wakeup.set()
 
@@ -221,22 +224,28 @@ class RedisIO:
             return
         pipe = self.client.pipeline(transaction=False)
         generated = 0
+        touched: dict[str, list[str]] = {}  # notify stream -> requests with new entries
         for item in items:
             if isinstance(item, tuple):
                 request_id, deltas = item
                 for delta in deltas:
                     generated += len(delta.token_ids)
                     pipe.xadd(contract.out_stream(request_id), delta.encode())
+                if notify := self._notify.get(request_id):
+                    touched.setdefault(notify, []).append(request_id)
             elif isinstance(item, Finished):
                 self._close(pipe, item)
             else:
                 self._requeue(pipe, item)
+        for notify, request_ids in touched.items():  # after the entries they announce
+            contract.notify_outputs(pipe, notify, request_ids)
         if generated:
             pipe.hincrby(contract.TOTALS, contract.TOTAL_GENERATION_TOKENS, generated)
         pipe.execute()
 
     def _close(self, pipe, done: Finished) -> None:
         entry_id = self._pulled.pop(done.request_id, None)
+        self._notify.pop(done.request_id, None)
         if not done.handed_back:
             pipe.expire(contract.out_stream(done.request_id), contract.OUTPUT_TTL_S)
             contract.record_finished(pipe, done.event)
@@ -247,6 +256,7 @@ class RedisIO:
 
     def _requeue(self, pipe, message: RequestMessage) -> None:
         entry_id = self._pulled.pop(message.id, None)
+        self._notify.pop(message.id, None)
         message.attempt += 1
         pipe.xadd(contract.REQUESTS, message.encode())
         if entry_id is not None:
