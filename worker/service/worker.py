@@ -49,7 +49,6 @@ class Worker:
         self.started_at = time.time()
         self.finished_count = 0
         self._drain_deadline: float | None = None
-        self._backlog_returned = False
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
 
     def run(self) -> int:
@@ -96,8 +95,6 @@ class Worker:
     # ---- work in ----
 
     def _take_work(self) -> None:
-        if self._drain_deadline is not None and not self._backlog_returned:
-            self._return_backlog()
         while not self.io.cancels.empty():
             request_id = self.io.cancels.get_nowait()
             if request_id in self.active:
@@ -106,6 +103,8 @@ class Worker:
             self._start(self.io.inbox.get_nowait())
         if self._drain_deadline is None:
             self.io.set_capacity(self._capacity())
+        else:
+            self._return_backlog()
 
     def _capacity(self) -> int:
         """Requests to pull now: free sequence slots plus `backlog` more waiting in the engine (so
@@ -208,9 +207,8 @@ class Worker:
         return active.next_seq - 1
 
     def _return_backlog(self) -> None:
-        """Draining: requests held but not started go back on the queue at once (another worker
-        can start them now), instead of being run here or handed back at the deadline."""
-        self._backlog_returned = True
+        """Draining: requests held but not started (and any a last pull brought in) go back on the
+        queue at once, for another worker to start now, instead of waiting here for the deadline."""
         for request_id, active in list(self.active.items()):
             if active.next_seq == active.incoming.next_seq and self.engine.not_started(request_id):
                 self.engine.abort(request_id)
