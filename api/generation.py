@@ -2,8 +2,9 @@
 
 Deltas of all of a run's requests arrive on one asyncio queue, with the output reader's TICK
 twice a second. While it waits, the run watches two deadlines: the whole request
-(request_timeout_s -> 504) and the fleet (no live worker for no_worker_timeout_s -> 503). Whenever it ends unfinished, its requests are withdrawn: taken off the
-queue if no worker has them yet, and a cancel is published for the rest.
+(request_timeout_s -> 504) and the fleet (no live worker for no_worker_timeout_s -> 503).
+Whenever it ends unfinished, its requests are withdrawn: taken off the queue if no worker has
+them yet, and a cancel is published for the rest.
 """
 
 from __future__ import annotations
