@@ -58,8 +58,8 @@ class RedisIO:
         self._stats: WorkerStats | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._pulled: dict[str, str] = {}  # request id -> entry id, for requests this worker holds
-        self._notify: dict[str, str] = {}  # request id -> its API's notify stream
+        # request id -> (entry id, its API's notify stream), for requests this worker holds
+        self._pulled: dict[str, tuple[str, str]] = {}
         self._thread = threading.Thread(target=self._run, name="redis-io", daemon=True)
 
     # ---- called from the engine loop ----
@@ -146,9 +146,7 @@ class RedisIO:
         if resumed or message.attempt > 0:
             self._read_emitted(incoming)
         incoming.cancelled = bool(self.client.exists(contract.cancelled_key(message.id)))
-        self._pulled[message.id] = entry_id
-        if message.notify:
-            self._notify[message.id] = message.notify
+        self._pulled[message.id] = (entry_id, message.notify)
         self.inbox.put(incoming)
         self.wakeup.set()
 
@@ -231,7 +229,7 @@ class RedisIO:
                 for delta in deltas:
                     generated += len(delta.token_ids)
                     pipe.xadd(contract.out_stream(request_id), delta.encode())
-                if notify := self._notify.get(request_id):
+                if notify := self._pulled.get(request_id, ("", ""))[1]:
                     touched.setdefault(notify, []).append(request_id)
             elif isinstance(item, Finished):
                 self._close(pipe, item)
@@ -244,8 +242,7 @@ class RedisIO:
         pipe.execute()
 
     def _close(self, pipe, done: Finished) -> None:
-        entry_id = self._pulled.pop(done.request_id, None)
-        self._notify.pop(done.request_id, None)
+        entry_id = self._pulled.pop(done.request_id, (None, ""))[0]
         if not done.handed_back:
             pipe.expire(contract.out_stream(done.request_id), contract.OUTPUT_TTL_S)
             contract.record_finished(pipe, done.event)
@@ -255,8 +252,7 @@ class RedisIO:
             pipe.xdel(contract.REQUESTS, entry_id)
 
     def _requeue(self, pipe, message: RequestMessage) -> None:
-        entry_id = self._pulled.pop(message.id, None)
-        self._notify.pop(message.id, None)
+        entry_id = self._pulled.pop(message.id, (None, ""))[0]
         message.attempt += 1
         pipe.xadd(contract.REQUESTS, message.encode())
         if entry_id is not None:
