@@ -4,6 +4,7 @@ and serve against the real stack (API + worker subprocesses, real Redis). No wal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -12,7 +13,9 @@ import pytest
 
 from tests.hf_models import make_hf_model
 from tests.stack_support import make_served_model, start_api, start_worker, stop
+from worker.bench import roofline
 from worker.bench.cli import run
+from worker.models.config import ModelConfig
 
 TINY = ["--num-prompts", "4", "--input-len", "8", "--output-len", "8", "--json"]
 
@@ -65,6 +68,16 @@ def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_mode
 def test_offline_text_summary(tiny_model):
     code, out = _bench("offline", "--model", str(tiny_model), *TINY[:-1], "--decode-steps", "1")
     assert code == 0 and "output tokens/s" in out and "host" in out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_roofline_counts_only_the_weights_that_enter_products(tied):
+    cfg = dataclasses.replace(ModelConfig.preset("llama-100m"), tie_word_embeddings=tied)
+    norms = cfg.num_layers * 2 * cfg.hidden_size + cfg.hidden_size
+    table = cfg.vocab_size * cfg.hidden_size  # the embedding lookup reads rows, it multiplies nothing
+    assert roofline.matmul_params(cfg) == cfg.num_params - norms - (0 if tied else table)
+    assert roofline.prefill_token_flops(cfg) == 2 * (roofline.matmul_params(cfg) - table)
+    assert roofline.decode_step_flops(cfg, 64, 0) == 64 * 2 * roofline.matmul_params(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -145,11 +145,12 @@ def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, gree
         assert engine.scheduler.num_preemptions == 0 and not split
     assert any(c["steps"] > 1 for c in chunks) == (decode_steps > 1)
     assert engine.runner.attention is cpu_attention.KERNEL  # "auto" on CPU: the kernel, decode and prefill rows
+    assert engine.matmul == "kernel"  # "auto" on CPU with float32 weights: packed projections
 
 
-def test_greedy_batch_equals_generate_on_the_jnp_attention_path(model, tokenizer, prompts, greedy_refs):
-    engine = make_engine(model, tokenizer, SIZES["tight"], decode_steps=4, attention="jnp")
-    assert engine.runner.attention is paged_attention.JNP
+def test_greedy_batch_equals_generate_on_the_jnp_attention_and_xla_matmul_path(model, tokenizer, prompts, greedy_refs):
+    engine = make_engine(model, tokenizer, SIZES["tight"], decode_steps=4, attention="jnp", matmul="xla")
+    assert engine.runner.attention is paged_attention.JNP and engine.matmul == "xla"
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)

@@ -40,11 +40,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
     g.add_argument("--attention", choices=["auto", "kernel", "jnp"],
                    help="paged attention: compiled CPU kernel when available (auto), required (kernel), or jnp")
+    g.add_argument("--matmul", choices=["auto", "kernel", "xla"],
+                   help="projections: compiled CPU kernel on packed float32 weights when available (auto), "
+                        "required (kernel), or XLA's dot")
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "async_overlap", "enable_prefix_cache", "tensor_parallel",
-               "attention")
+               "attention", "matmul")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:

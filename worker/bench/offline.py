@@ -129,6 +129,7 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
+        "matmul": engine.matmul,
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),

@@ -1,10 +1,13 @@
 """What this machine can do at best (copy bandwidth, matmul speed) and how close a run came.
 
-decode: an ideal step reads every weight once plus the KV of every running sequence, and does
-2 * params FLOPs per sequence plus the attention over its context; its floor is the larger of
-bytes / bandwidth and FLOPs / matmul speed (small batches are bandwidth-bound, large ones on a CPU
-compute-bound). prefill: an ideal token costs 2 * params FLOPs, so its floor is that / matmul
-speed. A fraction of 1.0 means the step ran at the machine's measured limit.
+Only the weights that enter products count: the layers' projections and the LM head (the
+embedding lookup reads a row per token; a tied table is counted once, as the head). decode: an
+ideal step reads those weights once plus the KV of every running sequence, and does 2 FLOPs per
+weight per sequence plus the attention over its context; its floor is the larger of bytes /
+bandwidth and FLOPs / matmul speed (small batches are bandwidth-bound, large ones on a CPU
+compute-bound). prefill: an ideal prompt token costs 2 FLOPs per projection weight (the LM head
+runs only for the last token of a prompt, and attention over short prompts is ignored), so its
+floor is that / matmul speed. A fraction of 1.0 means the step ran at the machine's measured limit.
 """
 
 from __future__ import annotations
@@ -46,18 +49,29 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def projection_params(cfg: ModelConfig) -> int:
+    """Weights of the layers' q/k/v/o and MLP products."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (2 * h * q + 2 * h * kv + 3 * h * cfg.intermediate_size)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights a decode step multiplies by: the projections and the LM head."""
+    return projection_params(cfg) + cfg.vocab_size * cfg.hidden_size
+
+
 def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float,
                       kv_itemsize: int | None = None) -> float:
-    """Bytes an ideal decode step reads: all weights once, plus each sequence's KV."""
-    return cfg.num_params * itemsize + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
+    """Bytes an ideal decode step reads: the weights of its products once, plus each sequence's KV."""
+    return matmul_params(cfg) * itemsize + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
 
 
 def decode_step_flops(cfg: ModelConfig, batch: float, mean_context: float) -> float:
-    """2 * params per sequence plus attention (scores and weighted values) over its context."""
+    """2 per product weight per sequence plus attention (scores and weighted values) over its context."""
     attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * mean_context
-    return batch * (2.0 * cfg.num_params + attention)
+    return batch * (2.0 * matmul_params(cfg) + attention)
 
 
 def prefill_token_flops(cfg: ModelConfig) -> float:
-    """2 * params per token (attention scores and the embedding lookup's zero cost ignored)."""
-    return 2.0 * cfg.num_params
+    """2 per projection weight (the LM head's once-per-prompt cost and attention ignored)."""
+    return 2.0 * projection_params(cfg)

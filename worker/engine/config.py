@@ -30,6 +30,9 @@ class EngineConfig:
     tensor_parallel: int = 1  # devices one model spans (heads and MLP columns split over a mesh)
     attention: str = "auto"  # paged attention of decode and prefill rows: "auto": the compiled CPU kernel
     # on the CPU backend if it builds, else jnp; "kernel": that kernel or an error; "jnp": pure jax.numpy
+    matmul: str = "auto"  # the projections and LM head: "auto": the compiled CPU panel kernel (weights
+    # packed at startup) for a float32 model on the CPU backend if it builds, else XLA's dot;
+    # "kernel": that kernel or an error; "xla": XLA's dot
 
     def __post_init__(self) -> None:
         checks = {
@@ -44,6 +47,7 @@ class EngineConfig:
             "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
             "attention must be auto, kernel or jnp": self.attention in ("auto", "kernel", "jnp"),
+            "matmul must be auto, kernel or xla": self.matmul in ("auto", "kernel", "xla"),
         }
         for message, ok in checks.items():
             if not ok:

@@ -1,86 +1,33 @@
 """The compiled CPU paged-attention kernel (`cpu_kernels/paged_attention.cc`), built on first use
-with the system C++ compiler and called from jitted code through the XLA FFI, for decode rows and
+(worker/engine/cpu_build.py) and called from jitted code through the XLA FFI, for decode rows and
 prefill rows alike.
 
 On XLA's CPU backend the jnp decode path spends most of its time gathering pages into a copy
 (and, on two threads, fighting over it), and the jnp prefill path scores every query against the
 whole padded page table; the kernel follows each row's page table in place and visits only the
 keys each query can see, so the page-table width costs nothing and every step can use the widest.
-The shared library is cached under `~/.cache/redjax/kernels` (override: `REDJAX_KERNEL_DIR`),
-keyed by the source, the compiler and its flags, the jaxlib version and the CPU, and published
-with an atomic rename so workers starting together never load a half-written file. Without a
-compiler the engine keeps the jnp path (`paged_attention.paged_decode_attention`), which gives
-the same result; tests hold the kernel to that reference.
+Without a compiler the engine keeps the jnp path (`paged_attention.paged_decode_attention`), which
+gives the same result; tests hold the kernel to that reference.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from worker.engine import cpu_build
 from worker.engine.paged_attention import JNP, AttentionOps
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_attention.cc"
 TARGET = "redjax_paged_attention"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
-
-
-def compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-
-
-def cpu_signature() -> str:
-    """The CPU model and feature flags (Linux), or the platform's processor string."""
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-        return "|".join(sorted({line.split(":", 1)[1].strip() for line in info
-                                if line.startswith(("model name", "flags"))}))
-    except OSError:
-        import platform
-
-        return platform.processor() or platform.machine()
 
 
 @lru_cache(maxsize=1)
 def load() -> bool:
     """Build (once per source and flags) and register the kernel; False if it cannot be built."""
-    cxx = compiler()
-    if cxx is None:
-        log.warning("no C++ compiler found: CPU attention uses the jnp path")
-        return False
-    source = SOURCE.read_bytes()
-    # -march=native: a library built for one CPU must not be loaded on another sharing the cache
-    stamp = " ".join((cxx, *FLAGS, jax.lib.__version__, cpu_signature()))
-    key = hashlib.sha256(source + stamp.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("REDJAX_KERNEL_DIR") or Path.home() / ".cache" / "redjax" / "kernels")
-    library = cache / f"paged_attention-{key}.so"
-    if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            partial = Path(tmp) / library.name
-            cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                log.warning("building the CPU attention kernel failed, using the jnp path:\n%s",
-                            result.stderr[-2000:])
-                return False
-            os.replace(partial, library)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(ctypes.CDLL(str(library)).PagedAttention),
-                                platform="cpu")
-    return True
+    return cpu_build.register("paged_attention.cc", "PagedAttention", TARGET)
 
 
 def ragged_paged_attention(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import EngineConfig
-from worker.engine import cpu_attention
+from worker.engine import cpu_attention, cpu_matmul
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
@@ -72,6 +72,9 @@ class LLMEngine:
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         if mesh is not None:
             model = shard_model(model, mesh)
+        self.matmul = cpu_matmul.choose_matmul(config.matmul, config.tensor_parallel, model)
+        if self.matmul == "kernel":  # before sizing the KV pages: the packed weights are new memory
+            model = cpu_matmul.pack_model(model)
         num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(kv_dtype).itemsize,
                                      mesh.size if mesh else 1)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)

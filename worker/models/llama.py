@@ -124,8 +124,10 @@ class LlamaForCausalLM(nnx.Module):
         param_dtype = param_dtype or dtype
         self.cfg = cfg
         self.model = LlamaModel(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        # None when tied: the embedding table doubles as the head (worker.engine.cpu_matmul gives
+        # a packed model a head of its own)
+        self.lm_head = nnx.data(None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, False, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Plain forward, the reference path: tokens i32[B, T] -> logits f32[B, T, vocab].
@@ -149,13 +151,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., hidden] -> logits f32[..., vocab]."""
-        dtype = self.model.dtype  # the compute dtype of the products
-        hidden = hidden.astype(dtype)
-        if self.cfg.tie_word_embeddings:  # the embedding table [vocab, hidden] doubles as the head
-            weight = self.model.embed_tokens.weight[...].astype(dtype)
-            return jnp.einsum("...h,vh->...v", hidden, weight, preferred_element_type=jnp.float32)
-        weight = self.lm_head.weight[...].astype(dtype)  # [hidden, vocab]
-        return jnp.einsum("...h,hv->...v", hidden, weight, preferred_element_type=jnp.float32)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        dtype = self.model.dtype  # the compute dtype of the product
+        weight = self.model.embed_tokens.weight[...].astype(dtype)  # tied: the table [vocab, hidden]
+        return jnp.einsum("...h,vh->...v", hidden.astype(dtype), weight, preferred_element_type=jnp.float32)
 
     def _causal_attend(self, layer: int, q, k, v, cache):
         return causal_attention(q, k, v, self.cfg.window(layer)), cache

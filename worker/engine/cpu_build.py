@@ -1,0 +1,78 @@
+"""Building the C++ kernels in `cpu_kernels/` and registering them as XLA FFI targets.
+
+A kernel is compiled on first use with the system C++ compiler (`CXX`, else c++, g++, clang++)
+for the CPU it runs on. The shared library is cached under `~/.cache/redjax/kernels` (override:
+`REDJAX_KERNEL_DIR`), keyed by the source, the compiler and its flags, the jaxlib version and the
+CPU, and published with an atomic rename so workers starting together never load a half-written
+file. Without a compiler, or if the build fails, `register` returns False and the caller keeps
+its XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+
+KERNELS = Path(__file__).parent / "cpu_kernels"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def cpu_signature() -> str:
+    """The CPU model and feature flags (Linux), or the platform's processor string."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(sorted({line.split(":", 1)[1].strip() for line in info
+                                if line.startswith(("model name", "flags"))}))
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+def build(source: Path) -> Path | None:
+    """The shared library for `source`, compiled now unless the cache has it; None if it cannot be."""
+    cxx = compiler()
+    if cxx is None:
+        log.warning("no C++ compiler found: %s is not built, the XLA path is used", source.name)
+        return None
+    # -march=native: a library built for one CPU must not be loaded on another sharing the cache
+    stamp = " ".join((cxx, *FLAGS, jax.lib.__version__, cpu_signature()))
+    key = hashlib.sha256(source.read_bytes() + stamp.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("REDJAX_KERNEL_DIR") or Path.home() / ".cache" / "redjax" / "kernels")
+    library = cache / f"{source.stem}-{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        partial = Path(tmp) / library.name
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(partial)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            log.warning("building %s failed, the XLA path is used:\n%s", source.name, result.stderr[-2000:])
+            return None
+        os.replace(partial, library)
+    return library
+
+
+def register(source_name: str, symbol: str, target: str) -> bool:
+    """Build `cpu_kernels/<source_name>` and register its handler `symbol` as the CPU FFI target
+    `target`; False if it cannot be built. Callers cache the answer (one registration per process)."""
+    library = build(KERNELS / source_name)
+    if library is None:
+        return False
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(ctypes.CDLL(str(library)), symbol)), platform="cpu")
+    return True
