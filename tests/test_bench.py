@@ -54,6 +54,14 @@ def test_offline_compare_hf(tiny_model):
     assert report["greedy_match_fraction"] == 1.0  # same weights, same prompts, greedy
 
 
+def test_offline_compare_hf_on_dummy_weights_gives_transformers_the_engine_weights():
+    # the engine packs float32 weights for its matmul kernel; transformers must get them as loaded
+    code, out = _bench("offline", "--dummy", "llama-tiny", *TINY, "--compare", "hf", "--hf-batch-size", "2")
+    report = json.loads(out)
+    assert code == 0 and report["matmul"] == "kernel"
+    assert report["greedy_match_fraction"] == 1.0
+
+
 def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_model):
     code, out = _bench("offline", "--model", str(tiny_model), *TINY, "--compare", "hf", "--hf-batch-size", "2",
                        "--rounds", "3")

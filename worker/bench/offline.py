@@ -42,11 +42,16 @@ class Workload:
         return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
 
 
-def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work: Workload):
-    """-> (engine, directory with the weights for transformers, or None if they exist only in memory)."""
+def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
+                save_to: Path | None = None):
+    """-> (engine, directory with the weights for transformers, or None if they exist only in memory).
+    Dummy weights are written to `save_to` if given, before the engine packs them for its kernels."""
     if preset:
         cfg = ModelConfig.preset(preset)
         model, tokenizer, path = build_model(cfg, overrides.get("dtype"), seed=0), IdTokenizer(), None
+        if save_to is not None:
+            save_checkpoint(model, save_to, overrides.get("dtype"))
+            path = save_to
     else:
         model, path = load_model(model_dir, overrides.get("dtype")), model_dir
         try:
@@ -96,7 +101,15 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
     shared VM a neighbour's burst then moves one round, not the answer."""
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
-    engine, weights_dir = make_engine(model_dir, preset, overrides, work)
+    with tempfile.TemporaryDirectory(prefix="redjax-bench-") as tmp:
+        # dummy weights: written once so transformers reads the same tensors
+        save_to = Path(tmp) / "model" if compare_hf and preset else None
+        engine, weights_dir = make_engine(model_dir, preset, overrides, work, save_to)
+        return _bench(engine, weights_dir, model_dir, preset, work, compare_hf, hf_batch_size, rounds)
+
+
+def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, compare_hf: bool, hf_batch_size: int,
+           rounds: int) -> dict:
     cfg = engine.model_config
     dtype = engine.config.dtype or cfg.dtype
     itemsize = jnp.dtype(DTYPES[dtype]).itemsize
@@ -106,23 +119,19 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
     compiled = len(engine.runner.compiled)
     probe = StepProbe().install(engine)
     per_round: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="redjax-bench-") as tmp:
-        if compare_hf and weights_dir is None:  # dummy weights: write them once so transformers reads the same tensors
-            weights_dir = Path(tmp) / "model"
-            save_checkpoint(_model_of(engine), weights_dir, dtype)
-        for r in range(rounds):
-            prompts = work.prompts(cfg.vocab_size, seed=work.seed + 1000 * r)  # round 0: the workload's own seed
-            seconds, outputs = run_engine(engine, prompts, work.output_len, probe)
-            out_tokens = sum(len(o) for o in outputs)
-            fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
-                   "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds}
-            if compare_hf:
-                hf_seconds, hf_outputs = run_hf_baseline(weights_dir, prompts, work.output_len, hf_batch_size, dtype)
-                base = sum(len(o) for o in hf_outputs) / hf_seconds
-                fig |= {"baseline_seconds": hf_seconds, "baseline_output_tokens_per_s": base,
-                        "ratio": fig["output_tokens_per_s"] / base,
-                        "greedy_match_fraction": sum(a == b for a, b in zip(outputs, hf_outputs)) / len(prompts)}
-            per_round.append(fig)
+    for r in range(rounds):
+        prompts = work.prompts(cfg.vocab_size, seed=work.seed + 1000 * r)  # round 0: the workload's own seed
+        seconds, outputs = run_engine(engine, prompts, work.output_len, probe)
+        out_tokens = sum(len(o) for o in outputs)
+        fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
+               "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds}
+        if compare_hf:
+            hf_seconds, hf_outputs = run_hf_baseline(weights_dir, prompts, work.output_len, hf_batch_size, dtype)
+            base = sum(len(o) for o in hf_outputs) / hf_seconds
+            fig |= {"baseline_seconds": hf_seconds, "baseline_output_tokens_per_s": base,
+                    "ratio": fig["output_tokens_per_s"] / base,
+                    "greedy_match_fraction": sum(a == b for a, b in zip(outputs, hf_outputs)) / len(prompts)}
+        per_round.append(fig)
     median = lambda key: float(np.median([f[key] for f in per_round]))  # noqa: E731
     seconds = median("seconds")
     report = {
@@ -154,10 +163,6 @@ def run_hf_baseline(*args, **kwargs):
     from worker.bench.hf_baseline import run_hf
 
     return run_hf(*args, **kwargs)
-
-
-def _model_of(engine: LLMEngine):
-    return engine.runner.model()
 
 
 def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int) -> dict:

@@ -32,7 +32,7 @@ constexpr int64_t kLanes = 16;  // floats per vector (one AVX-512 register)
 constexpr int64_t kPanel = 32;  // columns per panel (worker/engine/cpu_matmul.py: PANEL)
 constexpr int kVecs = kPanel / kLanes;
 constexpr int kRows = 12;           // rows of x per register tile
-constexpr int64_t kPrefetch = 16;   // panel rows ahead to request while a panel is first read
+constexpr int64_t kPrefetch = 128;  // panel rows (16 KB) ahead to request while a panel is first read
 
 // GCC/Clang vector extensions, lowered to the target's widest registers (-march=native).
 using f32xN = float __attribute__((vector_size(kLanes * 4)));
