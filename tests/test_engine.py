@@ -21,7 +21,7 @@ import torch
 
 from tests.engine_support import ROOMY, Choice, collect, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_attention, paged_attention
+from worker.engine import cpu_attention, cpu_matmul, paged_attention
 from worker.engine.config import EngineConfig
 from worker.engine.llm import LLM
 from worker.engine.llm_engine import LLMEngine
@@ -145,7 +145,7 @@ def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, gree
         assert engine.scheduler.num_preemptions == 0 and not split
     assert any(c["steps"] > 1 for c in chunks) == (decode_steps > 1)
     assert engine.runner.attention is cpu_attention.KERNEL  # "auto" on CPU: the kernel, decode and prefill rows
-    assert engine.matmul == "kernel"  # "auto" on CPU with float32 weights: packed projections
+    assert engine.matmul == ("kernel" if cpu_matmul.has_avx512() else "xla")  # "auto", float32 weights
 
 
 def test_greedy_batch_equals_generate_on_the_jnp_attention_and_xla_matmul_path(model, tokenizer, prompts, greedy_refs):

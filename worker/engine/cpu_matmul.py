@@ -77,9 +77,17 @@ def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return packed
 
 
+def has_avx512() -> bool:
+    """True on an x86 CPU with AVX-512F: the kernel's register tile (24 accumulators of 16 floats)
+    is sized for its 32 vector registers; with narrower vectors it would spill, and XLA is the
+    better choice."""
+    return any("avx512f" in part.split() for part in cpu_build.cpu_signature().split("|"))
+
+
 def choose_matmul(mode: str, tensor_parallel: int, model: LlamaForCausalLM) -> str:
     """Which projections an engine runs for `EngineConfig.matmul`: "kernel", "xla", or "auto" (the
-    kernel for a float32 model on the CPU backend without tensor parallelism if it builds)."""
+    kernel for a float32 model on the CPU backend without tensor parallelism, on an AVX-512 CPU, if
+    it builds)."""
     if mode == "xla":
         return "xla"
     usable = jax.default_backend() == "cpu" and tensor_parallel == 1 and packable(model)
@@ -89,4 +97,4 @@ def choose_matmul(mode: str, tensor_parallel: int, model: LlamaForCausalLM) -> s
         if not load():
             raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
         return "kernel"
-    return "kernel" if usable and load() else "xla"
+    return "kernel" if usable and has_avx512() and load() else "xla"
