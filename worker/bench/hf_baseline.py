@@ -1,9 +1,16 @@
-"""The baseline: Hugging Face transformers `generate` (PyTorch, CPU) on the same weights and prompts."""
+"""The baseline: Hugging Face transformers `generate` (PyTorch) on the same weights and prompts, on
+the GPU when torch sees one (the machine the engine runs on), else on the CPU."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+
+
+def hf_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int, batch_size: int,
@@ -15,18 +22,19 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int, bat
     import torch
     import transformers
 
+    device = hf_device()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
-    ).eval()
+    ).eval().to(device)
     kwargs = dict(do_sample=False, min_new_tokens=output_len, max_new_tokens=output_len, pad_token_id=0,
                   eos_token_id=None, top_p=None, top_k=None, temperature=None)
 
     def generate(batch: list[list[int]], new: int) -> list[list[int]]:
-        ids = torch.tensor(batch, dtype=torch.long)
+        ids = torch.tensor(batch, dtype=torch.long, device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  **{**kwargs, "min_new_tokens": new, "max_new_tokens": new})
-        return out[:, ids.shape[1]:].tolist()
+        return out[:, ids.shape[1]:].tolist()  # to the host: waits for the device
 
     generate(prompts[: min(batch_size, len(prompts))], min(output_len, 4))
     outputs: list[list[int]] = []

@@ -149,7 +149,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     report |= _host_and_roofline(probe, cfg, itemsize, dtype, kv_itemsize)
     if compare_hf:
         report |= {
-            "baseline": f"transformers generate (torch CPU, batch {hf_batch_size})",
+            "baseline": f"transformers generate (torch {hf_baseline_device().upper()}, batch {hf_batch_size})",
             "baseline_seconds": median("baseline_seconds"),
             "baseline_output_tokens_per_s": median("baseline_output_tokens_per_s"), "ratio": median("ratio"),
             "greedy_match_fraction": min(f["greedy_match_fraction"] for f in per_round),
@@ -163,6 +163,12 @@ def run_hf_baseline(*args, **kwargs):
     from worker.bench.hf_baseline import run_hf
 
     return run_hf(*args, **kwargs)
+
+
+def hf_baseline_device() -> str:
+    from worker.bench.hf_baseline import hf_device
+
+    return hf_device()
 
 
 def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int) -> dict:
