@@ -6,7 +6,9 @@
 // reads only the keys and values visible to it, with no gathered copy, no work for the masked
 // part of a padded page table and none for padding between rows (tokens in no row get zeros).
 // Work items are (row, block of queries, KV head) triples spread over XLA's intra-op thread pool;
-// each handles the G query heads that share its KV head, query by query.
+// each handles the G query heads that share its KV head: a decode row's one query on its own, a
+// block of prefill queries together (`attend_block`: scores as register tiles of 4 query vectors
+// against up to 64 keys, each query masked to its own visible keys).
 // Same masking as the jnp reference (worker/engine/paged_attention.py): key j is visible to the
 // query at position p iff j <= p, j < context_len and p - j < window (window 0: none).
 //
@@ -395,17 +397,13 @@ void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
     if (b.end - b.begin > 1) return attend_block<DIM>(pb, b, kvh, scratch, key_page, value_page);
     for (int64_t token = b.begin; token < b.end; ++token)
       attend_query<DIM, float>(pb, b.row, token, kvh, scratch, key_page, value_page);
-  } else if constexpr (DIM > 0) {
+  } else {
     auto key_page = [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; };
     auto value_page = [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; };
-    if (b.end - b.begin > 1) return attend_block<DIM>(pb, b, kvh, scratch, key_page, value_page);
+    if constexpr (DIM > 0)  // float pages here: bfloat16 ones took the branch above
+      if (b.end - b.begin > 1) return attend_block<DIM>(pb, b, kvh, scratch, key_page, value_page);
     for (int64_t token = b.begin; token < b.end; ++token)
       attend_query<DIM, T>(pb, b.row, token, kvh, scratch, key_page, value_page);
-  } else {
-    for (int64_t token = b.begin; token < b.end; ++token)
-      attend_query<DIM, T>(
-          pb, b.row, token, kvh, scratch, [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; },
-          [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; });
   }
 }
 
