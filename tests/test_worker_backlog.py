@@ -60,3 +60,21 @@ def test_a_worker_holds_its_slots_plus_the_backlog_and_hands_unstarted_ones_back
     while engine.has_unfinished():  # the started ones still finish here
         worker._publish(engine.step())
     assert not worker.active and engine.allocator.num_free_pages == pages
+
+
+def test_a_pull_admits_every_entry_with_its_cancel_state_and_drops_malformed_ones(model_dir, redis_url):  # noqa: F811
+    worker = _worker(model_dir, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    contract.ensure_group(client)
+    for i in range(3):
+        client.xadd(contract.REQUESTS, _message(i).encode())
+    client.xadd(contract.REQUESTS, {"junk": "1"})  # not a RequestMessage
+    client.set(contract.cancelled_key("req-1"), 1)  # cancelled while it waited in the queue
+    worker.io.set_capacity(10)
+    worker.io._pull()
+    admitted = []
+    while not worker.io.inbox.empty():
+        admitted.append(worker.io.inbox.get_nowait())
+    assert [(m.message.id, m.cancelled) for m in admitted] == [("req-0", False), ("req-1", True), ("req-2", False)]
+    assert worker.io.wakeup.is_set()
+    assert client.xlen(contract.REQUESTS) == 3  # the malformed entry is acknowledged and deleted

@@ -127,27 +127,33 @@ class RedisIO:
         reply = self.client.xreadgroup(
             contract.WORKERS_GROUP, self.config.name, {contract.REQUESTS: ">"}, count=capacity, block=block_ms
         )
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                self._admit(_s(entry_id), fields)
+        self._admit([(_s(entry_id), fields) for _, entries in reply or [] for entry_id, fields in entries])
         if reply:
             with self._lock:
                 self._capacity = max(0, self._capacity - sum(len(e) for _, e in reply))
 
-    def _admit(self, entry_id: str, fields: dict, resumed: bool = False) -> None:
-        try:
-            message = RequestMessage.decode(fields)
-        except (ValueError, TypeError, KeyError):
-            log.error("dropping malformed request entry %s", entry_id)
-            self.client.pipeline().xack(contract.REQUESTS, contract.WORKERS_GROUP, entry_id).xdel(
-                contract.REQUESTS, entry_id).execute()
+    def _admit(self, entries: list[tuple[str, dict]], resumed: bool = False) -> None:
+        """Hand pulled (or claimed) request entries to the engine thread; whether each was cancelled
+        before it got here is asked for all of them in one round trip."""
+        admitted = []
+        for entry_id, fields in entries:
+            try:
+                admitted.append(Incoming(entry_id, RequestMessage.decode(fields)))
+            except (ValueError, TypeError, KeyError):
+                log.error("dropping malformed request entry %s", entry_id)
+                self.client.pipeline().xack(contract.REQUESTS, contract.WORKERS_GROUP, entry_id).xdel(
+                    contract.REQUESTS, entry_id).execute()
+        if not admitted:
             return
-        incoming = Incoming(entry_id, message)
-        if resumed or message.attempt > 0:
-            self._read_emitted(incoming)
-        incoming.cancelled = bool(self.client.exists(contract.cancelled_key(message.id)))
-        self._pulled[message.id] = (entry_id, message.notify)
-        self.inbox.put(incoming)
+        pipe = self.client.pipeline(transaction=False)
+        for incoming in admitted:
+            pipe.exists(contract.cancelled_key(incoming.message.id))
+        for incoming, cancelled in zip(admitted, pipe.execute()):
+            if resumed or incoming.message.attempt > 0:
+                self._read_emitted(incoming)
+            incoming.cancelled = bool(cancelled)
+            self._pulled[incoming.message.id] = (incoming.entry_id, incoming.message.notify)
+            self.inbox.put(incoming)
         self.wakeup.set()
 
     def _read_emitted(self, incoming: Incoming) -> None:
@@ -186,10 +192,10 @@ class RedisIO:
             contract.REQUESTS, contract.WORKERS_GROUP, self.config.name, contract.HEARTBEAT_TTL_S * 1000,
             orphans[:capacity],
         )
-        for entry_id, fields in claimed:
-            if fields:
-                log.info("claimed request entry %s from a dead worker", _s(entry_id))
-                self._admit(_s(entry_id), fields, resumed=True)
+        entries = [(_s(entry_id), fields) for entry_id, fields in claimed if fields]
+        for entry_id, _ in entries:
+            log.info("claimed request entry %s from a dead worker", entry_id)
+        self._admit(entries, resumed=True)
 
     def _take_cancels(self, pubsub) -> None:
         while True:
