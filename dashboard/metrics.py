@@ -105,10 +105,10 @@ class FleetCollector:
 
     def _histograms(self, r: FleetReading) -> Iterator[Metric]:
         for source, (name, help_text) in HISTOGRAMS.items():
-            buckets = []
+            buckets, below = [], 0.0  # cumulative, from the per-bucket counts workers keep
             for bound in contract.LATENCY_BUCKETS_S:
-                label = contract.histogram_field(source, bound).rsplit(":", 1)[1]
-                buckets.append((label, r.total(contract.histogram_field(source, bound))))
+                below += r.total(contract.bucket_field(source, bound))
+                buckets.append((contract.bound_label(bound), below))
             yield HistogramMetricFamily(P + name, help_text, buckets=buckets, sum_value=r.total(f"{source}:sum"))
 
 

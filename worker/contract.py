@@ -48,8 +48,9 @@ TOTAL_PREEMPTIONS = "preemptions"
 TOTAL_REJECTED = "rejected"  # requests refused with 429 by the API
 TOTAL_ENQUEUED = "enqueued"
 # Requests finished, per reason: field "finished:<reason>".
-# Latency histograms, Prometheus-style cumulative buckets: field "<name>:le:<bound>", plus
-# "<name>:sum" and "<name>:count". Names: ttft_s, tpot_s, e2e_s, queue_s.
+# Latency histograms: field "<name>:bucket:<bound>" counts observations above the previous bound
+# up to <bound> (readers add them up into Prometheus' cumulative buckets), plus "<name>:sum" and
+# "<name>:count". Names: ttft_s, tpot_s, e2e_s, queue_s.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
 OUTPUT_TTL_S = 600  # an output stream expires this long after its final entry
@@ -224,19 +225,21 @@ def record_finished(pipe, event: RequestEvent) -> None:
 
 
 def observe(pipe, name: str, value: float) -> None:
-    """Add one observation to the cumulative histogram `name` in TOTALS."""
-    for bound in LATENCY_BUCKETS_S:
-        if value <= bound:
-            pipe.hincrby(TOTALS, f"{name}:le:{_bound(bound)}", 1)
+    """Add one observation to the histogram `name` in TOTALS: its bucket (the first bound >= value;
+    readers add the buckets up into Prometheus' cumulative ones), the sum and the count. One
+    increment per observation, where cumulative fields took up to one per bound."""
+    bound = next((b for b in LATENCY_BUCKETS_S if value <= b), LATENCY_BUCKETS_S[-1])
+    pipe.hincrby(TOTALS, bucket_field(name, bound), 1)
     pipe.hincrbyfloat(TOTALS, f"{name}:sum", value)
     pipe.hincrby(TOTALS, f"{name}:count", 1)
 
 
-def histogram_field(name: str, bound: float) -> str:
-    return f"{name}:le:{_bound(bound)}"
+def bucket_field(name: str, bound: float) -> str:
+    """The TOTALS field counting observations of `name` above the previous bound, up to `bound`."""
+    return f"{name}:bucket:{bound_label(bound)}"
 
 
-def _bound(bound: float) -> str:
+def bound_label(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
