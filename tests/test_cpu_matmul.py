@@ -86,3 +86,16 @@ def test_choice_of_matmul(tmp_path, monkeypatch):
         cpu_matmul.choose_matmul("kernel", 1, bf16)
     with pytest.raises(ValueError, match="matmul must be"):
         EngineConfig(matmul="onednn")
+
+
+def test_a_row_comes_out_the_same_in_any_batch():
+    # a request recomputed in a prefill chunk (resumed by another worker, or after preemption)
+    # must continue exactly as its decode rows did: each output sums over K in one fixed order
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((256, 200), dtype=np.float32)
+    panels = cpu_matmul.pack(jnp.asarray(w))
+    x = rng.standard_normal((100, 256), dtype=np.float32)
+    full = np.asarray(cpu_matmul.matmul(jnp.asarray(x), panels, 200))
+    for lo, hi in ((0, 1), (7, 8), (3, 11), (50, 63), (88, 100)):
+        part = np.asarray(cpu_matmul.matmul(jnp.asarray(x[lo:hi]), panels, 200))
+        assert np.array_equal(part, full[lo:hi]), (lo, hi)

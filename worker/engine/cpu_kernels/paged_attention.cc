@@ -6,9 +6,7 @@
 // reads only the keys and values visible to it, with no gathered copy, no work for the masked
 // part of a padded page table and none for padding between rows (tokens in no row get zeros).
 // Work items are (row, block of queries, KV head) triples spread over XLA's intra-op thread pool;
-// each handles the G query heads that share its KV head: a decode row's one query on its own, a
-// block of prefill queries together (`attend_block`: scores as register tiles of 4 query vectors
-// against up to 64 keys, each query masked to its own visible keys).
+// each handles the G query heads that share its KV head, query by query.
 // Same masking as the jnp reference (worker/engine/paged_attention.py): key j is visible to the
 // query at position p iff j <= p, j < context_len and p - j < window (window 0: none).
 //
@@ -58,7 +56,6 @@ inline f32xN load(const uint16_t* p) {
   const u32xN w = __builtin_convertvector(h, u32xN) << 16;
   return reinterpret_cast<const f32xN&>(w);
 }
-inline void store(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
 inline float scalar(float x) { return x; }
 inline float scalar(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -115,9 +112,6 @@ inline void key_scores(const float* qh, const float* kp, int64_t ps, int64_t key
 struct Scratch {
   std::vector<float> probs;  // [G, n] scores, then probabilities; [G] inverse sums; [page_size] one page's scores
   std::vector<float> keys, values;  // bfloat16 pages of one work item widened to float32
-  std::vector<float> block;  // attend_block: [R, W] scores, then probabilities; [R] inverse sums; [D] zeros
-  std::vector<const float*> queries;  // attend_block: the R query vectors (padding rows: the zeros)
-  std::vector<int64_t> bounds;  // attend_block: [R] first and [R] end visible key of each query vector
 };
 
 inline int64_t page_at(const Problem& pb, int64_t s, int64_t col) {
@@ -227,133 +221,6 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
   }
 }
 
-// Scores of kQ query vectors against NC runs of 16 keys of one key page (`kp`: the first key of
-// the runs in dimension 0), each key vector loaded once for all kQ queries; scaled into `out`
-// rows of stride `stride`.
-constexpr int kQ = 4;  // query vectors per register tile (kQ x NC accumulators)
-
-template <int DIM, int NC>
-inline void tile_scores(const float* const* qv, const float* kp, int64_t ps, float scale, float* out, int64_t stride) {
-  f32xN acc[kQ][NC] = {};
-  for (int i = 0; i < DIM; ++i) {
-    f32xN kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = load(kp + i * ps + c * kLanes);
-    for (int r = 0; r < kQ; ++r) {
-      const float x = qv[r][i];
-      for (int c = 0; c < NC; ++c) acc[r][c] += x * kv[c];
-    }
-  }
-  for (int r = 0; r < kQ; ++r)
-    for (int c = 0; c < NC; ++c) store(out + r * stride + c * kLanes, acc[r][c] * scale);
-}
-
-// Values for kV query vectors: out[r] = sum over keys t in [from, to) of one value page of
-// p[r][t - from] * v[t], accumulated in registers (kV x DIM / 16 of them).
-template <int DIM, int KV>
-inline void tile_values(const float* const* probs, const float* rows, int64_t from, int64_t to, f32xN (&acc)[KV][DIM / kLanes]) {
-  constexpr int NC = DIM / kLanes;
-  for (int64_t t = from; t < to; ++t) {
-    f32xN v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = load(rows + t * DIM + c * kLanes);
-    for (int r = 0; r < KV; ++r) {
-      const float w = probs[r][t - from];
-      for (int c = 0; c < NC; ++c) acc[r][c] += w * v[c];
-    }
-  }
-}
-
-// A prefill work item (several query tokens of one row) for KV head `kvh`: its R = tokens x G
-// query vectors are scored together against each run of keys (a key vector is loaded once per
-// kQ queries instead of once per query: attend_query is load-bound), each query's keys outside
-// its own visible range are masked, one softmax per query vector, then the values are
-// accumulated a few query vectors at a time. Float pages (DIM > 0, page size a multiple of 16).
-template <int DIM, typename KeyPage, typename ValuePage>
-void attend_block(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch, KeyPage key_page,
-                  ValuePage value_page) {
-  const int64_t g = pb.heads / pb.kv_heads, ps = pb.page_size, tokens = b.end - b.begin;
-  const int64_t rows = tokens * g, padded = (rows + kQ - 1) / kQ * kQ;
-  scratch.bounds.resize(2 * rows);
-  int64_t* lo = scratch.bounds.data();
-  int64_t* hi = lo + rows;
-  int64_t first = INT64_MAX, last = 0;  // union of the visible ranges
-  for (int64_t t = 0; t < tokens; ++t) {
-    int64_t l, h;
-    visible(pb, b.row, b.begin + t, l, h);
-    for (int64_t k = 0; k < g; ++k) lo[t * g + k] = l, hi[t * g + k] = h;
-    if (h > l) first = std::min(first, l), last = std::max(last, h);
-  }
-  for (int64_t t = b.begin; t < b.end; ++t)  // padding queries (and any query with no key) stay zeros
-    std::fill(pb.out + (t * pb.heads + kvh * g) * DIM, pb.out + (t * pb.heads + kvh * g + g) * DIM, 0.0f);
-  if (last <= first) return;
-  const int64_t j0 = first / kLanes * kLanes, width = (last + kLanes - 1) / kLanes * kLanes - j0;  // score columns
-  scratch.block.resize(padded * width + padded + DIM);
-  float* scores = scratch.block.data();  // [padded, width]: key j0 + c in column c
-  float* inv = scores + padded * width;   // [padded]
-  float* zeros = inv + padded;            // [DIM]
-  std::fill(zeros, zeros + DIM, 0.0f);
-  scratch.queries.resize(padded);
-  const float** qv = scratch.queries.data();
-  for (int64_t r = 0; r < padded; ++r)
-    qv[r] = r < rows ? pb.q + ((b.begin + r / g) * pb.heads + kvh * g + r % g) * DIM : zeros;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(DIM));
-  // scores: runs of 16 keys covering [j0, j0 + width), page by page, 64 keys at a time
-  for (int64_t col = j0 / ps; col * ps < j0 + width; ++col) {
-    const float* kp = key_page(col);  // [D, ps]
-    const int64_t from = std::max(j0, col * ps) - col * ps, to = std::min(j0 + width, col * ps + ps) - col * ps;
-    for (int64_t r = 0; r < padded; r += kQ) {
-      float* out = scores + r * width + (col * ps + from - j0);
-      int64_t t = from;
-      for (; t + 4 * kLanes <= to; t += 4 * kLanes) tile_scores<DIM, 4>(qv + r, kp + t, ps, scale, out + t - from, width);
-      switch ((to - t) / kLanes) {
-        case 3: tile_scores<DIM, 3>(qv + r, kp + t, ps, scale, out + t - from, width); break;
-        case 2: tile_scores<DIM, 2>(qv + r, kp + t, ps, scale, out + t - from, width); break;
-        case 1: tile_scores<DIM, 1>(qv + r, kp + t, ps, scale, out + t - from, width); break;
-        default: break;
-      }
-    }
-  }
-  // softmax per query vector over its own visible keys; masked keys (and padding rows) get 0
-  for (int64_t r = 0; r < padded; ++r) {
-    float* p = scores + r * width;
-    const int64_t a = r < rows ? lo[r] - j0 : 0, e = r < rows ? hi[r] - j0 : 0;
-    if (e <= a) {
-      std::fill(p, p + width, 0.0f);
-      inv[r] = 0.0f;
-      continue;
-    }
-    float mx = -1e30f, sum = 0.0f;
-#pragma omp simd reduction(max : mx)
-    for (int64_t c = a; c < e; ++c) mx = std::max(mx, p[c]);
-    std::fill(p, p + a, 0.0f);
-#pragma omp simd reduction(+ : sum)
-    for (int64_t c = a; c < e; ++c) {
-      p[c] = std::exp(p[c] - mx);
-      sum += p[c];
-    }
-    std::fill(p + e, p + width, 0.0f);
-    inv[r] = 1.0f / sum;
-  }
-  // values, kV query vectors at a time (kV x DIM / 16 accumulators)
-  constexpr int NC = DIM / kLanes;
-  constexpr int kV = NC >= 16 ? 1 : 16 / NC > 8 ? 8 : 16 / NC;
-  for (int64_t r = 0; r < padded; r += kV) {
-    f32xN acc[kV][NC] = {};
-    const float* probs[kV];
-    for (int k = 0; k < kV; ++k) probs[k] = r + k < padded ? scores + (r + k) * width : scores + r * width;
-    for (int64_t col = j0 / ps; col * ps < j0 + width; ++col) {
-      const int64_t from = std::max(j0, col * ps) - col * ps, to = std::min(j0 + width, col * ps + ps) - col * ps;
-      const float* at[kV];
-      for (int k = 0; k < kV; ++k) at[k] = probs[k] + (col * ps + from - j0);
-      tile_values<DIM, kV>(at, value_page(col), from, to, acc);
-    }
-    for (int k = 0; k < kV && r + k < rows; ++k) {
-      if (inv[r + k] == 0.0f) continue;  // no visible key: stays zeros
-      float* o = pb.out + ((b.begin + (r + k) / g) * pb.heads + kvh * g + (r + k) % g) * DIM;
-      for (int c = 0; c < NC; ++c) store(o + c * kLanes, acc[k][c] * inv[r + k]);
-    }
-  }
-}
-
 // bfloat16 -> float32 over `count` elements (a multiple of 16)
 // `ahead` (may be null): the next page, whose lines are requested while this one converts
 inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t* ahead) {
@@ -392,18 +259,15 @@ void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
     }
     const float* keys = scratch.keys.data();
     const float* values = scratch.values.data();
-    auto key_page = [&](int64_t col) { return keys + (col - c0) * page_floats; };
-    auto value_page = [&](int64_t col) { return values + (col - c0) * page_floats; };
-    if (b.end - b.begin > 1) return attend_block<DIM>(pb, b, kvh, scratch, key_page, value_page);
     for (int64_t token = b.begin; token < b.end; ++token)
-      attend_query<DIM, float>(pb, b.row, token, kvh, scratch, key_page, value_page);
+      attend_query<DIM, float>(
+          pb, b.row, token, kvh, scratch, [&](int64_t col) { return keys + (col - c0) * page_floats; },
+          [&](int64_t col) { return values + (col - c0) * page_floats; });
   } else {
-    auto key_page = [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; };
-    auto value_page = [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; };
-    if constexpr (DIM > 0)  // float pages here: bfloat16 ones took the branch above
-      if (b.end - b.begin > 1) return attend_block<DIM>(pb, b, kvh, scratch, key_page, value_page);
     for (int64_t token = b.begin; token < b.end; ++token)
-      attend_query<DIM, T>(pb, b.row, token, kvh, scratch, key_page, value_page);
+      attend_query<DIM, T>(
+          pb, b.row, token, kvh, scratch, [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; },
+          [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; });
   }
 }
 
