@@ -31,8 +31,8 @@ class EngineConfig:
     attention: str = "auto"  # paged attention of decode and prefill rows: "auto": the compiled CPU kernel
     # on the CPU backend if it builds, else jnp; "kernel": that kernel or an error; "jnp": pure jax.numpy
     matmul: str = "auto"  # the projections and LM head: "auto": the compiled CPU panel kernel (weights
-    # packed at startup) for a float32 model on the CPU backend if it builds, else XLA's dot;
-    # "kernel": that kernel or an error; "xla": XLA's dot
+    # packed at startup) for a float32 model on the CPU backend of an AVX-512 CPU if it builds, else
+    # XLA's dot; "kernel": that kernel or an error; "xla": XLA's dot
 
     def __post_init__(self) -> None:
         checks = {
