@@ -24,7 +24,7 @@ import jax
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "cpu_kernels"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC", "-w")
 
 
 def compiler() -> str | None:
@@ -51,7 +51,9 @@ def build(source: Path) -> Path | None:
         return None
     # -march=native: a library built for one CPU must not be loaded on another sharing the cache
     stamp = " ".join((cxx, *FLAGS, jax.lib.__version__, cpu_signature()))
-    key = hashlib.sha256(source.read_bytes() + stamp.encode()).hexdigest()[:16]
+    # the kernel and every header it may include (all of cpu_kernels/*.h)
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(text + stamp.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("REDJAX_KERNEL_DIR") or Path.home() / ".cache" / "redjax" / "kernels")
     library = cache / f"{source.stem}-{key}.so"
     if library.exists():
@@ -59,7 +61,7 @@ def build(source: Path) -> Path | None:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         partial = Path(tmp) / library.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(partial)]
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{source.parent}", str(source), "-o", str(partial)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             log.warning("building %s failed, the XLA path is used:\n%s", source.name, result.stderr[-2000:])

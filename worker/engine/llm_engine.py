@@ -207,7 +207,9 @@ class LLMEngine:
         return self.config.decode_steps
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
-        out = to_host(flight.out)
+        live = [c.seq.params for c in flight.rows if c is not None]
+        out = to_host(flight.out, logprobs=any(p.logprobs is not None for p in live),
+                      prompt=any(p.prompt_logprobs is not None for p in live))
         tokens_by_row = out.tokens.T.tolist()  # [R][K]: one conversion instead of one per token
         results: list[RequestOutput] = []
         for row, chunk in enumerate(flight.rows):

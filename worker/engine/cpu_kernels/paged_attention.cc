@@ -20,15 +20,13 @@
 // context_lens s32[R]; out f32[T, H, D].
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "pool_work.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -271,8 +269,6 @@ void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
   }
 }
 
-// Items are claimed from a shared counter by the calling thread and by pool tasks; the state is
-// shared-owned, so a pool task that starts after all items are done only reads the counter.
 using AttendFn = void (*)(const Problem&, const Block&, int64_t, Scratch&);
 
 template <typename T>
@@ -288,22 +284,6 @@ AttendFn for_shape(int64_t dim, int64_t page_size) {
     default: return attend<T, 0>;
   }
 }
-
-struct Work {
-  Problem pb;
-  AttendFn fn;
-  std::vector<Block> blocks;
-  int64_t items;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void run() {
-    thread_local Scratch scratch;  // kept by the pool's threads across calls: no allocation per call
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      fn(pb, blocks[i / pb.kv_heads], i % pb.kv_heads, scratch);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> positions,
@@ -324,28 +304,28 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       vd[3] != kd[2] || positions.dimensions()[0] != tokens ||
       q_starts.dimensions()[0] != rows || q_lens.dimensions()[0] != rows || context_lens.dimensions()[0] != rows)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
-  auto work = std::make_shared<Work>();
-  work->pb = Problem{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
-                     positions.typed_data(), context_lens.typed_data(), out->typed_data(),
-                     qd[1], kd[0], qd[2], kd[1], kd[3], td[1], window};
-  work->fn = bf16 ? for_shape<uint16_t>(qd[2], kd[3]) : for_shape<float>(qd[2], kd[3]);
+  const Problem pb{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), page_tables.typed_data(),
+                   positions.typed_data(), context_lens.typed_data(), out->typed_data(),
+                   qd[1], kd[0], qd[2], kd[1], kd[3], td[1], window};
+  const AttendFn fn = bf16 ? for_shape<uint16_t>(qd[2], kd[3]) : for_shape<float>(qd[2], kd[3]);
+  std::vector<Block> blocks;
   std::vector<char> covered(tokens, 0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t start = q_starts.typed_data()[r], len = q_lens.typed_data()[r];
     if (len <= 0) continue;  // a padding row
     if (start < 0 || start + len > tokens)
       return ffi::Error::InvalidArgument("paged_attention: a row's queries run outside q");
-    for (int64_t b = start; b < start + len; b += kBlock) work->blocks.push_back({r, b, std::min(b + kBlock, start + len)});
+    for (int64_t b = start; b < start + len; b += kBlock) blocks.push_back({r, b, std::min(b + kBlock, start + len)});
     std::fill(covered.begin() + start, covered.begin() + start + len, 1);
   }
   const int64_t token_floats = qd[1] * qd[2];
   for (int64_t t = 0; t < tokens; ++t)  // padding tokens: zeros, like a query with no visible key
     if (!covered[t]) std::fill(out->typed_data() + t * token_floats, out->typed_data() + (t + 1) * token_floats, 0.0f);
-  work->items = static_cast<int64_t>(work->blocks.size()) * kd[0];
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  const int64_t items = static_cast<int64_t>(blocks.size()) * kd[0];  // (block, KV head) pairs
+  redjax::run_on_pool(pool, items, [pb, fn, blocks = std::move(blocks)](int64_t i) {
+    thread_local Scratch scratch;  // kept by the pool's threads across calls: no allocation per call
+    fn(pb, blocks[i / pb.kv_heads], i % pb.kv_heads, scratch);
+  });
   return ffi::Error::Success();
 }
 

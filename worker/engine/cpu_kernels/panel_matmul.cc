@@ -16,12 +16,10 @@
 // (P - 1) * kPanel < N <= P * kPanel.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "pool_work.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -102,21 +100,6 @@ void panel_product(const Problem& pb, int64_t p) {
   tail<kRows - 1>(pb, panel, m0, pb.m - m0, n0);
 }
 
-// Panels are claimed from a shared counter by the calling thread and by pool tasks; the state is
-// shared-owned, so a pool task that starts after all panels are done only reads the counter.
-struct Work {
-  Problem pb;
-  int64_t panels;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void run() {
-    for (int64_t p; (p = next.fetch_add(1)) < panels;) {
-      panel_product(pb, p);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -126,13 +109,8 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (wd[1] != k || wd[2] != kPanel || yd[0] != m || n > panels * kPanel || n <= (panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("panel_matmul: inconsistent shapes");
   if (m == 0 || n == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
-  work->pb = Problem{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n};
-  work->panels = panels;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), panels) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < panels) std::this_thread::yield();
+  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n};
+  redjax::run_on_pool(pool, panels, [pb](int64_t p) { panel_product(pb, p); });  // one panel per item
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,70 @@
+// Spreading one kernel call's work items over XLA's intra-op thread pool.
+//
+// The calling thread and up to num_threads - 1 pool tasks claim items from a shared counter, so a
+// thread the OS takes off its core holds back at most the item it is on: the others take the
+// rest. When nothing is left to claim, the caller waits for the items still running elsewhere. It
+// spins for a short while (the common case: a few microseconds, the length of one item), then
+// sleeps on the counter. Sleeping matters on a machine shared with other processes (the API,
+// Redis, a load generator): a helper preempted by one of them sits in its core's run queue, and
+// only an idle core pulls it over. A caller that spun instead would keep its core busy doing
+// nothing while the helper waited for its turn (a few milliseconds of scheduler slice).
+//
+// The state is shared-owned: a pool task that starts after the call returned finds the counter
+// exhausted and touches nothing else (`fn` may hold pointers that are dead by then).
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace redjax {
+
+constexpr std::chrono::microseconds kSpinBeforeSleep{50};
+
+template <typename Fn>
+struct PoolWork {
+  PoolWork(int64_t items, Fn fn) : items(items), fn(std::move(fn)) {}
+
+  const int64_t items;
+  Fn fn;  // fn(item): runs one item, on whichever thread claimed it
+  std::atomic<int64_t> next{0};
+  std::atomic<int32_t> done{0};  // a 32-bit word: waited on with a futex
+
+  void run() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      fn(i);
+      if (done.fetch_add(1, std::memory_order_release) + 1 == items) done.notify_all();
+    }
+  }
+
+  void wait() {
+    const auto spin_until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
+    for (int32_t seen; (seen = done.load(std::memory_order_acquire)) < items;) {
+      if (std::chrono::steady_clock::now() < spin_until)
+        std::this_thread::yield();
+      else
+        done.wait(seen, std::memory_order_acquire);
+    }
+  }
+};
+
+// Runs fn(0) .. fn(items - 1) over the pool and the calling thread; returns when all are done.
+// items must fit in 31 bits.
+template <typename Fn>
+void run_on_pool(xla::ffi::ThreadPool& pool, int64_t items, Fn fn) {
+  if (items <= 0) return;
+  auto work = std::make_shared<PoolWork<Fn>>(items, std::move(fn));
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  work->wait();
+}
+
+}  // namespace redjax
