@@ -93,7 +93,7 @@ def read_back(sched: Scheduler, results: list[tuple[Sequence, list[int]]]) -> No
         for token in tokens:
             if seq.is_finished:
                 break  # late results of a finished sequence are dropped
-            seq.resolve_in_flight(token)
+            seq.resolve_in_flight([token])
             known_out = seq.num_output_tokens - seq.num_in_flight
             if token % EOS_MOD == 0 and not seq.params.ignore_eos:
                 sched.finish(seq, "stop", token)
@@ -224,7 +224,7 @@ def test_preemption_waits_for_in_flight_tokens():
     assert batch is None and sched.num_preemptions == 0
     for seq in (old, young):
         while seq.num_in_flight:
-            seq.resolve_in_flight(9)
+            seq.resolve_in_flight([9])
     batch = sched.schedule()
     assert sched.num_preemptions == 1 and young.status == SequenceStatus.WAITING
     assert [c.seq for c in batch.chunks] == [old]
@@ -286,7 +286,7 @@ def test_finish_drops_tokens_in_flight():
     seq = new(sched, [1, 2, 3], max_tokens=8).sequences[0]
     for _ in range(3):
         sched.advance(sched.schedule())
-    seq.resolve_in_flight(11)
+    seq.resolve_in_flight([11])
     sched.finish(seq, "stop", 11)
     assert seq.output_token_ids == [11] and seq.num_in_flight == 0
     assert seq.stop_reason == 11 and sched.allocator.num_free_pages == 63
@@ -381,7 +381,7 @@ def test_fused_decode_steps_only_when_pure_decode():
     new(sched, [5, 5], max_tokens=1)
     for seq in seqs:
         while seq.num_in_flight:
-            seq.resolve_in_flight(3)
+            seq.resolve_in_flight([3])
     batch = sched.schedule(4)
     assert batch.num_steps == 1 and not batch.is_pure_decode
     sched.advance(batch)
@@ -399,7 +399,7 @@ def test_decode_steps_fuse_while_a_request_waits_for_a_slot_but_not_when_one_is_
     sched.advance(batch)
     sched.abort(running[0].request_id)  # a slot frees: the next step admits the waiting request
     while running[1].num_in_flight:
-        running[1].resolve_in_flight(3)
+        running[1].resolve_in_flight([3])
     batch = sched.schedule(4)
     assert sched.num_waiting == 0 and waiting in [c.seq for c in batch.chunks]
     assert all(c.num_steps == 1 for c in batch.chunks)

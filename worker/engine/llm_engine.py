@@ -231,28 +231,46 @@ class LLMEngine:
         return results
 
     def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list | None) -> RequestOutput:
-        """Resolve read-back tokens one by one, checking every stop condition after each.
+        """Resolve read-back tokens up to the first that ends the sequence.
 
-        Without stop strings the text of all of them is decoded at once (one detokenizer call
-        per fused step instead of one per token). `lps`: (logprob, top ids, top logprobs) per token,
-        only when the request asks for logprobs."""
-        ids, logprobs, text, reason = [], [], "", None
-        per_token = bool(seq.params.stop)
-        for k, token in enumerate(tokens):
-            seq.resolve_in_flight(token)
-            ids.append(token)
-            if lps is not None:
-                lp, top_ids, top_lps = lps[k]
+        With stop strings each token's text goes through the stop check on its own; without, the
+        text of all of them is decoded at once (one detokenizer call per fused step instead of one
+        per token). `lps`: (logprob, top ids, top logprobs) per token, only when the request asks
+        for logprobs."""
+        end = self._first_stop(seq, tokens)
+        ids = tokens if end is None else tokens[: end + 1]
+        logprobs = []
+        if lps is not None:
+            for token, (lp, top_ids, top_lps) in zip(ids, lps):
                 top = [[int(i), float(x)] for i, x in zip(top_ids, top_lps)][: seq.params.logprobs]
                 logprobs.append({"token_id": token, "logprob": float(lp), "top": top})
-            reason = self._stop_reason(seq, token)
-            if per_token:
-                text, reason = self._text(track, [token], reason, text)
+        if not seq.params.stop:
+            seq.resolve_in_flight(ids)
+            reason = None if end is None else self._stop_reason(seq, ids[-1])
+            text, reason = self._text(track, ids, reason, "")
+            return self._emit(seq, track, ids, logprobs, text, reason)
+        text, reason = "", None
+        for k, token in enumerate(ids):  # a stop string may end the text at an earlier token
+            seq.resolve_in_flight([token])
+            text, reason = self._text(track, [token], self._stop_reason(seq, token) if k == end else None, text)
             if reason is not None:
+                ids, logprobs = ids[: k + 1], logprobs[: k + 1]
                 break
-        if not per_token:
-            text, reason = self._text(track, ids, reason, text)
         return self._emit(seq, track, ids, logprobs, text, reason)
+
+    def _first_stop(self, seq: Sequence, tokens: list[int]) -> int | None:
+        """Index of the first of `tokens` (the next ones read back for `seq`) at which a stop token,
+        EOS or a length limit ends the sequence; None if none does. Same order as `_stop_reason`."""
+        p = seq.params
+        known = seq.num_tokens - seq.num_in_flight  # tokens before tokens[0]
+        limits = [self.max_model_len - known - 1]
+        if p.max_tokens is not None:
+            limits.append(p.max_tokens - (known - seq.num_prompt_tokens) - 1)
+        end = max(0, min(limits))
+        stops = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos_ids)
+        if stops:
+            end = next((k for k, t in enumerate(tokens[:end]) if t in stops), end)
+        return end if end < len(tokens) else None
 
     def _text(self, track: _Track, ids: list[int], reason, text: str):
         """Append the text of `ids` (EOS / stop tokens are not text) through the stop-string check."""

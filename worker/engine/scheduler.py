@@ -7,7 +7,7 @@ Engine protocol, once per step:
      when `batch.chunks` is non-empty.
   2. Dispatch the chunks, then call `advance(batch)` before the next `schedule()`: it marks
      their tokens computed, appends one in-flight token per sampled token and caches full pages.
-  3. When sampled ids come back, `seq.resolve_in_flight(id)` for each (oldest first); skip
+  3. When sampled ids come back, `seq.resolve_in_flight(ids)` (oldest first); skip
      sequences already finished (their late results are dropped). End a sequence with
      `finish(seq, reason)` (EOS, stop string or token, max_tokens or max_model_len reached by
      known tokens) or `abort(request_id)`. A prompt-logprobs-only request (max_tokens 0) is

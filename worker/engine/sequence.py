@@ -1,7 +1,7 @@
 """Sequence: one choice of one request; SequenceGroup: the n choices of a request. No JAX.
 
 Async overlap: when a step that samples is dispatched, the sequence gets an in-flight output
-token (-1); its real id is read back later and `resolve_in_flight` fills the oldest one in.
+token (-1); its real id is read back later and `resolve_in_flight` fills in the oldest ones.
 An in-flight token counts in `num_tokens`: the device already knows the sampled token and computes
 its K/V in the next step from there.
 """
@@ -80,12 +80,14 @@ class Sequence:
         self.output_token_ids.extend([IN_FLIGHT] * count)
         self.num_in_flight += count
 
-    def resolve_in_flight(self, token_id: int) -> None:
-        """Replace the oldest in-flight token with the token id read back from the device."""
-        if self.num_in_flight == 0:
-            raise ValueError(f"sequence {self.seq_id} has no in-flight token to resolve")
-        self.output_token_ids[len(self.output_token_ids) - self.num_in_flight] = token_id
-        self.num_in_flight -= 1
+    def resolve_in_flight(self, token_ids: list[int]) -> None:
+        """Replace the oldest in-flight tokens with the token ids read back from the device."""
+        n = len(token_ids)
+        if n > self.num_in_flight:
+            raise ValueError(f"sequence {self.seq_id} has {self.num_in_flight} in-flight tokens, not {n}")
+        start = len(self.output_token_ids) - self.num_in_flight
+        self.output_token_ids[start : start + n] = token_ids
+        self.num_in_flight -= n
 
     def drop_in_flight(self) -> None:
         """Forget tokens still in flight (used when the sequence finishes early)."""
