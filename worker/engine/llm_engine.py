@@ -207,9 +207,8 @@ class LLMEngine:
         return self.config.decode_steps
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
-        live = [c.seq.params for c in flight.rows if c is not None]
-        out = to_host(flight.out, logprobs=any(p.logprobs is not None for p in live),
-                      prompt=any(p.prompt_logprobs is not None for p in live))
+        sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)
+        out = to_host(flight.out, logprobs=sampled_lps, prompt=flight.shape.prompt_logprobs)  # as the batch decided
         tokens_by_row = out.tokens.T.tolist()  # [R][K]: one conversion instead of one per token
         results: list[RequestOutput] = []
         for row, chunk in enumerate(flight.rows):
