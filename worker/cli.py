@@ -38,8 +38,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="read each step back before dispatching the next")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
     g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
-    g.add_argument("--attention", choices=["auto", "kernel", "jnp"],
-                   help="paged attention: compiled CPU kernel when available (auto), required (kernel), or jnp")
+    g.add_argument("--attention", choices=["auto", "kernel", "pallas", "jnp"],
+                   help="paged attention: the backend's kernel where it applies (auto: compiled C++ on CPU, "
+                        "Pallas/Triton decode on GPU), required (kernel: CPU, pallas: GPU), or jnp")
     g.add_argument("--matmul", choices=["auto", "kernel", "xla"],
                    help="projections: compiled CPU kernel on packed float32 weights when available (auto), "
                         "required (kernel), or XLA's dot")

@@ -29,7 +29,8 @@ class EngineConfig:
     seed: int = 0  # seed for requests that carry none (offline API)
     tensor_parallel: int = 1  # devices one model spans (heads and MLP columns split over a mesh)
     attention: str = "auto"  # paged attention of decode and prefill rows: "auto": the compiled CPU kernel
-    # on the CPU backend if it builds, else jnp; "kernel": that kernel or an error; "jnp": pure jax.numpy
+    # on the CPU backend if it builds, the Pallas decode kernel on a GPU if it compiles there, else jnp;
+    # "kernel" / "pallas": that kernel or an error; "jnp": pure jax.numpy (attention_choice.py)
     matmul: str = "auto"  # the projections and LM head: "auto": the compiled CPU panel kernel (weights
     # packed at startup) for a float32 model on the CPU backend of an AVX-512 CPU if it builds, else
     # XLA's dot; "kernel": that kernel or an error; "xla": XLA's dot
@@ -46,7 +47,7 @@ class EngineConfig:
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
-            "attention must be auto, kernel or jnp": self.attention in ("auto", "kernel", "jnp"),
+            "attention must be auto, kernel, pallas or jnp": self.attention in ("auto", "kernel", "pallas", "jnp"),
             "matmul must be auto, kernel or xla": self.matmul in ("auto", "kernel", "xla"),
         }
         for message, ok in checks.items():

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from worker.engine import cpu_build
-from worker.engine.paged_attention import JNP, AttentionOps
+from worker.engine.paged_attention import AttentionOps
 
 TARGET = "redjax_paged_attention"
 
@@ -77,17 +77,3 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 KERNEL = AttentionOps("cpu-kernel", paged_decode_attention, paged_attention, reads_own_context=True,
                       ragged=ragged_paged_attention)
 
-
-def choose_attention(mode: str, tensor_parallel: int) -> AttentionOps:
-    """The attention an engine runs for `EngineConfig.attention`: "kernel", "jnp", or "auto" (the
-    kernel on the CPU backend without tensor parallelism if it builds, else jnp)."""
-    if mode == "jnp":
-        return JNP
-    usable = jax.default_backend() == "cpu" and tensor_parallel == 1  # the FFI call is not partitioned
-    if mode == "kernel":
-        if not usable:
-            raise ValueError("attention='kernel' needs the CPU backend and tensor_parallel 1")
-        if not load():
-            raise RuntimeError("the CPU attention kernel could not be built (see the log)")
-        return KERNEL
-    return KERNEL if usable and load() else JNP

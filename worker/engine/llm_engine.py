@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import EngineConfig
-from worker.engine import cpu_attention, cpu_matmul
+from worker.engine import cpu_matmul
+from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
@@ -80,7 +81,8 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, kv_dtype, kv_sharding(mesh) if mesh else None)
-        attention = cpu_attention.choose_attention(config.attention, config.tensor_parallel)
+        attention = choose_attention(config.attention, config.tensor_parallel, cfg.head_dim, config.page_size,
+                                     DTYPES[config.dtype or cfg.dtype], kv_dtype)
         # attention that reads only each row's own context lets every step use one page-table
         # width (the most any sequence can hold) whatever the contexts: fewer compiled variants
         widest = bucket(config.pages_for(self.max_model_len))

@@ -1,0 +1,67 @@
+"""Which paged attention an engine runs (`EngineConfig.attention`).
+
+- "kernel": the compiled C++ kernel (cpu_attention.py): CPU backend, no tensor parallelism.
+- "pallas": the Pallas/Triton decode kernel (gpu_attention.py): GPU backend, no tensor
+  parallelism, head dim and page size powers of two >= 16.
+- "jnp": pure jax.numpy (paged_attention.py), anywhere.
+- "auto": the kernel for the backend where it applies (and, for Pallas, compiles on this GPU),
+  else jnp. A kernel that does not apply or fails is logged, never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from worker.engine import cpu_attention, gpu_attention
+from worker.engine.paged_attention import JNP, AttentionOps, storage_dtype
+
+log = logging.getLogger(__name__)
+
+
+def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtype, kv_dtype) -> AttentionOps:
+    if mode == "jnp":
+        return JNP
+    backend = jax.default_backend()
+    if mode == "kernel" or (mode == "auto" and backend == "cpu"):
+        usable = backend == "cpu" and tensor_parallel == 1  # the FFI call is not partitioned
+        if mode == "kernel" and not usable:
+            raise ValueError("attention='kernel' needs the CPU backend and tensor_parallel 1")
+        if usable and cpu_attention.load():
+            return cpu_attention.KERNEL
+        if mode == "kernel":
+            raise RuntimeError("the CPU attention kernel could not be built (see the log)")
+        return JNP
+    usable = backend == "gpu" and tensor_parallel == 1 and gpu_attention.supported(head_dim, page_size)
+    if mode == "pallas" and not usable:
+        raise ValueError("attention='pallas' needs the GPU backend, tensor_parallel 1, and head dim and page size "
+                         "powers of two >= 16")
+    if usable and pallas_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name):
+        return gpu_attention.PALLAS
+    if mode == "pallas":
+        raise RuntimeError("the Pallas attention kernel did not compile on this GPU (see the log)")
+    return JNP
+
+
+@lru_cache(maxsize=8)
+def pallas_compiles(head_dim: int, page_size: int, dtype: str, kv_dtype: str) -> bool:
+    """Compile and run the kernel once on a small problem of the model's shapes and dtypes: a GPU
+    or Triton version it does not build for costs a log line, not the engine."""
+    stored = storage_dtype(kv_dtype)
+    kv, n, s = 1, 4, 2
+    q = jnp.zeros((s, 4, head_dim), dtype)
+    k = jnp.zeros((kv, n, head_dim, page_size), stored)
+    v = jnp.zeros((kv, n, page_size, head_dim), stored)
+    tables = jnp.asarray(np.arange(s * 2, dtype=np.int32).reshape(s, 2))
+    lens = jnp.asarray([page_size + 1, 1], jnp.int32)
+    try:
+        out = jax.jit(gpu_attention.pallas_decode_attention)(q, k, v, tables, lens - 1, lens)
+        jax.block_until_ready(out)
+        return True
+    except Exception:  # noqa: BLE001: whatever Triton or the driver reports, the engine keeps jnp
+        log.warning("the Pallas attention kernel failed to compile or run here; using the jnp path", exc_info=True)
+        return False

@@ -1,0 +1,121 @@
+"""Decode paged attention for GPUs as a Pallas kernel (Triton backend), reading pages in place.
+
+The jnp decode path (`paged_attention.paged_decode_attention`) gathers each block of pages into a
+copy before its two matmuls, so every step moves the running sequences' K/V through memory about
+three times (read, write the copy, read it again). Here one program per (sequence, KV head) walks
+that sequence's page table and reads each page once, straight from the cache, with an online
+softmax, stopping at the sequence's own context (a short sequence in a batch of long ones costs
+only its own pages).
+
+Layout (paged_attention.py): keys [KV, N, D, page_size] (transposed pages), values
+[KV, N, page_size, D]; bfloat16 pages arrive as their bit patterns (uint16). The query heads that
+share a KV head are one block of G rows, padded to 16 (Triton's smallest matrix-multiply tile), so
+each page costs two [16, D] x [D, ps] / [16, ps] x [ps, D] products. Page size and head dim must be
+powers of two of at least 16 (`supported`); otherwise the engine keeps the jnp path.
+
+Prefill rows use the reference (`paged_attention.paged_attention`): there the products of the
+queries dominate, and XLA's fused einsums serve them.
+
+`interpret=True` runs the same kernel through Pallas's interpreter on any backend: the tests hold
+it to the reference on the CPU, and check that it lowers to a Triton kernel for CUDA.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from worker.engine.paged_attention import BF16_BITS, MASKED, AttentionOps, paged_attention
+
+MIN_TILE = 16  # rows, columns and depth of Triton's smallest dot
+
+
+def supported(head_dim: int, page_size: int) -> bool:
+    """Whether the kernel handles this shape (Triton tiles: powers of two, at least 16)."""
+    pow2 = lambda n: n >= MIN_TILE and n & (n - 1) == 0  # noqa: E731
+    return pow2(head_dim) and pow2(page_size)
+
+
+def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window: int, bits: bool):
+    # one program: sequence pl.program_id(0), KV head pl.program_id(1)
+    # tables_ref i32[P]; pos_ref, ctx_ref i32[1]; q_ref [Gp, D]; k_ref [N, D, ps]; v_ref [N, ps, D]; o_ref [Gp, D]
+    gp, d = q_ref.shape
+    n, ps = k_ref.shape[0], k_ref.shape[-1]
+    pos, ctx = pos_ref[0], ctx_ref[0]
+    # keys [lo, hi) are visible; never past the page table (a fused decode row that has stopped
+    # keeps stepping with positions beyond its pages; its output is discarded)
+    hi = jnp.minimum(jnp.minimum(pos + 1, ctx), tables_ref.shape[0] * ps)
+    lo = jnp.maximum(pos - window + 1, 0) if window else jnp.int32(0)
+    hi = jnp.maximum(hi, lo)
+    q = q_ref[...]
+    exact = q.dtype == jnp.float32  # float32: full-precision products (no TF32)
+    precision = jax.lax.Precision.HIGHEST if exact else None
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+
+    def page(i, carry):
+        m, l, acc = carry  # f32[Gp], f32[Gp], f32[Gp, D]
+        p = jnp.clip(tables_ref[i], 0, n - 1)  # never read outside the cache
+        k, v = k_ref[p], v_ref[p]  # [D, ps], [ps, D]
+        if bits:
+            k, v = (jax.lax.bitcast_convert_type(x, jnp.bfloat16) for x in (k, v))
+        s = jnp.dot(q, k.astype(q.dtype), precision=precision, preferred_element_type=jnp.float32) * scale  # [Gp, ps]
+        j = i * ps + jnp.arange(ps)
+        s = jnp.where(((j >= lo) & (j < hi))[None, :], s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        w = jnp.exp(s - m_new[:, None])  # [Gp, ps]
+        l = l * correction + w.sum(axis=-1)
+        acc = acc * correction[:, None] + jnp.dot(w.astype(q.dtype), v.astype(q.dtype), precision=precision,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((gp,), MASKED, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(lo // ps, pl.cdiv(hi, ps), page, init)
+    # a padding row (no visible key) gets zeros, like the CPU kernel
+    o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.maximum(l, 1e-30)[:, None], 0.0).astype(o_ref.dtype)
+
+
+def pallas_decode_attention(
+    q: jax.Array,  # [S, H, D]: one query token per sequence
+    k_pages: jax.Array,  # [KV, N, D, page_size]
+    v_pages: jax.Array,  # [KV, N, page_size, D]
+    page_tables: jax.Array,  # i32[S, P]
+    positions: jax.Array,  # i32[S]
+    context_lens: jax.Array,  # i32[S]
+    window: int | None = None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:  # [S, H, D]
+    """Same contract as `paged_attention.paged_decode_attention`, with zeros for rows that see no key."""
+    s, h, d = q.shape
+    kv, n, _, ps = k_pages.shape
+    g = h // kv
+    gp = max(MIN_TILE, 1 << (g - 1).bit_length())
+    qg = jnp.pad(q.reshape(s, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [S, KV, Gp, D]
+    p = page_tables.shape[1]
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    out = pl.pallas_call(
+        partial(_kernel, window=int(window or 0), bits=k_pages.dtype == BF16_BITS),
+        grid=(s, kv),
+        in_specs=[
+            pl.BlockSpec((None, p), lambda i, j: (i, 0)),  # the sequence's page table
+            pl.BlockSpec((1,), lambda i, j: (i,)),  # its query position
+            pl.BlockSpec((1,), lambda i, j: (i,)),  # its context length
+            pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),  # its queries for this KV head
+            pl.BlockSpec((None, n, d, ps), lambda i, j: (j, 0, 0, 0)),  # this KV head's key pages
+            pl.BlockSpec((None, n, ps, d), lambda i, j: (j, 0, 0, 0)),  # and value pages
+        ],
+        out_specs=pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((s, kv, gp, d), q.dtype),
+        interpret=interpret,
+        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),  # the Triton backend
+        name="redjax_paged_decode_attention",
+    )(i32(page_tables), i32(positions), i32(context_lens), qg, k_pages, v_pages)
+    return out[:, :, :g].reshape(s, h, d)
+
+
+PALLAS = AttentionOps("pallas", pallas_decode_attention, paged_attention, reads_own_context=False)
