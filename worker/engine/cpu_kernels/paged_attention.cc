@@ -64,6 +64,19 @@ inline float scalar(uint16_t x) {
 
 constexpr int64_t kBlock = 16;  // queries per work item: long prefill rows spread over the threads
 
+// Lines of a page requested before it is read. Pages sit anywhere in the cache, so every page
+// starts a new stream that the hardware prefetcher has to pick up again; asking for the first
+// kPrimeLines of the next page while this one is read hides that restart (16 lines, 1 KiB:
+// 8-9 % less time per layer than none on scattered pages, 32 or 64 lines gain less; no change
+// when a row's pages are consecutive).
+constexpr int kPrimeLines = 16;
+
+template <typename E>
+inline void prime(const E* page) {
+  const char* bytes = reinterpret_cast<const char*>(page);
+  for (int i = 0; i < kPrimeLines; ++i) __builtin_prefetch(bytes + 64 * i, 0, 3);
+}
+
 struct Problem {
   const float* q;
   const void* k;
@@ -156,6 +169,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
   };
   for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
     const E* kp = key_page(col);  // [D, ps]
+    if ((col + 1) * ps < hi) prime(key_page(col + 1));
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = qs + h * d;
       float* p = probs + h * n + j - first;  // p[t] for t in [first, end)
@@ -173,6 +187,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
       }
     }
   });
+  prime(value_page(lo / ps));  // read once the softmax is done
   for (int64_t h = 0; h < g; ++h) {
     float* p = probs + h * n;
     float mx = -1e30f, sum = 0.0f;
@@ -193,6 +208,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
       f32xN even[NC] = {}, odd[NC] = {};  // alternate keys: two independent chains per lane group
       for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
         const float* rows = value_page(col);  // [ps, D]
+        if (h == 0 && (col + 1) * ps < hi) prime(value_page(col + 1));  // later heads find it cached
         int64_t t = first;
         for (; t + 1 < end; t += 2) {
           const float p0 = p[j + t - first], p1 = p[j + t + 1 - first];
