@@ -1,7 +1,7 @@
-"""The Pallas/Triton decode attention kernel (worker/engine/gpu_attention.py), run through Pallas's
-interpreter on the CPU: against the jnp reference (itself held to torch in test_paged_attention.py),
-inside a running engine against transformers, and lowered for CUDA to check it becomes one Triton
-kernel. CI has no GPU, so its speed and the real Triton compile are measured on a GPU machine."""
+"""The Pallas/Triton decode attention kernel (worker/engine/gpu_attention.py) against the jnp
+reference (itself held to torch in test_paged_attention.py) and, inside a running engine, against
+transformers; and lowered for CUDA to check it becomes one Triton kernel. On a GPU the kernel runs
+compiled; elsewhere (CI) through Pallas's interpreter, which runs the same kernel code."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import load_model
 
-INTERPRET = pa.AttentionOps("pallas-interpret", partial(gpu_attention.pallas_decode_attention, interpret=True),
-                            pa.paged_attention, reads_own_context=False)
+ON_GPU = jax.default_backend() == "gpu"
+decode = partial(gpu_attention.pallas_decode_attention, interpret=not ON_GPU)
+KERNEL = gpu_attention.PALLAS if ON_GPU else pa.AttentionOps("pallas-interpret", decode, pa.paged_attention,
+                                                              reads_own_context=False)
 
 
 def pages_and_queries(rng, heads, kv_heads, dim, page_size, num_pages, width, rows, stored=jnp.float32):
@@ -46,7 +48,7 @@ def test_kernel_matches_the_reference(heads, kv_heads, dim, page_size, window):
     q, k, v, tables = pages_and_queries(rng, heads, kv_heads, dim, page_size, 48, width, rows)
     lens = jnp.asarray([1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5, width * page_size], jnp.int32)
     positions = lens - 1
-    got = gpu_attention.pallas_decode_attention(q, k, v, tables, positions, lens, window, interpret=True)
+    got = decode(q, k, v, tables, positions, lens, window)
     ref = pa.paged_attention(q[:, None], k, v, tables, positions[:, None], lens, window)[:, 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -58,7 +60,7 @@ def test_bfloat16_pages_and_padding_rows():
     q = q.astype(jnp.bfloat16)
     lens = jnp.asarray([37, 0, 64], jnp.int32)
     positions = jnp.maximum(lens - 1, 0)
-    got = np.asarray(gpu_attention.pallas_decode_attention(q, k, v, tables, positions, lens, interpret=True), np.float32)
+    got = np.asarray(decode(q, k, v, tables, positions, lens), np.float32)
     ref = np.asarray(pa.paged_attention(q[:, None], k, v, tables, positions[:, None], lens)[:, 0], np.float32)
     np.testing.assert_allclose(got[[0, 2]], ref[[0, 2]], rtol=2e-2, atol=2e-2)  # bfloat16 products
     assert not got[1].any()
@@ -76,11 +78,16 @@ def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored):
     assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "redjax_paged_decode_attention"' in text
 
 
-def test_supported_shapes_and_choice_off_gpu():
+def test_supported_shapes_and_the_choice():
     assert gpu_attention.supported(128, 16) and gpu_attention.supported(16, 64)
     assert not gpu_attention.supported(80, 16) and not gpu_attention.supported(128, 8)
-    with pytest.raises(ValueError, match="needs the GPU backend"):
-        choose_attention("pallas", 1, 128, 16, jnp.float32, jnp.float32)
+    with pytest.raises(ValueError, match="needs the GPU backend, tensor_parallel 1, and head dim and page size"):
+        choose_attention("pallas", 1, 128, 8, jnp.float32, jnp.float32)  # pages of 8: too small a tile anywhere
+    if ON_GPU:
+        assert choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16) is gpu_attention.PALLAS
+    else:
+        with pytest.raises(ValueError, match="needs the GPU backend"):
+            choose_attention("pallas", 1, 128, 16, jnp.float32, jnp.float32)
     assert choose_attention("jnp", 1, 128, 16, jnp.float32, jnp.float32) is pa.JNP
     assert EngineConfig(attention="pallas").attention == "pallas"
     with pytest.raises(ValueError, match="attention must be auto, kernel, pallas or jnp"):
@@ -92,10 +99,10 @@ def test_engine_decodes_with_the_kernel_like_transformers(tokenizer, tmp_path, m
     decode rows, fused steps included: greedy tokens equal transformers'."""
     hf = make_hf_model("qwen2", tmp_path, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(tmp_path)
-    monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args: INTERPRET)
+    monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args: KERNEL)
     engine = LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(max_num_seqs=4, page_size=16, num_pages=24,
                                                                      max_num_batched_tokens=64, decode_steps=4))
-    assert engine.attention == "pallas-interpret"
+    assert engine.attention == KERNEL.name
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (3, 17, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
