@@ -66,16 +66,24 @@ def test_bfloat16_pages_and_padding_rows():
     assert not got[1].any()
 
 
-@pytest.mark.parametrize("dtype,stored", [(jnp.float32, jnp.float32), (jnp.bfloat16, pa.BF16_BITS)])
-def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored):
+@pytest.mark.parametrize("dtype,stored,s", [(jnp.float32, jnp.float32, 64), (jnp.bfloat16, pa.BF16_BITS, 64),
+                                           (jnp.bfloat16, pa.BF16_BITS, 1)])
+def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored, s):
     """The llama3-8b decode shape (32 heads, 8 KV heads, head dim 128, pages of 16) lowers for CUDA
-    to a Triton custom call (a primitive Triton cannot express fails here, not on the GPU)."""
-    s, kv, n, p = 64, 8, 1024, 64
+    to a Triton custom call (a primitive Triton cannot express fails here, not on the GPU); at
+    batch 1 with its context split over 64 programs per KV head."""
+    kv, n, p = 8, 1024, 64
     args = (jax.ShapeDtypeStruct((s, 32, 128), dtype), jax.ShapeDtypeStruct((kv, n, 128, 16), stored),
             jax.ShapeDtypeStruct((kv, n, 16, 128), stored), *(jax.ShapeDtypeStruct(x, jnp.int32) for x in ((s, p), (s,), (s,))))
     lowered = jax.jit(gpu_attention.pallas_decode_attention).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "redjax_paged_decode_attention"' in text
+
+
+def test_context_splits_fill_the_gpu_at_small_batches_only():
+    assert gpu_attention.context_splits(64, 8, 64) == 1  # 512 programs already
+    assert gpu_attention.context_splits(1, 8, 64) == 64 and gpu_attention.context_splits(1, 8, 16) == 16
+    assert gpu_attention.context_splits(6, 2, 6) == 4  # the tests above: 4 splits of 2 pages, the last empty
 
 
 def test_supported_shapes_and_the_choice():

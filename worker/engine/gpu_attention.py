@@ -2,10 +2,12 @@
 
 The jnp decode path (`paged_attention.paged_decode_attention`) gathers each block of pages into a
 copy before its two matmuls, so every step moves the running sequences' K/V through memory about
-three times (read, write the copy, read it again). Here one program per (sequence, KV head) walks
-that sequence's page table and reads each page once, straight from the cache, with an online
-softmax, stopping at the sequence's own context (a short sequence in a batch of long ones costs
-only its own pages).
+three times (read, write the copy, read it again). Here each program walks a run of one
+sequence's page table for one KV head and reads each page once, straight from the cache, with an
+online softmax, stopping at the sequence's own context (a short sequence in a batch of long ones
+costs only its own pages). A small batch splits each context over several programs (at batch 1
+the 8 KV heads of llama3-8b alone would keep 8 of an H100's 132 multiprocessors busy); their
+partial softmaxes are joined afterwards.
 
 Layout (paged_attention.py): keys [KV, N, D, page_size] (transposed pages), values
 [KV, N, page_size, D]; bfloat16 pages arrive as their bit patterns (uint16). The query heads that
@@ -32,6 +34,7 @@ from jax.experimental.pallas import triton as pl_triton
 from worker.engine.paged_attention import BF16_BITS, MASKED, AttentionOps, paged_attention
 
 MIN_TILE = 16  # rows, columns and depth of Triton's smallest dot
+TARGET_PROGRAMS = 512  # programs per call to aim for (an H100 has 132 multiprocessors)
 
 
 def supported(head_dim: int, page_size: int) -> bool:
@@ -40,9 +43,11 @@ def supported(head_dim: int, page_size: int) -> bool:
     return pow2(head_dim) and pow2(page_size)
 
 
-def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window: int, bits: bool):
-    # one program: sequence pl.program_id(0), KV head pl.program_id(1)
-    # tables_ref i32[P]; pos_ref, ctx_ref i32[1]; q_ref [Gp, D]; k_ref [N, D, ps]; v_ref [N, ps, D]; o_ref [Gp, D]
+def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, window: int, bits: bool,
+            pages_per_split: int):
+    # one program: sequence pl.program_id(0), KV head pl.program_id(1), context split pl.program_id(2)
+    # tables_ref i32[P]; pos_ref, ctx_ref i32[1]; q_ref [Gp, D]; k_ref [N, D, ps]; v_ref [N, ps, D];
+    # out: o_ref f32[Gp, D] (unnormalized), m_ref f32[Gp] (running max), l_ref f32[Gp] (sum of weights)
     gp, d = q_ref.shape
     n, ps = k_ref.shape[0], k_ref.shape[-1]
     pos, ctx = pos_ref[0], ctx_ref[0]
@@ -51,6 +56,7 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window:
     hi = jnp.minimum(jnp.minimum(pos + 1, ctx), tables_ref.shape[0] * ps)
     lo = jnp.maximum(pos - window + 1, 0) if window else jnp.int32(0)
     hi = jnp.maximum(hi, lo)
+    first = pl.program_id(2) * pages_per_split  # this program's pages: [first, first + pages_per_split)
     q = q_ref[...]
     exact = q.dtype == jnp.float32  # float32: full-precision products (no TF32)
     precision = jax.lax.Precision.HIGHEST if exact else None
@@ -74,9 +80,19 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window:
         return m_new, l, acc
 
     init = (jnp.full((gp,), MASKED, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, d), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(lo // ps, pl.cdiv(hi, ps), page, init)
-    # a padding row (no visible key) gets zeros, like the CPU kernel
-    o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.maximum(l, 1e-30)[:, None], 0.0).astype(o_ref.dtype)
+    begin = jnp.maximum(lo // ps, first)
+    stop = jnp.minimum(pl.cdiv(hi, ps), first + pages_per_split)
+    m, l, acc = jax.lax.fori_loop(begin, jnp.maximum(stop, begin), page, init)
+    o_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def context_splits(rows: int, kv_heads: int, pages: int) -> int:
+    """Programs per (sequence, KV head): enough that a small batch still spreads over a GPU's
+    streaming multiprocessors (~TARGET_PROGRAMS programs in all), never more than one per page."""
+    splits = 1
+    while splits * 2 <= pages and rows * kv_heads * splits * 2 <= TARGET_PROGRAMS:
+        splits *= 2
+    return splits
 
 
 def pallas_decode_attention(
@@ -97,25 +113,33 @@ def pallas_decode_attention(
     gp = max(MIN_TILE, 1 << (g - 1).bit_length())
     qg = jnp.pad(q.reshape(s, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [S, KV, Gp, D]
     p = page_tables.shape[1]
+    splits = context_splits(s, kv, p)
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
-    out = pl.pallas_call(
-        partial(_kernel, window=int(window or 0), bits=k_pages.dtype == BF16_BITS),
-        grid=(s, kv),
+    part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda i, j, c: (i, j, c) + (0,) * len(shape))  # noqa: E731
+    o, m, l = pl.pallas_call(
+        partial(_kernel, window=int(window or 0), bits=k_pages.dtype == BF16_BITS, pages_per_split=-(-p // splits)),
+        grid=(s, kv, splits),
         in_specs=[
-            pl.BlockSpec((None, p), lambda i, j: (i, 0)),  # the sequence's page table
-            pl.BlockSpec((1,), lambda i, j: (i,)),  # its query position
-            pl.BlockSpec((1,), lambda i, j: (i,)),  # its context length
-            pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),  # its queries for this KV head
-            pl.BlockSpec((None, n, d, ps), lambda i, j: (j, 0, 0, 0)),  # this KV head's key pages
-            pl.BlockSpec((None, n, ps, d), lambda i, j: (j, 0, 0, 0)),  # and value pages
+            pl.BlockSpec((None, p), lambda i, j, c: (i, 0)),  # the sequence's page table
+            pl.BlockSpec((1,), lambda i, j, c: (i,)),  # its query position
+            pl.BlockSpec((1,), lambda i, j, c: (i,)),  # its context length
+            pl.BlockSpec((None, None, gp, d), lambda i, j, c: (i, j, 0, 0)),  # its queries for this KV head
+            pl.BlockSpec((None, n, d, ps), lambda i, j, c: (j, 0, 0, 0)),  # this KV head's key pages
+            pl.BlockSpec((None, n, ps, d), lambda i, j, c: (j, 0, 0, 0)),  # and value pages
         ],
-        out_specs=pl.BlockSpec((None, None, gp, d), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((s, kv, gp, d), q.dtype),
+        out_specs=[part(gp, d), part(gp), part(gp)],
+        out_shape=[jax.ShapeDtypeStruct((s, kv, splits, gp, d), jnp.float32),
+                   *(jax.ShapeDtypeStruct((s, kv, splits, gp), jnp.float32),) * 2],
         interpret=interpret,
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),  # the Triton backend
         name="redjax_paged_decode_attention",
     )(i32(page_tables), i32(positions), i32(context_lens), qg, k_pages, v_pages)
-    return out[:, :, :g].reshape(s, h, d)
+    # the splits' softmaxes joined: o [S, KV, C, Gp, D], m and l [S, KV, C, Gp]
+    weight = jnp.exp(m - m.max(axis=2, keepdims=True))  # a split that saw no key: l = 0, weight irrelevant
+    total = (l * weight).sum(axis=2)  # [S, KV, Gp]
+    out = (o * weight[..., None]).sum(axis=2) / jnp.maximum(total, 1e-30)[..., None]
+    out = jnp.where(total[..., None] > 0, out, 0.0)  # a padding row (no visible key) gets zeros, like the CPU kernel
+    return out[:, :, :g].reshape(s, h, d).astype(q.dtype)
 
 
 PALLAS = AttentionOps("pallas", pallas_decode_attention, paged_attention, reads_own_context=False)
