@@ -119,3 +119,36 @@ def test_engine_decodes_with_the_kernel_like_transformers(tokenizer, tmp_path, m
     results = drain(engine)
     for i, prompt in enumerate(prompts):
         assert results[(f"r{i}", 0)].token_ids == hf_greedy(hf, prompt, 10), i
+
+
+def test_bfloat16_engine_with_the_kernel_tracks_the_jnp_path(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """The GPU benchmark's configuration in miniature: a bfloat16 model with bfloat16 pages (held as
+    bit patterns), pages of 16, fused decode steps. Each generated token's logprob under the kernel
+    engine matches the jnp engine's within bfloat16 rounding (the first token comes from prefill,
+    where both run the reference)."""
+    make_hf_model("qwen2", tmp_path, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(tmp_path)
+    sizes = dict(max_num_seqs=4, page_size=16, num_pages=24, max_num_batched_tokens=64, decode_steps=4,
+                 dtype="bfloat16")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (5, 21)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def run(engine):
+        assert engine.runner.kv.dtype == jnp.bfloat16
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        return drain(engine)
+
+    ref = run(LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(attention="jnp", **sizes)))
+    monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args: KERNEL)
+    engine = LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(**sizes))
+    assert engine.attention == KERNEL.name
+    got = run(engine)
+    for key, choice in ref.items():
+        first = next((k for k, (a, b) in enumerate(zip(choice.token_ids, got[key].token_ids)) if a != b), 8)
+        assert first >= 4, (key, choice.token_ids, got[key].token_ids)  # a near tie may flip a late token
+        diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(choice.logprobs[:first], got[key].logprobs[:first])]
+        # the same bfloat16 inputs and float32 sums: equal here, a little apart on a GPU (the kernel
+        # with its scale 10 % off moves them by 0.005-0.027, 0.01 on average)
+        assert max(diffs) < 1e-2 and sum(diffs) / len(diffs) < 3e-3, diffs
