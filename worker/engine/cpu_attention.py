@@ -76,4 +76,3 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 KERNEL = AttentionOps("cpu-kernel", paged_decode_attention, paged_attention, reads_own_context=True,
                       ragged=ragged_paged_attention)
-
