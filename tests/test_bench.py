@@ -140,3 +140,32 @@ def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
     report = json.loads(out.read_text())
     assert report["completed"] == 0 and report["failed"] == 3
     assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
+
+
+def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
+    """`bench stack` runs `redjax serve` (embedded Redis, API, worker) and `bench offline` in
+    alternating pairs. The offline run gets as many prompt tokens as the model's own tokenizer
+    (transformers) gives the serving prompts, and the ratios are those of the pairs' figures."""
+    import statistics
+
+    import transformers
+
+    from worker.bench.serve import random_prompts
+
+    model = make_served_model(tmp_path / "served")
+    code, out = _bench("stack", "--model", str(model), "--pairs", "2", "--num-prompts", "4", "--input-len", "6",
+                       "--output-len", "8", "--seed", "3", "--json", "--max-num-seqs", "8",
+                       "--max-num-batched-tokens", "128", "--page-size", "8", "--num-pages", "128")
+    assert code == 0, out
+    report = json.loads(out)
+    assert [p["first"] for p in report["pairs"]] == ["serve", "offline"]
+    for p in report["pairs"]:
+        assert p["serve_failed"] == 0
+        assert p["ratio"] == pytest.approx(p["serve_output_tokens_per_s"] / p["offline_output_tokens_per_s"])
+    assert report["median_ratio"] == pytest.approx(statistics.median(p["ratio"] for p in report["pairs"]))
+    assert report["engine_flags"] == ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--page-size", "8",
+                                      "--num-pages", "128"]
+    _check_report(report["last_serve_report"], 4)
+    tok = transformers.AutoTokenizer.from_pretrained(str(model))
+    counts = [len(tok(p)["input_ids"]) for p in random_prompts(4, 6, seed=3)]  # the first pair's prompts
+    assert report["prompt_tokens_per_request"] == round(sum(counts) / len(counts))

@@ -55,6 +55,18 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_KEYS if getattr(args, k, None) is not None}
 
 
+def engine_argv(overrides: dict) -> list[str]:
+    """The engine flags that give `overrides` (from `_engine_overrides`) to a child process."""
+    argv: list[str] = []
+    for key, value in overrides.items():
+        if isinstance(value, bool):
+            if not value:
+                argv.append({"async_overlap": "--no-async-overlap", "enable_prefix_cache": "--no-prefix-cache"}[key])
+        else:
+            argv += ["--" + key.replace("_", "-"), str(value)]
+    return argv
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="redjax", description="LLM serving on JAX/Flax with a Redis Streams queue")
     sub = top.add_subparsers(dest="command", required=True)
@@ -101,8 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, in order")
     _engine_flags(p)
 
-    p = sub.add_parser("bench", help="benchmarks (offline engine, or a serving endpoint)")
-    p.add_argument("mode", choices=["offline", "serve"])
+    p = sub.add_parser("bench", help="benchmarks: the offline engine, a serving endpoint, or the stack against the engine")
+    p.add_argument("mode", choices=["offline", "serve", "stack"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return top
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from worker.cli import _engine_flags, _engine_overrides, resolve_model
+from worker.cli import _engine_flags, _engine_overrides, engine_argv, resolve_model
 
 
 def run(mode: str, argv: list[str]) -> int:
-    return {"offline": offline, "serve": serve}[mode](argv)
+    return {"offline": offline, "serve": serve, "stack": stack}[mode](argv)
 
 
 def offline_parser() -> argparse.ArgumentParser:
@@ -118,6 +118,44 @@ def serve(argv: list[str]) -> int:
 
         plot_sweep(reports, args.plot)
     return 0 if all(r["failed"] == 0 for r in reports) else 1
+
+
+def stack_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="redjax bench stack",
+        description="serving through Redis and the API (redjax serve, saturated) against the engine alone "
+                    "(bench offline), in alternating pairs on this machine; prints the ratio")
+    p.add_argument("--model", help="local Hugging Face model directory (default: the demo model)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=100, help="words per random serving prompt; the offline "
+                   "run gets as many prompt tokens as the API counted for them")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--pairs", type=int, default=3, help="serving/offline pairs, alternating which goes first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
+    _engine_flags(p)
+    return p
+
+
+def stack(argv: list[str]) -> int:
+    parser = stack_parser()
+    args = parser.parse_args(argv)
+    if args.pairs < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        parser.error("--pairs, --num-prompts, --input-len and --output-len must be >= 1")
+    from worker.bench.stack import StackRun, bench_stack
+
+    run = StackRun(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len, args.pairs,
+                   args.seed, tuple(engine_argv(_engine_overrides(args))))
+    report = bench_stack(run, log=(lambda *a: None) if args.json else print)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{args.num_prompts} requests x ~{report['prompt_tokens_per_request']} prompt tokens / "
+              f"{args.output_len} out, {args.pairs} pairs: serving {report['serve_output_tokens_per_s']:.1f}, "
+              f"offline {report['offline_output_tokens_per_s']:.1f} output tok/s (medians); "
+              f"median ratio {report['median_ratio']:.3f}x")
+        print("last serving run, " + _summary(report["last_serve_report"]))
+    return 0 if report["failed"] == 0 else 1
 
 
 def _summary(r: dict) -> str:

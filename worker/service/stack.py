@@ -51,17 +51,13 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
 
 
 def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict) -> subprocess.Popen:
+    from worker.cli import engine_argv
+
     cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", model_dir, "--redis", redis_url,
            "--name", f"{os.uname().nodename}-w{i}-{os.getpid()}"]
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
-    for key, value in engine_overrides.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            if not value:
-                cmd.append({"async_overlap": "--no-async-overlap", "enable_prefix_cache": "--no-prefix-cache"}[key])
-        else:
-            cmd += [flag, str(value)]
+    cmd += engine_argv(engine_overrides)
     return subprocess.Popen(cmd)
 
 

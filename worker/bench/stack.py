@@ -1,0 +1,147 @@
+"""`redjax bench stack`: what the serving path costs, as a ratio to the engine alone, minutes apart.
+
+Each pair of runs is one serving run and one offline run on the same machine:
+
+- serving: `redjax serve` (embedded Redis, the API, one worker) on a free port, a warm-up load,
+  then `bench serve` with every request sent at once (saturation), then the stack is stopped;
+- offline: `redjax bench offline` in its own process, on as many requests of as many prompt
+  tokens (the mean the API counted in the first serving run) and output tokens.
+
+Pairs alternate which run goes first, so a machine that drifts over the minutes of a benchmark
+weighs on both. The load generator runs in this process, on the same cores as the stack: on a
+small machine its CPU counts against the serving figure (`bench serve` pointed at a remote
+server does not have that cost).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+
+WARMUP_PROMPTS = 64  # the first serving load of a fresh stack, at most this many requests
+WARMUP_OUTPUT_LEN = 16
+READY_TIMEOUT_S = 900.0  # the worker compiles its step shapes before it joins
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class StackRun:
+    model_dir: str
+    num_prompts: int
+    input_len: int  # words per random serving prompt
+    output_len: int
+    pairs: int
+    seed: int
+    engine_argv: tuple[str, ...]  # engine flags for the worker and the offline engine alike
+
+
+def bench_stack(run: StackRun, log=print) -> dict:
+    """Runs `run.pairs` serving/offline pairs; returns each pair and the medians."""
+    pairs: list[dict] = []
+    prompt_tokens = 0  # per request, from the first serving run
+    for i in range(run.pairs):
+        seed = run.seed + 1000 * i
+        order = ("serve", "offline") if i % 2 == 0 else ("offline", "serve")
+        pair: dict = {"first": order[0]}
+        for half in order:
+            if half == "serve":
+                report = _serve_once(run, seed)
+                prompt_tokens = prompt_tokens or max(1, round(report["prompt_tokens"] / max(1, report["completed"])))
+                pair["serve_output_tokens_per_s"] = report["output_token_throughput"]
+                pair["serve_failed"] = report["failed"]
+                pair["serve_report"] = report
+            else:
+                offline = _offline_once(run, prompt_tokens, seed + 1)
+                pair["offline_output_tokens_per_s"] = offline["output_tokens_per_s"]
+        pair["ratio"] = pair["serve_output_tokens_per_s"] / pair["offline_output_tokens_per_s"]
+        pairs.append(pair)
+        log(f"pair {i + 1}/{run.pairs} ({order[0]} first): serving {pair['serve_output_tokens_per_s']:.1f}, "
+            f"offline {pair['offline_output_tokens_per_s']:.1f} output tok/s -> {pair['ratio']:.3f}x")
+    serve = [p["serve_output_tokens_per_s"] for p in pairs]
+    offline = [p["offline_output_tokens_per_s"] for p in pairs]
+    return {
+        "model": run.model_dir, "num_prompts": run.num_prompts, "input_words": run.input_len,
+        "prompt_tokens_per_request": prompt_tokens, "output_len": run.output_len, "engine_flags": list(run.engine_argv),
+        "pairs": [{k: v for k, v in p.items() if k != "serve_report"} for p in pairs],
+        "serve_output_tokens_per_s": statistics.median(serve),
+        "offline_output_tokens_per_s": statistics.median(offline),
+        "median_ratio": statistics.median(p["ratio"] for p in pairs),
+        "failed": sum(p["serve_failed"] for p in pairs),
+        "last_serve_report": pairs[-1]["serve_report"],
+    }
+
+
+def _serve_once(run: StackRun, seed: int) -> dict:
+    from worker.bench.serve import Load, bench_serve, random_prompts
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "serve", "--model", run.model_dir, "--port", str(port),
+             *run.engine_argv],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            _wait_ready(proc, url, out)
+            warm = min(run.num_prompts, WARMUP_PROMPTS)
+            bench_serve(url, None, random_prompts(warm, run.input_len, seed + 7),
+                        Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
+            return bench_serve(url, None, random_prompts(run.num_prompts, run.input_len, seed),
+                               Load(run.num_prompts, output_len=run.output_len, seed=seed))
+        finally:
+            _stop(proc)
+
+
+def _offline_once(run: StackRun, prompt_tokens: int, seed: int) -> dict:
+    import json
+
+    cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir,
+           "--num-prompts", str(run.num_prompts), "--input-len", str(prompt_tokens),
+           "--output-len", str(run.output_len), "--seed", str(seed), "--json", *run.engine_argv]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench offline exited {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, out) -> None:
+    """Until /ready says a worker serves the model; the stack's own output on failure."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out.seek(0)
+            raise RuntimeError(f"redjax serve exited {proc.returncode} before it was ready:\n{out.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.5)
+    raise RuntimeError(f"redjax serve was not ready within {READY_TIMEOUT_S:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM: the stack stops its API, then its workers and Redis. The whole group if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
