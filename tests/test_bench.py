@@ -169,3 +169,35 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(model))
     counts = [len(tok(p)["input_ids"]) for p in random_prompts(4, 6, seed=3)]  # the first pair's prompts
     assert report["prompt_tokens_per_request"] == round(sum(counts) / len(counts))
+
+
+def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
+    """The load generator parses SSE per network read: lines cut between reads, CRLF endings and
+    comment lines must not change what it counts."""
+    import asyncio
+
+    from worker.bench.serve import Result, _read_stream
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj)}"
+
+    lines = [": ping", event({"choices": [{"text": "a"}]}), "", event({"choices": [{"text": ""}]}), "",
+             event({"choices": [{"text": "bc"}]}), "", event({"choices": [], "usage": {"prompt_tokens": 5,
+                                                                                     "completion_tokens": 3}}),
+             "", "data: [DONE]", "", event({"choices": [{"text": "after done"}]}), ""]
+
+    class Content:
+        def __init__(self, body: bytes, cut: int):
+            self.parts = [body[i:i + cut] for i in range(0, len(body), cut)]
+
+        async def iter_any(self):
+            for part in self.parts:
+                yield part
+
+    for newline in ("\n", "\r\n"):
+        body = newline.join(lines).encode()
+        for cut in (1, 7, len(body)):
+            r = Result(start=0.0)
+            asyncio.run(_read_stream(Content(body, cut), r))
+            assert (r.prompt_tokens, r.output_tokens) == (5, 3), (newline, cut)
+            assert r.ttft > 0 and len(r.itl) == 1, (newline, cut)  # two chunks with text; "" is not content
