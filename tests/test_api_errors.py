@@ -169,3 +169,23 @@ def test_redis_down_is_503(start_api):
     assert _assert_openai_error(response, 503)["code"] == "queue_unavailable"
     _assert_openai_error(httpx.get(f"{url}/ready"), 503)
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("words", [20, 2000])  # bodies under and over routes.INLINE_PARSE_BYTES
+def test_prompts_parsed_inline_or_in_a_thread_count_the_same(api, tiny_model_dir, redis_client, words):
+    """Short bodies are tokenized on the event loop, long ones in a worker thread: either way the
+    prompt length in the context error is transformers' own count, and nothing is enqueued."""
+    import json
+
+    import transformers
+
+    from api.routes import INLINE_PARSE_BYTES
+
+    prompt = " ".join(["stone", "river", "light"] * words)[: words * 6]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 500}
+    assert (len(json.dumps(body)) > INLINE_PARSE_BYTES) == (words > 100)
+    want = len(transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))(prompt)["input_ids"])
+    response = httpx.post(f"{api}/v1/completions", json=body)
+    error = _assert_openai_error(response, 400)
+    assert error["code"] == "context_length_exceeded" and f"({want} in the prompt, 500 for" in error["message"]
+    assert redis_client.xlen(contract.REQUESTS) == 0

@@ -53,6 +53,8 @@ def bench_stack(run: StackRun, log=print) -> dict:
         order = ("serve", "offline") if i % 2 == 0 else ("offline", "serve")
         pair: dict = {"first": order[0]}
         for half in order:
+            print(f"pair {i + 1}/{run.pairs}: {'serving through redjax serve' if half == 'serve' else 'offline engine'}",
+                  file=sys.stderr, flush=True)
             if half == "serve":
                 report = _serve_once(run, seed)
                 prompt_tokens = prompt_tokens or max(1, round(report["prompt_tokens"] / max(1, report["completed"])))
