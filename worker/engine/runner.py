@@ -195,10 +195,18 @@ def _step(graphdef, param_def, attention: AttentionOps, params: tuple, kv: KVCac
     tokens = jnp.where(db.src >= 0, prev_tokens[jnp.maximum(db.src, 0)], db.tokens)  # i32[T]
 
     def forward(kv: KVCache, tokens, positions, slots, context_lens, prompt_lp: bool):
-        def attend(layer, q, k, v, cache):  # q [T, H, D], k/v [T, KV, D]
+        # a step with prefill rows needs the last layer's outputs only at each row's sampled token
+        # (its last): the trunk then runs that layer's queries and MLP on those rows alone, and
+        # their attention is a decode-shaped call (one query per row at its last position)
+        out_rows = db.sample_rows if shape.num_prefill and not prompt_lp else None
+        last = cfg.num_layers - 1
+
+        def attend(layer, q, k, v, cache):  # q [T, H, D] (or [R, H, D] for out_rows), k/v [T, KV, D]
             keys, values = cache
             kp, vp = write_keys(keys[layer], k, slots), write_kv(values[layer], v, slots)
-            if shape.packed:  # decode rows and packed prefill chunks in one ragged call
+            if out_rows is not None and layer == last:
+                out = attention.decode(q, kp, vp, db.page_tables, positions[out_rows], context_lens, cfg.window(layer))
+            elif shape.packed:  # decode rows and packed prefill chunks in one ragged call
                 out = attention.ragged(q, kp, vp, db.page_tables, positions, db.q_starts, db.q_lens, context_lens,
                                        cfg.window(layer))
             else:
@@ -206,8 +214,8 @@ def _step(graphdef, param_def, attention: AttentionOps, params: tuple, kv: KVCac
                                      attention)
             return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
 
-        hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values))  # [T, hidden]
-        logits = model.logits(hidden[db.sample_rows])  # f32[R, V]
+        hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values), out_rows)
+        logits = model.logits(hidden if out_rows is not None else hidden[db.sample_rows])  # f32[R, V]
         full = model.logits(hidden) if prompt_lp else None  # f32[T, V]
         return KVCache(keys, values), logits, full
 

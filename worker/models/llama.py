@@ -72,17 +72,22 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any):
-        """x: [..., T, hidden], rope: rope_table(positions) -> ([..., T, hidden], cache)."""
+    def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any,
+                 rows: jax.Array | None = None):
+        """x: [..., T, hidden], rope: rope_table(positions) -> ([..., T, hidden], cache).
+
+        rows (i32[R], a flat x [T, hidden] only): queries and outputs for those rows alone, while
+        keys and values still come from every row -> ([R, hidden], cache)."""
         cfg = self.cfg
-        q = self.q_proj(x).reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)  # [..., T, H, D]
+        xq, rope_q = (x, rope) if rows is None else (x[rows], (rope[0][rows], rope[1][rows]))
+        q = self.q_proj(xq).reshape(*xq.shape[:-1], cfg.num_heads, cfg.head_dim)  # [..., T|R, H, D]
         k = self.k_proj(x).reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)  # [..., T, KV, D]
         v = self.v_proj(x).reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)  # [..., T, KV, D]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out, cache = attend(layer, q, k, v, cache)  # [..., T, H, D]
-        return self.o_proj(out.reshape(*x.shape[:-1], cfg.num_heads * cfg.head_dim)), cache
+        q, k = apply_rope(q, rope_q), apply_rope(k, rope)
+        out, cache = attend(layer, q, k, v, cache)  # [..., T|R, H, D]
+        return self.o_proj(out.reshape(*xq.shape[:-1], cfg.num_heads * cfg.head_dim)), cache
 
 
 class MLP(nnx.Module):
@@ -103,9 +108,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any):
-        attn, cache = self.self_attn(layer, self.input_layernorm(x), rope, attend, cache)
-        x = x + attn
+    def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any,
+                 rows: jax.Array | None = None):
+        attn, cache = self.self_attn(layer, self.input_layernorm(x), rope, attend, cache, rows)
+        x = (x if rows is None else x[rows]) + attn
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
@@ -140,13 +146,21 @@ class LlamaForCausalLM(nnx.Module):
         hidden, _ = self.trunk(tokens, positions, self._causal_attend, None)
         return self.logits(hidden)
 
-    def trunk(self, tokens: jax.Array, positions: jax.Array, attend: Attend, cache: Any):
-        """tokens i32[..., T], positions i32[..., T] -> (final-normed hidden [..., T, hidden], cache)."""
+    def trunk(self, tokens: jax.Array, positions: jax.Array, attend: Attend, cache: Any,
+              out_rows: jax.Array | None = None):
+        """tokens i32[..., T], positions i32[..., T] -> (final-normed hidden [..., T, hidden], cache).
+
+        out_rows (i32[R], flat tokens [T] only): the hidden states of those rows alone -> [R, hidden].
+        The last layer then writes keys and values for every row but runs its queries, output
+        projection and MLP on those rows only; `attend` gets q [R, H, D] with k/v [T, KV, D] there.
+        A prefill chunk needs only its last row's logits, so a step of long chunks skips most of
+        one layer."""
         # the residual stream is float32 in every compute dtype
         x = jnp.take(self.model.embed_tokens.weight[...], tokens, axis=0).astype(jnp.float32)  # [..., T, hidden]
         rope = rope_table(positions, self.cfg)
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x, cache = layer(i, x, rope, attend, cache)
+            x, cache = layer(i, x, rope, attend, cache, out_rows if i == last else None)
         return self.model.norm(x), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
