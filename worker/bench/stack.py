@@ -15,6 +15,7 @@ server does not have that cost).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -105,8 +106,6 @@ def _serve_once(run: StackRun, seed: int) -> dict:
 
 
 def _offline_once(run: StackRun, prompt_tokens: int, seed: int) -> dict:
-    import json
-
     cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir,
            "--num-prompts", str(run.num_prompts), "--input-len", str(prompt_tokens),
            "--output-len", str(run.output_len), "--seed", str(seed), "--json", *run.engine_argv]
