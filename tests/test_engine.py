@@ -148,6 +148,36 @@ def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, gree
     assert engine.matmul == ("kernel" if cpu_matmul.has_avx512() else "xla")  # "auto", float32 weights
 
 
+@pytest.mark.parametrize("window_ms, steps", [(1e9, 16), (1e-3, 1)], ids=["wide", "narrow"])
+def test_auto_decode_steps_fill_the_window_and_keep_greedy_outputs(model, tokenizer, prompts, greedy_refs, window_ms,
+                                                                   steps):
+    """decode_steps auto: timed single steps at a full batch, then as many fused as the window
+    holds (clamped to 1..16: no figure here depends on how fast this machine is). The throwaway
+    requests leave nothing behind, and generation with the chosen count still equals transformers."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_window_ms=window_ms)
+    assert engine.config.decode_steps is None and engine.decode_steps == 8  # auto, before any timing
+    free = engine.allocator.num_free_pages
+    assert engine.calibrate_decode_steps() == steps
+    assert engine.decode_steps == engine.runner.fused_steps == steps and engine.decode_step_s > 0
+    assert (engine.num_steps, engine.num_generated_tokens, engine.num_prompt_tokens) == (0, 0, 0)
+    assert not engine.has_unfinished() and engine.allocator.num_free_pages == free
+    assert engine.calibrate_decode_steps() == steps  # once: the warm-up calls it again
+    chunks = record_chunks(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    results = drain(engine)
+    assert [results[(f"r{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+    assert max(c["steps"] for c in chunks) == min(steps, GEN - 1)  # the prefill samples the first token
+    assert_pages_returned(engine, free)
+
+
+def test_fixed_decode_steps_are_never_timed(model, tokenizer):
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=3, decode_window_ms=1e-3)
+    assert engine.calibrate_decode_steps() == 3 and engine.decode_step_s is None
+    assert engine.num_steps == 0 and not engine.runner.compiled
+
+
 def test_greedy_batch_equals_generate_on_the_jnp_attention_and_xla_matmul_path(model, tokenizer, prompts, greedy_refs):
     engine = make_engine(model, tokenizer, SIZES["tight"], decode_steps=4, attention="jnp", matmul="xla")
     assert engine.runner.attention is paged_attention.JNP and engine.matmul == "xla"

@@ -33,7 +33,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's)")
     g.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"],
                    help="KV page dtype (default: the compute dtype); bfloat16 halves KV memory and traffic")
-    g.add_argument("--decode-steps", type=int, help="decode steps fused per call when nothing waits (default 8)")
+    g.add_argument("--decode-steps", type=_decode_steps,
+                   help="decode steps fused per call when nothing waits: a number, or auto (default): as many "
+                        "as one call runs in --decode-window-ms, timed at warm-up")
+    g.add_argument("--decode-window-ms", type=float,
+                   help="auto decode steps: the longest one fused call should take (default 80)")
     g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
                    help="read each step back before dispatching the next")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
@@ -47,8 +51,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
-               "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "async_overlap", "enable_prefix_cache", "tensor_parallel",
+               "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "enable_prefix_cache", "tensor_parallel",
                "attention", "matmul")
+
+
+def _decode_steps(value: str) -> int | None:
+    """--decode-steps: a positive number, or auto (None: the engine's default)."""
+    if value.strip().lower() == "auto":
+        return None
+    steps = int(value)
+    if steps < 1:
+        raise argparse.ArgumentTypeError("decode steps must be >= 1 or auto")
+    return steps
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:

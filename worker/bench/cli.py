@@ -44,7 +44,7 @@ def offline(argv: list[str]) -> int:
         return 0
     r = report
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
-          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}): {r['num_prompts']} prompts x {r['input_len']} in / {r['output_len']} out")
+          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts x {r['input_len']} in / {r['output_len']} out")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")

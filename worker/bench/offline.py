@@ -85,7 +85,7 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
     """Compile what the run will use: the same prefill batches, then decode at the longest context
     (one long prompt among short ones sets the page-table width). Shapes missed here show up as
     `compiles_during_run`."""
-    short = min(work.output_len, 2 * engine.config.decode_steps + 2)
+    short = min(work.output_len, 2 * engine.decode_steps + 2)
     run_engine(engine, work.prompts(vocab, seed=work.seed + 1), short, tag="warm-a")
     long = work.input_len + work.output_len - short
     if long > work.input_len:
@@ -114,6 +114,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     dtype = engine.config.dtype or cfg.dtype
     itemsize = jnp.dtype(DTYPES[dtype]).itemsize
     engine.runner.compile_after = 1  # compile exactly the shapes the warmup meets: the run then reuses them
+    engine.calibrate_decode_steps()  # as a worker's warm-up does
     warmup(engine, work, cfg.vocab_size)
     freeze_startup_heap()  # as a worker does after its warm-up (and the baseline runs after it too)
     compiled = len(engine.runner.compiled)
@@ -138,7 +139,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
-        "matmul": engine.matmul,
+        "matmul": engine.matmul, "decode_steps": engine.decode_steps,
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),

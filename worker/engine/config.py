@@ -9,6 +9,10 @@ from dataclasses import dataclass, replace
 # decode step going from 16 to 64); accelerators keep the finer page of vLLM.
 DEFAULT_PAGE_SIZE = {"cpu": 64}
 ACCELERATOR_PAGE_SIZE = 16
+# Fused decode steps of an engine whose decode_steps is auto, until its warm-up has timed a step
+# (LLMEngine.calibrate_decode_steps), and the most auto ever picks.
+DEFAULT_DECODE_STEPS = 8
+MAX_AUTO_DECODE_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5  # share of free device (or host) memory given to KV pages
     max_model_len: int | None = None  # context limit; None: the model's max_position_embeddings
     enable_prefix_cache: bool = True  # reuse full prompt pages across requests (and n > 1 choices)
-    decode_steps: int = 8  # decode steps fused in one jitted call when no prefill is pending
+    decode_steps: int | None = None  # decode steps fused in one jitted call when no prefill is pending;
+    # None: auto, as many as one call runs in decode_window_ms at a full batch (timed at warm-up)
+    decode_window_ms: float = 80.0  # auto decode_steps: how long one fused call should take at most. A
+    # request that arrives during a call waits for its end, and streams get their text this far apart
     async_overlap: bool = True  # dispatch step k+1 before reading back step k
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
@@ -43,7 +50,8 @@ class EngineConfig:
             "num_pages must be >= 2": self.num_pages is None or self.num_pages >= 2,
             "kv_cache_memory_fraction must be in (0, 1)": 0.0 < self.kv_cache_memory_fraction < 1.0,
             "max_model_len must be >= 1": self.max_model_len is None or self.max_model_len >= 1,
-            "decode_steps must be >= 1": self.decode_steps >= 1,
+            "decode_steps must be >= 1": self.decode_steps is None or self.decode_steps >= 1,
+            "decode_window_ms must be > 0": self.decode_window_ms > 0,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
@@ -59,6 +67,12 @@ class EngineConfig:
         if self.page_size is not None:
             return self
         return replace(self, page_size=DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE))
+
+    def fused_steps_for(self, step_s: float) -> int:
+        """Auto decode_steps for a full-batch decode step of `step_s` seconds: as many as fit in the
+        window, at least 1, at most MAX_AUTO_DECODE_STEPS."""
+        fit = int(self.decode_window_ms / 1000.0 / step_s) if step_s > 0 else MAX_AUTO_DECODE_STEPS
+        return max(1, min(MAX_AUTO_DECODE_STEPS, fit))
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""

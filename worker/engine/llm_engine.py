@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 
 from worker.contract import FinishReason
 from worker.engine.batch import bucket, decode_rows, envelopes, sampler_flags
-from worker.engine.config import EngineConfig
+from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_matmul
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -32,6 +34,10 @@ from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from worker.engine.stop_checker import StopChecker
 from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
 from worker.models.sharding import kv_sharding, make_mesh
+
+log = logging.getLogger("redjax.engine")
+
+CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_steps)
 
 
 @dataclass
@@ -86,8 +92,12 @@ class LLMEngine:
         # attention that reads only each row's own context lets every step use one page-table
         # width (the most any sequence can hold) whatever the contexts: fewer compiled variants
         widest = bucket(config.pages_for(self.max_model_len))
+        # fused decode steps per call: the configured number, or with auto a default until the
+        # warm-up times a step (calibrate_decode_steps)
+        self.decode_steps = config.decode_steps or DEFAULT_DECODE_STEPS
+        self.decode_step_s: float | None = None  # the full-batch decode step auto timed
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
-                                  config.decode_steps, attention, widest if attention.reads_own_context else None)
+                                  self.decode_steps, attention, widest if attention.reads_own_context else None)
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}
@@ -200,13 +210,13 @@ class LLMEngine:
     def _decode_steps(self) -> int:
         """Fuse decode steps only when no request needs host-side per-token data on device.
         Waiting ones count too: one admitted with a single token left joins as a decode."""
-        if self.config.decode_steps == 1:
+        if self.decode_steps == 1:
             return 1
         for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             p = seq.params
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                 return 1
-        return self.config.decode_steps
+        return self.decode_steps
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)
@@ -360,6 +370,7 @@ class LLMEngine:
         envelope's widest page table is free), the mixed decode + prefill envelopes
         (`batch.envelopes`) that batches of new mixes borrow until their own shape is compiled in
         the background. Returns how many variants were compiled; counters are restored afterwards."""
+        self.calibrate_decode_steps()
         counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
         runner = self.runner
         before = len(runner.compiled) + len(runner.ready)
@@ -367,7 +378,7 @@ class LLMEngine:
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
         for k, params in enumerate(sampling):
-            params = dataclasses.replace(params, n=1, max_tokens=self.config.decode_steps + 2, ignore_eos=True,
+            params = dataclasses.replace(params, n=1, max_tokens=self.decode_steps + 2, ignore_eos=True,
                                          seed=k)
             for size in sizes:
                 for i in range(size):
@@ -378,6 +389,34 @@ class LLMEngine:
                 runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
         self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
         return len(runner.compiled) + len(runner.ready) - before
+
+    def calibrate_decode_steps(self) -> int:
+        """With decode_steps auto (None): time single greedy decode steps of throwaway requests at a
+        full batch (short contexts) and fuse as many steps per call as fit in decode_window_ms
+        (EngineConfig.fused_steps_for). Runs once, before any fused variant is compiled (warmup()
+        calls it first); a configured decode_steps is kept as it is. Returns the steps now fused; counters are restored."""
+        if self.config.decode_steps is not None or self.decode_step_s is not None or self.has_unfinished():
+            return self.decode_steps
+        counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
+        chosen, self.decode_steps = self.decode_steps, 1  # single steps while timing
+        params = SamplingParams(temperature=0.0, max_tokens=CALIBRATION_STEPS + 3, ignore_eos=True, seed=0)
+        for i in range(self.config.max_num_seqs):
+            self.add_request(f"calibrate-{i}", [0], params)
+        seconds: list[float] = []  # per step() call: its decode step's period once compiled
+        try:
+            while self.has_unfinished():
+                t0 = time.perf_counter()
+                self.step()
+                seconds.append(time.perf_counter() - t0)
+        finally:
+            self.decode_steps = chosen
+        # calls: the prefill, the first decode (compiles), decodes, the last read-back
+        self.decode_step_s = step_s = statistics.median(seconds[2:-1]) if len(seconds) > 3 else 0.0
+        self.decode_steps = self.runner.fused_steps = self.config.fused_steps_for(step_s)
+        self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
+        log.info("decode steps: %d fused per call (a decode step of %d rows took %.1f ms; window %g ms)",
+                 self.decode_steps, self.config.max_num_seqs, step_s * 1e3, self.config.decode_window_ms)
+        return self.decode_steps
 
     # ---- stats ----
 

@@ -74,7 +74,7 @@ class ModelRunner:
         self.page_size = page_size
         self.max_rows = max_rows  # sampled rows of any step fit here (fixed: no recompiles)
         self.max_logprobs = max_logprobs
-        self.fused_steps = fused_steps  # steps of every fused decode call (EngineConfig.decode_steps)
+        self.fused_steps = fused_steps  # steps of every fused decode call (LLMEngine.decode_steps)
         self.prev_tokens = jnp.zeros((max_rows,), jnp.int32)  # last sampled token per row
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
         self.compiled: set[tuple] = set()  # (shape, flags) variants run through jit

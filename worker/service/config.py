@@ -78,6 +78,8 @@ class WorkerConfig:
 
 
 def _parse(type_name: str, raw: str) -> Any:
+    if "None" in type_name and raw.strip().lower() in ("", "auto"):
+        return None  # the field's automatic default
     if "bool" in type_name:
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if "int" in type_name and "float" not in type_name:

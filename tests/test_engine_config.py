@@ -1,0 +1,52 @@
+"""EngineConfig's fused decode steps, as the CLI and the environment give them: a number, or auto."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from worker.cli import _engine_overrides, engine_argv, parser
+from worker.engine.config import MAX_AUTO_DECODE_STEPS, EngineConfig
+from worker.service.config import WorkerConfig
+
+
+def test_auto_fuses_what_fits_in_the_window():
+    config = EngineConfig()
+    assert config.decode_steps is None and config.decode_window_ms == 80.0
+    assert config.fused_steps_for(0.010) == 8  # 80 ms / 10 ms
+    assert config.fused_steps_for(0.0101) == 7  # never past the window
+    assert config.fused_steps_for(0.004) == MAX_AUTO_DECODE_STEPS == 16  # 20 fit: capped
+    assert config.fused_steps_for(0.5) == 1  # a step longer than the window still runs
+    assert EngineConfig(decode_window_ms=40).fused_steps_for(0.010) == 4
+
+
+@pytest.mark.parametrize("bad", [dict(decode_steps=0), dict(decode_window_ms=0), dict(decode_window_ms=-5)])
+def test_bad_values_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EngineConfig(**bad)
+
+
+def _worker_args(*flags: str) -> argparse.Namespace:
+    return parser().parse_args(["worker", "--model", "m", *flags])
+
+
+def test_cli_takes_a_number_or_auto_and_passes_it_on():
+    assert "decode_steps" not in _engine_overrides(_worker_args("--decode-steps", "auto"))
+    overrides = _engine_overrides(_worker_args("--decode-steps", "4", "--decode-window-ms", "40"))
+    assert overrides["decode_steps"] == 4 and overrides["decode_window_ms"] == 40.0
+    again = _engine_overrides(_worker_args(*engine_argv(overrides)))  # what `redjax serve` gives its workers
+    assert again == overrides
+    with pytest.raises(SystemExit):
+        _worker_args("--decode-steps", "0")
+
+
+def test_environment_takes_a_number_or_auto():
+    def engine(env: dict) -> EngineConfig:
+        return WorkerConfig.from_env({"model_dir": "m"}, environ=env).engine
+
+    assert engine({"REDJAX_DECODE_STEPS": "auto"}).decode_steps is None
+    assert engine({"REDJAX_DECODE_STEPS": "12", "REDJAX_DECODE_WINDOW_MS": "50"}) == EngineConfig(
+        decode_steps=12, decode_window_ms=50.0)
+    with pytest.raises(ValueError):
+        engine({"REDJAX_DECODE_STEPS": "many"})
