@@ -13,10 +13,10 @@ from worker.service.config import WorkerConfig
 
 def test_auto_fuses_what_fits_in_the_window():
     config = EngineConfig()
-    assert config.decode_steps is None and config.decode_window_ms == 80.0
-    assert config.fused_steps_for(0.010) == 8  # 80 ms / 10 ms
-    assert config.fused_steps_for(0.0101) == 7  # never past the window
-    assert config.fused_steps_for(0.004) == MAX_AUTO_DECODE_STEPS == 16  # 20 fit: capped
+    assert config.decode_steps is None and config.decode_window_ms == 100.0
+    assert config.fused_steps_for(0.010) == 10  # 100 ms / 10 ms
+    assert config.fused_steps_for(0.0101) == 9  # never past the window
+    assert config.fused_steps_for(0.004) == MAX_AUTO_DECODE_STEPS == 16  # 25 fit: capped
     assert config.fused_steps_for(0.5) == 1  # a step longer than the window still runs
     assert EngineConfig(decode_window_ms=40).fused_steps_for(0.010) == 4
 

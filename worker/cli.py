@@ -37,7 +37,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="decode steps fused per call when nothing waits: a number, or auto (default): as many "
                         "as one call runs in --decode-window-ms, timed at warm-up")
     g.add_argument("--decode-window-ms", type=float,
-                   help="auto decode steps: the longest one fused call should take (default 80)")
+                   help="auto decode steps: the longest one fused call should take (default 100)")
     g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
                    help="read each step back before dispatching the next")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)

@@ -85,7 +85,11 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
     """Compile what the run will use: the same prefill batches, then decode at the longest context
     (one long prompt among short ones sets the page-table width). Shapes missed here show up as
     `compiles_during_run`."""
-    short = min(work.output_len, 2 * engine.decode_steps + 2)
+    # outputs long enough that the first sequences still decode while the last prompts prefill (the
+    # run's mixed shapes), and past two fused windows
+    budget = engine.config.max_num_batched_tokens
+    prefill_steps = -(-min(work.num_prompts, engine.config.max_num_seqs) * work.input_len // budget)
+    short = min(work.output_len, max(2 * engine.decode_steps, prefill_steps) + 2)
     run_engine(engine, work.prompts(vocab, seed=work.seed + 1), short, tag="warm-a")
     long = work.input_len + work.output_len - short
     if long > work.input_len:

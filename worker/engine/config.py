@@ -26,8 +26,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True  # reuse full prompt pages across requests (and n > 1 choices)
     decode_steps: int | None = None  # decode steps fused in one jitted call when no prefill is pending;
     # None: auto, as many as one call runs in decode_window_ms at a full batch (timed at warm-up)
-    decode_window_ms: float = 80.0  # auto decode_steps: how long one fused call should take at most. A
-    # request that arrives during a call waits for its end, and streams get their text this far apart
+    decode_window_ms: float = 100.0  # auto decode_steps: how long one fused call should take at most. A
+    # request that arrives during a call waits for its end, and streams get their text this far apart;
+    # 100 ms is about where a pause starts to be noticed
     async_overlap: bool = True  # dispatch step k+1 before reading back step k
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
