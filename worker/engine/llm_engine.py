@@ -377,22 +377,16 @@ class LLMEngine:
         sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
-        # each batch compiles its own shape rather than borrowing a bigger one already there (the
-        # full-batch single step that calibration compiled covers every smaller one)
-        compile_after, runner.compile_after = runner.compile_after, 1
-        try:
-            for k, params in enumerate(sampling):
-                params = dataclasses.replace(params, n=1, max_tokens=self.decode_steps + 2, ignore_eos=True,
-                                             seed=k)
-                for size in sizes:
-                    for i in range(size):
-                        self.add_request(f"warmup-{k}-{size}-{i}", [0], params)
-                    while self.has_unfinished():
-                        self.step()
-                for shape in mixed:
-                    runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
-        finally:
-            runner.compile_after = compile_after
+        for k, params in enumerate(sampling):
+            params = dataclasses.replace(params, n=1, max_tokens=self.decode_steps + 2, ignore_eos=True,
+                                         seed=k)
+            for size in sizes:
+                for i in range(size):
+                    self.add_request(f"warmup-{k}-{size}-{i}", [0], params)
+                while self.has_unfinished():
+                    self.step()
+            for shape in mixed:
+                runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
         self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
         return len(runner.compiled) + len(runner.ready) - before
 
@@ -400,7 +394,8 @@ class LLMEngine:
         """With decode_steps auto (None): time single greedy decode steps of throwaway requests at a
         full batch (short contexts) and fuse as many steps per call as fit in decode_window_ms
         (EngineConfig.fused_steps_for). Runs once, before any fused variant is compiled (warmup()
-        calls it first); a configured decode_steps is kept as it is. Returns the steps now fused; counters are restored."""
+        calls it first); a configured decode_steps is kept as it is. Returns the steps now fused;
+        counters are restored."""
         if self.config.decode_steps is not None or self.decode_step_s is not None or self.has_unfinished():
             return self.decode_steps
         counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
