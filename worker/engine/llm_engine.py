@@ -6,6 +6,7 @@ scheduling and batch building for step k+1 run while the device computes step k.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -371,23 +372,22 @@ class LLMEngine:
         (`batch.envelopes`) that batches of new mixes borrow until their own shape is compiled in
         the background. Returns how many variants were compiled; counters are restored afterwards."""
         self.calibrate_decode_steps()
-        counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
         runner = self.runner
         before = len(runner.compiled) + len(runner.ready)
         sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
-        for k, params in enumerate(sampling):
-            params = dataclasses.replace(params, n=1, max_tokens=self.decode_steps + 2, ignore_eos=True,
-                                         seed=k)
-            for size in sizes:
-                for i in range(size):
-                    self.add_request(f"warmup-{k}-{size}-{i}", [0], params)
-                while self.has_unfinished():
-                    self.step()
-            for shape in mixed:
-                runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
-        self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
+        with self._uncounted():
+            for k, params in enumerate(sampling):
+                params = dataclasses.replace(params, n=1, max_tokens=self.decode_steps + 2, ignore_eos=True,
+                                             seed=k)
+                for size in sizes:
+                    for i in range(size):
+                        self.add_request(f"warmup-{k}-{size}-{i}", [0], params)
+                    while self.has_unfinished():
+                        self.step()
+                for shape in mixed:
+                    runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
         return len(runner.compiled) + len(runner.ready) - before
 
     def calibrate_decode_steps(self) -> int:
@@ -398,26 +398,34 @@ class LLMEngine:
         counters are restored."""
         if self.config.decode_steps is not None or self.decode_step_s is not None or self.has_unfinished():
             return self.decode_steps
-        counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
         chosen, self.decode_steps = self.decode_steps, 1  # single steps while timing
         params = SamplingParams(temperature=0.0, max_tokens=CALIBRATION_STEPS + 3, ignore_eos=True, seed=0)
-        for i in range(self.config.max_num_seqs):
-            self.add_request(f"calibrate-{i}", [0], params)
         seconds: list[float] = []  # per step() call: its decode step's period once compiled
         try:
-            while self.has_unfinished():
-                t0 = time.perf_counter()
-                self.step()
-                seconds.append(time.perf_counter() - t0)
+            with self._uncounted():
+                for i in range(self.config.max_num_seqs):
+                    self.add_request(f"calibrate-{i}", [0], params)
+                while self.has_unfinished():
+                    t0 = time.perf_counter()
+                    self.step()
+                    seconds.append(time.perf_counter() - t0)
         finally:
             self.decode_steps = chosen
         # calls: the prefill, the first decode (compiles), decodes, the last read-back
         self.decode_step_s = step_s = statistics.median(seconds[2:-1]) if len(seconds) > 3 else 0.0
         self.decode_steps = self.runner.fused_steps = self.config.fused_steps_for(step_s)
-        self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
         log.info("decode steps: %d fused per call (a decode step of %d rows took %.1f ms; window %g ms)",
                  self.decode_steps, self.config.max_num_seqs, step_s * 1e3, self.config.decode_window_ms)
         return self.decode_steps
+
+    @contextlib.contextmanager
+    def _uncounted(self):
+        """Throwaway requests (warm-up, calibration) leave the throughput counters as they were."""
+        counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
+        try:
+            yield
+        finally:
+            self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
 
     # ---- stats ----
 
