@@ -23,8 +23,11 @@ class KVCache:
 
     @classmethod
     def create(cls, model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> "KVCache":
-        """Zeroed pages; `sharding` (tensor parallel) splits them by KV head."""
-        out = None if sharding is None else (sharding,) * model.num_layers
+        """Zeroed pages; `sharding` (tensor parallel) splits them by KV head. The pages are committed
+        to their devices from the start, as every step's outputs are: a jit traced on uncommitted
+        pages misses its cache once they are committed, and compiles the same variant again."""
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        out = (sharding,) * model.num_layers
         stored = storage_dtype(dtype)
 
         def make(shape):

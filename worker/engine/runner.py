@@ -75,7 +75,9 @@ class ModelRunner:
         self.max_rows = max_rows  # sampled rows of any step fit here (fixed: no recompiles)
         self.max_logprobs = max_logprobs
         self.fused_steps = fused_steps  # steps of every fused decode call (LLMEngine.decode_steps)
-        self.prev_tokens = jnp.zeros((max_rows,), jnp.int32)  # last sampled token per row
+        # last sampled token per row; committed like the pages (and like every step's outputs), so
+        # warm-up traces each variant with the arguments serving calls it with
+        self.prev_tokens = jax.device_put(jnp.zeros((max_rows,), jnp.int32), _replicated(kv.keys[0].sharding))
         self.prev_rows: dict[int, int] = {}  # seq_id -> row of the last dispatched step
         self.compiled: set[tuple] = set()  # (shape, flags) variants run through jit
         self.ready: dict[tuple, Any] = {}  # (shape, flags) -> executable compiled in the background
@@ -171,6 +173,13 @@ class ModelRunner:
                 self.compiling.discard(key)
 
         threading.Thread(target=work, name="redjax-compile", daemon=True).start()
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """A whole copy on every device of `sharding` (itself for one device)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
 
 
 def _log_variant(what: str, shape: StepShape, flags: SamplerFlags) -> None:
