@@ -115,15 +115,28 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     exact = shape(8, 6, 32)
     lengths = [60, 30, 100, 20]  # 1 + 1 + 2 + 1 rows of 64 fit in 16
     for _ in range(COMPILE_AFTER - 1):
-        assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == big  # cheapest that fits
+        assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == (big, flags)  # cheapest that fits
         assert runner._compile_next is None
-    assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == big
+    assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == (big, flags)
     assert runner._compile_next == (exact, flags)
     other = SamplerFlags(**{**vars(flags), "all_greedy": False})  # no compiled variant with these flags
-    assert ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4) == exact
-    assert ModelRunner._choose_shape(runner, shape(8, 6, 32, pages=8), flags, 5, lengths, 8) == shape(8, 6, 32, 8)
+    assert ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4) == (exact, other)
+    assert ModelRunner._choose_shape(runner, shape(8, 6, 32, pages=8), flags, 5, lengths, 8) == (shape(8, 6, 32, 8), flags)
     near = shape(8, 16, 64)  # big only pads 8 decode rows more: borrowed, never compiled
     runner._compile_next = None
     for _ in range(2 * COMPILE_AFTER):
-        assert ModelRunner._choose_shape(runner, near, flags, 5, lengths, 4) == big
+        assert ModelRunner._choose_shape(runner, near, flags, 5, lengths, 4) == (big, flags)
         assert runner._compile_next is None
+    # a batch whose sampling needs less than a compiled variant does runs in it at once, even at its
+    # exact shape, and asks for its own variant (no extra sampler work) the third time
+    full = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_sort": True})
+    top_p = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_sort": True})
+    sampled = SamplerFlags(**{**vars(flags), "all_greedy": False})
+    runner.compiled.add((near, full))
+    assert ModelRunner._choose_shape(runner, near, top_p, 5, lengths, 4) == (near, full)  # the same flags
+    for i in range(COMPILE_AFTER):
+        assert ModelRunner._choose_shape(runner, near, sampled, 5, lengths, 4) == (near, full)
+        assert runner._compile_next == (None if i < COMPILE_AFTER - 1 else (near, sampled))
+    runner._compile_next = None
+    assert ModelRunner._choose_shape(runner, near, flags, 5, lengths, 4) == (near, full)  # cheaper than big
+    assert ModelRunner._choose_shape(runner, exact, top_p, 5, lengths, 4) == (near, full)

@@ -465,50 +465,6 @@ def test_unseeded_offline_sampling_is_reproducible(random_ckpt):
     assert all(p.returncode == 0 for p in probes) and seeds[0] == seeds[1] != ""
 
 
-def test_warmup_compiles_the_decode_variants_a_server_meets_first(model, tokenizer, prompts):
-    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
-    free = engine.allocator.num_free_pages
-    assert engine.warmup() > 0
-    assert engine.num_generated_tokens == 0 and engine.num_steps == 0  # throwaway work is not counted
-    assert_pages_returned(engine, free)
-    decode_variants = {k for k in engine.runner.compiled if k[0].num_prefill == 0}
-    traced = jit_traces(engine)
-    for temperature in (0.0, 1.0):
-        params = SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True)
-        for i in range(5):
-            engine.add_request(f"r{i}", [3], params)  # one-token prompts: every step is a pure decode step
-        drain(engine)
-    assert {k for k in engine.runner.compiled if k[0].num_prefill == 0} == decode_variants
-    assert jit_traces(engine) == traced  # and jit itself traced nothing again (same argument placements)
-
-
-def test_new_mixes_after_warmup_run_in_an_envelope_without_stopping_to_compile(model, tokenizer, prompts, greedy_refs):
-    """After warmup, batches that mix running decodes with arriving prompts of any length run in a
-    precompiled envelope (or their own shape, compiled in the background) and give the same tokens."""
-    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
-    engine.warmup()
-    assert any(shape.num_prefill and shape.num_decode for shape, _ in engine.runner.ready)
-    stopped_to_compile = set(engine.runner.compiled)
-    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-
-    def arrive(k):  # one prompt joins the running batch every other step
-        if k % 2 == 0 and k // 2 < len(prompts):
-            engine.add_request(f"p{k // 2}", prompts[k // 2], params)
-
-    traced = jit_traces(engine)
-    results = drain(engine, arrive)
-    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
-    assert set(engine.runner.compiled) == stopped_to_compile
-    assert jit_traces(engine) == traced
-
-
-def jit_traces(engine: LLMEngine) -> int:
-    """Variants the jitted step has traced: a variant the runner counts as compiled is traced
-    again (and compiled again) when it is called with arguments placed differently from its first
-    call, e.g. committed pages after uncommitted ones. (`_cache_size` is jax's own test hook.)"""
-    return engine.runner._step._cache_size()
-
-
 @pytest.mark.parametrize("attention", ["kernel", "jnp"])
 def test_bfloat16_kv_cache_halves_page_memory_and_stays_close_to_the_float32_forward(model, tokenizer, hf, prompts,
                                                                                        attention):

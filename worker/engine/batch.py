@@ -198,8 +198,8 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     `fixed_pages` (attention that reads only each row's own context), every batch uses that
     page-table width: variants no longer multiply with context lengths. `packed` (ragged
     attention): prefill chunks are packed back to back, one row each (`StepShape.packed`).
-    `choose(exact_shape, flags, decode_rows, prefill_lengths, pages)` may return another shape the
-    batch fits in (an already compiled one) to run instead.
+    `choose(exact_shape, flags, decode_rows, prefill_lengths, pages)` may return another (shape,
+    flags) variant the batch fits in (an already compiled one) to run instead.
     """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
@@ -219,7 +219,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     flags = sampler_flags([c.seq.params for c in batch.chunks], max_logprobs)
     if choose is not None:
-        shape = choose(shape, flags, len(decode), lengths, pages)
+        shape, flags = choose(shape, flags, len(decode), lengths, pages)
         sd, qp, pages = shape.num_decode, shape.prefill_len, shape.pages
 
     t, r = shape.num_tokens, shape.num_rows

@@ -363,14 +363,19 @@ class LLMEngine:
         track.prompt_sent = True
         return track.prompt_logprobs
 
-    def warmup(self, sampling: tuple[SamplingParams, ...] = (SamplingParams(temperature=0.0),
-                                                             SamplingParams(temperature=1.0))) -> int:
+    def warmup(self, sampling: tuple[SamplingParams, ...] | None = None) -> int:
         """Compile the step variants a server meets first, for each of `sampling`: every
         pure-decode batch-size bucket (fused and single steps), by running throwaway one-token
         requests, and, when attention cost follows each row's own context (the CPU kernel: an
         envelope's widest page table is free), the mixed decode + prefill envelopes
         (`batch.envelopes`) that batches of new mixes borrow until their own shape is compiled in
-        the background. Returns how many variants were compiled; counters are restored afterwards."""
+        the background. The default: greedy, sampled, and sampled with top-p and logprobs, which
+        any batch without penalties or logit bias can run in (`runner.serves`), so no sampling
+        field makes the worker stop to compile. Returns how many variants were compiled; counters
+        are restored afterwards."""
+        if sampling is None:
+            sampling = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                        SamplingParams(temperature=1.0, top_p=0.5, logprobs=self.config.max_logprobs))
         self.calibrate_decode_steps()
         runner = self.runner
         before = len(runner.compiled) + len(runner.ready)

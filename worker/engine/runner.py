@@ -114,26 +114,31 @@ class ModelRunner:
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, starts, shape, out)
 
-    def _choose_shape(self, exact: StepShape, flags, num_decode: int, lengths: list[int], pages: int) -> StepShape:
-        """The exact shape if compiled; else the cheapest compiled variant the batch fits in (a stall
-        of seconds to compile a shape that arrival timing produced once costs more than padding a
-        step), asking for the exact one to be compiled in the background once it has come up
-        `compile_after` times if the padding costs more than BORROW_TOLERANCE; the exact shape
-        (compiled now) when nothing covers the batch."""
+    def _choose_shape(self, exact: StepShape, flags: SamplerFlags, num_decode: int, lengths: list[int],
+                      pages: int) -> tuple[StepShape, SamplerFlags]:
+        """The exact variant if compiled; else the cheapest compiled one the batch fits in: a shape
+        at least as large, with sampler flags that do at least what the batch needs (`serves`: a
+        request with top-p or logprobs runs in a variant warm-up compiled with them, instead of
+        stopping every stream on the worker while its own compiles). A stall of seconds to compile
+        a shape that arrival timing produced once costs more than padding a step. The exact variant
+        is asked for (compiled in the background) once it has come up `compile_after` times, if
+        the borrowed one pads more than BORROW_TOLERANCE or does sampler work the batch does not
+        need; with nothing to borrow, the exact variant is compiled now."""
         key = (exact, flags)
         if key in self.compiled or key in self.ready:
-            return exact
-        covering = [s for s, f in (*self.compiled, *self.ready) if f == flags and s.decode_steps == exact.decode_steps
-                    and s.prompt_logprobs == exact.prompt_logprobs and fits(s, num_decode, lengths, pages)]
+            return key
+        covering = [(s, f) for s, f in (*self.compiled, *self.ready) if serves(f, flags)
+                    and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
+                    and fits(s, num_decode, lengths, pages)]
         if not covering or self.compile_after <= 1:
-            return exact
-        best = min(covering, key=step_cost)
-        if step_cost(best) <= BORROW_TOLERANCE * step_cost(exact):
+            return key
+        best = min(covering, key=lambda v: (step_cost(v[0]), v[1] != flags))
+        if best[1] == flags and step_cost(best[0]) <= BORROW_TOLERANCE * step_cost(exact):
             return best
         self.wanted[key] = self.wanted.get(key, 0) + 1
         if self.wanted[key] >= self.compile_after and key not in self.compiling:
             if flags.penalties or flags.bias:  # their array widths are not in the key: compile through jit
-                return exact
+                return key
             self._compile_next = key
         return best
 
@@ -173,6 +178,17 @@ class ModelRunner:
                 self.compiling.discard(key)
 
         threading.Thread(target=work, name="redjax-compile", daemon=True).start()
+
+
+def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
+    """Whether a variant compiled with `compiled` flags gives a batch that needs `needed` the same
+    tokens: sampling handles greedy rows (temperature 0 takes the argmax), the top-k/top-p filter
+    keeps every token of rows with top_k 0 and top_p 1, and logprobs computed but not asked for are
+    not read back. Penalties and logit bias size the batch's arrays, so those match exactly."""
+    if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
+        return compiled == needed
+    return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_sort >= needed.needs_sort
+            and compiled.logprobs >= needed.logprobs and compiled.num_logprobs >= needed.num_logprobs)
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:

@@ -1,0 +1,114 @@
+"""Warm-up: the step variants a worker compiles before it joins, and that nothing a request asks
+for afterwards stops the worker to compile (every stream on it would stall for the compile)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_support import ROOMY, drain, tokenizer  # noqa: F401 (a fixture)
+from tests.test_engine import (  # noqa: F401 (fixtures)
+    GEN, assert_pages_returned, greedy_refs, hf, make_engine, model, prompts, random_ckpt,
+)
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.runner import serves
+from worker.engine.sampler import SamplerFlags
+from worker.engine.sampling_params import SamplingParams
+
+
+def test_warmup_compiles_the_decode_variants_a_server_meets_first(model, tokenizer, prompts):
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    free = engine.allocator.num_free_pages
+    assert engine.warmup() > 0
+    assert engine.num_generated_tokens == 0 and engine.num_steps == 0  # throwaway work is not counted
+    assert_pages_returned(engine, free)
+    decode_variants = {k for k in engine.runner.compiled if k[0].num_prefill == 0}
+    traced = jit_traces(engine)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True)
+        for i in range(5):
+            engine.add_request(f"r{i}", [3], params)  # one-token prompts: every step is a pure decode step
+        drain(engine)
+    assert {k for k in engine.runner.compiled if k[0].num_prefill == 0} == decode_variants
+    assert jit_traces(engine) == traced  # and jit itself traced nothing again (same argument placements)
+
+
+def test_new_mixes_after_warmup_run_in_an_envelope_without_stopping_to_compile(model, tokenizer, prompts, greedy_refs):
+    """After warmup, batches that mix running decodes with arriving prompts of any length run in a
+    precompiled envelope (or their own shape, compiled in the background) and give the same tokens."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    assert any(shape.num_prefill and shape.num_decode for shape, _ in engine.runner.ready)
+    stopped_to_compile = set(engine.runner.compiled)
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+
+    def arrive(k):  # one prompt joins the running batch every other step
+        if k % 2 == 0 and k // 2 < len(prompts):
+            engine.add_request(f"p{k // 2}", prompts[k // 2], params)
+
+    traced = jit_traces(engine)
+    results = drain(engine, arrive)
+    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+    assert set(engine.runner.compiled) == stopped_to_compile
+    assert jit_traces(engine) == traced
+
+
+def test_other_sampling_fields_join_running_requests_without_stopping_to_compile(model, tokenizer, prompts,
+                                                                                 greedy_refs):
+    """After warmup, requests with top-p, top-k or logprobs that arrive among running greedy ones
+    run in a variant warm-up compiled (sampled, top-p, logprobs) instead of their own, which before
+    stopped the worker to compile (on the demo model, a 2 s pause of every stream). Their tokens
+    and logprobs are those of an engine that compiled their exact variants (sampling keys depend on
+    seed and position only); the greedy requests still equal transformers."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    stopped_to_compile, traced = set(engine.runner.compiled), jit_traces(engine)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    special = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=GEN, ignore_eos=True, seed=1),
+               SamplingParams(temperature=0.7, top_k=5, max_tokens=GEN, ignore_eos=True, seed=2),
+               SamplingParams(temperature=0.0, logprobs=2, max_tokens=GEN, ignore_eos=True)]
+
+    def arrive(k):  # four greedy requests, then one special request every other step
+        if k == 0:
+            for i in range(4):
+                engine.add_request(f"g{i}", prompts[i], greedy)
+        elif k in (2, 4, 6):
+            j = k // 2 - 1
+            engine.add_request(f"s{j}", prompts[4 + j], special[j])
+
+    results = drain(engine, arrive)
+    assert [results[(f"g{i}", 0)].token_ids for i in range(4)] == greedy_refs[:4]
+    assert set(engine.runner.compiled) == stopped_to_compile
+    assert jit_traces(engine) == traced
+    reference = make_engine(model, tokenizer, ROOMY, decode_steps=4)  # no warm-up: the exact variants
+    for j, params in enumerate(special):
+        reference.add_request(f"s{j}", prompts[4 + j], params)
+    expected = drain(reference)
+    for j in range(len(special)):
+        assert results[(f"s{j}", 0)].token_ids == expected[(f"s{j}", 0)].token_ids, special[j]
+    got, want = results[("s2", 0)].logprobs, expected[("s2", 0)].logprobs
+    assert [len(e["top"]) for e in got] == [2] * GEN
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-5)
+
+
+def test_a_variant_serves_batches_that_need_less_of_the_sampler():
+    flags = lambda **kw: SamplerFlags(**{"all_greedy": True, "needs_sort": False, "penalties": False,  # noqa: E731
+                                         "bias": False, "num_logprobs": 0, "logprobs": False, **kw})
+    full = flags(all_greedy=False, needs_sort=True, logprobs=True, num_logprobs=20)
+    for needed in (flags(), flags(all_greedy=False), flags(needs_sort=True), flags(logprobs=True),
+                   flags(logprobs=True, num_logprobs=20), full):
+        assert serves(full, needed), needed
+    assert serves(flags(all_greedy=False), flags())  # greedy rows take the argmax in a sampling variant
+    assert not serves(flags(), flags(all_greedy=False))
+    assert not serves(flags(all_greedy=False), flags(all_greedy=False, needs_sort=True))
+    assert not serves(flags(logprobs=True), flags(logprobs=True, num_logprobs=20))
+    # penalty and bias arrays are sized by the batch: only the same flags
+    assert not serves(flags(all_greedy=False, penalties=True, needs_sort=True), flags(all_greedy=False, penalties=True))
+    assert not serves(flags(penalties=True), flags())
+    assert serves(flags(bias=True), flags(bias=True))
+
+
+def jit_traces(engine: LLMEngine) -> int:
+    """Variants the jitted step has traced: a variant the runner counts as compiled is traced
+    again (and compiled again) when it is called with arguments placed differently from its first
+    call, e.g. committed pages after uncommitted ones. (`_cache_size` is jax's own test hook.)"""
+    return engine.runner._step._cache_size()
