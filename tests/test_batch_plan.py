@@ -138,5 +138,5 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
         assert ModelRunner._choose_shape(runner, near, sampled, 5, lengths, 4) == (near, full)
         assert runner._compile_next == (None if i < COMPILE_AFTER - 1 else (near, sampled))
     runner._compile_next = None
-    assert ModelRunner._choose_shape(runner, near, flags, 5, lengths, 4) == (near, full)  # cheaper than big
+    assert ModelRunner._choose_shape(runner, near, flags, 5, lengths, 4) == (big, flags)  # its own flags first
     assert ModelRunner._choose_shape(runner, exact, top_p, 5, lengths, 4) == (near, full)

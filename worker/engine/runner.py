@@ -132,7 +132,9 @@ class ModelRunner:
                     and fits(s, num_decode, lengths, pages)]
         if not covering or self.compile_after <= 1:
             return key
-        best = min(covering, key=lambda v: (step_cost(v[0]), v[1] != flags))
+        # the batch's own flags first: padding costs at most the envelope ladder's step, while a
+        # sampler that does more (top-k/top-p over the vocabulary) can cost more than the step
+        best = min(covering, key=lambda v: (v[1] != flags, step_cost(v[0])))
         if best[1] == flags and step_cost(best[0]) <= BORROW_TOLERANCE * step_cost(exact):
             return best
         self.wanted[key] = self.wanted.get(key, 0) + 1
