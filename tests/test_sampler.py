@@ -16,17 +16,27 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.engine import sampler
+from worker.engine import cpu_sampling, sampler
 from worker.engine.sampler import SamplerFlags, SamplingTensors
 
 # jitted whole: op-by-op dispatch would compile every primitive separately
-sample = jax.jit(sampler.sample, static_argnames="flags")
-filter_logits = jax.jit(sampler.filter_logits, static_argnames="flags")
+sample = jax.jit(sampler.sample, static_argnames=("flags", "cutoffs"))
+filter_logits = jax.jit(sampler.filter_logits, static_argnames=("flags", "cutoffs"))
 apply_penalties = jax.jit(sampler.apply_penalties)
 
 SORTING = SamplerFlags(all_greedy=False, needs_sort=True)
 # chi-square quantile at 1 - 1e-6 by degrees of freedom (scipy.stats.chi2.ppf(1 - 1e-6, df))
 CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701}
+
+
+@pytest.fixture(params=["sort", "kernel"])
+def cutoffs(request):
+    """How top-k/top-p cuts are found: jnp's sort (accelerators) or the compiled CPU kernel (the CPU
+    backend; CI installs the compiler it needs, so it must build)."""
+    if request.param == "sort":
+        return None
+    assert cpu_sampling.load(), "the sampling-cutoffs kernel did not build"
+    return cpu_sampling.cutoffs
 
 
 def tensors(rows: int, **fields) -> SamplingTensors:
@@ -55,34 +65,34 @@ def hf_kept(warper, logits_row: np.ndarray) -> np.ndarray:
     return torch.isfinite(out[0]).numpy()
 
 
-def ours_kept(logits: np.ndarray, t: SamplingTensors, flags: SamplerFlags = SORTING) -> np.ndarray:
-    return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), t, flags)))
+def ours_kept(logits: np.ndarray, t: SamplingTensors, flags: SamplerFlags = SORTING, cutoffs=None) -> np.ndarray:
+    return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), t, flags, cutoffs)))
 
 
-def test_top_k_mask_matches_transformers():
+def test_top_k_mask_matches_transformers(cutoffs):
     logits = random_logits(5, 64)
     ks = [1, 2, 7, 64, 0]  # 0: disabled
-    kept = ours_kept(logits, tensors(5, top_k=ks))
+    kept = ours_kept(logits, tensors(5, top_k=ks), cutoffs=cutoffs)
     for row, k in enumerate(ks):
         expected = hf_kept(TopKLogitsWarper(k), logits[row]) if k else np.ones(64, bool)
         np.testing.assert_array_equal(kept[row], expected, err_msg=f"top_k={k}")
         assert kept[row].sum() == (k or 64)
 
 
-def test_top_p_mask_matches_transformers():
+def test_top_p_mask_matches_transformers(cutoffs):
     logits = random_logits(6, 64, seed=1)
     ps = [1e-6, 0.1, 0.5, 0.8, 0.95, 1.0]
-    kept = ours_kept(logits, tensors(6, top_p=ps))
+    kept = ours_kept(logits, tensors(6, top_p=ps), cutoffs=cutoffs)
     for row, p in enumerate(ps):
         np.testing.assert_array_equal(kept[row], hf_kept(TopPLogitsWarper(p), logits[row]), err_msg=f"top_p={p}")
     assert kept[0].sum() == 1 and kept[0][logits[0].argmax()]  # the most likely token always survives
 
 
-def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(cutoffs):
     probs = np.array([[0.5, 0.25, 0.125, 0.075, 0.05]], np.float32)
     logits = np.log(probs)
     for p, count in [(0.4, 1), (0.6, 2), (0.8, 3), (0.9, 4)]:
-        assert ours_kept(logits, tensors(1, top_p=[p]))[0].tolist() == [i < count for i in range(5)], p
+        assert ours_kept(logits, tensors(1, top_p=[p]), cutoffs=cutoffs)[0].tolist() == [i < count for i in range(5)], p
 
 
 def test_min_p_mask_matches_transformers():
@@ -94,11 +104,11 @@ def test_min_p_mask_matches_transformers():
         np.testing.assert_array_equal(kept[row], expected, err_msg=f"min_p={m}")
 
 
-def test_temperature_top_k_top_p_min_p_together_match_the_transformers_chain():
+def test_temperature_top_k_top_p_min_p_together_match_the_transformers_chain(cutoffs):
     logits = random_logits(3, 64, seed=3) / 3.0
     temps, ks, ps, mins = [0.5, 1.0, 2.0], [20, 10, 40], [0.9, 0.7, 0.95], [0.02, 0.1, 0.05]
     t = tensors(3, temperature=temps, top_k=ks, top_p=ps, min_p=mins)
-    kept = ours_kept(logits / np.array(temps, np.float32)[:, None], t)
+    kept = ours_kept(logits / np.array(temps, np.float32)[:, None], t, cutoffs=cutoffs)
     for row in range(3):
         scores = torch.tensor(logits[row][None])
         for warper in (TemperatureLogitsWarper(temps[row]), TopKLogitsWarper(ks[row]), TopPLogitsWarper(ps[row]),
@@ -167,10 +177,10 @@ def test_greedy_rows_stay_greedy_beside_sampled_rows():
     assert tokens[1] in np.argsort(-logits[1])[:5]
 
 
-def draws(logits_row: np.ndarray, n: int, flags: SamplerFlags, **fields) -> np.ndarray:
+def draws(logits_row: np.ndarray, n: int, flags: SamplerFlags, cutoffs=None, **fields) -> np.ndarray:
     """`n` draws from one distribution: the same row at output positions 0..n-1."""
     t = tensors(n, out_pos=np.arange(n), **{k: np.repeat(np.asarray(v)[None], n, axis=0) for k, v in fields.items()})
-    return np.asarray(sample(jnp.asarray(np.repeat(logits_row[None], n, 0)), t, flags)[0])
+    return np.asarray(sample(jnp.asarray(np.repeat(logits_row[None], n, 0)), t, flags, cutoffs)[0])
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -187,11 +197,11 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
     ],
     ids=["top_k", "top_p", "min_p"],
 )
-def test_sampled_frequencies_match_the_filtered_distribution(fields):
+def test_sampled_frequencies_match_the_filtered_distribution(fields, cutoffs):
     logits = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.2, -0.1, -0.6, -1.0, -2.0], np.float32)
     n = 6000
     flags = SamplerFlags(all_greedy=False, needs_sort="min_p" not in fields)
-    tokens = draws(logits, n, flags, seed=11, **fields)
+    tokens = draws(logits, n, flags, cutoffs, seed=11, **fields)
     counts = np.bincount(tokens, minlength=len(logits))
     # the target law, written out independently: temperature, then the cut, renormalised
     scaled = logits / fields["temperature"]
@@ -208,6 +218,23 @@ def test_sampled_frequencies_match_the_filtered_distribution(fields):
     target = np.where(keep, probs, 0) / probs[keep].sum()
     stat = chi_square(counts[keep], target[keep])
     assert stat < CHI2_1E6[int(keep.sum()) - 1], f"chi-square {stat:.1f}: counts {counts}, target {target * n}"
+
+
+def test_kernel_cutoffs_equal_the_sorted_ones_with_ties_and_large_vocabularies():
+    """The CPU kernel keeps exactly the tokens the jnp sort path keeps: rows with ties at the cut
+    (rounded logits), flat and peaked rows, top_k past the vocabulary, top_p 1, and a vocabulary
+    large enough for the kernel to set values aside and sort in several blocks."""
+    assert cpu_sampling.load(), "the sampling-cutoffs kernel did not build"
+    rng = np.random.default_rng(12)
+    for trial in range(60):
+        rows, vocab = 16, (7, 50, 4096)[trial % 3]
+        logits = (rng.standard_normal((rows, vocab)) * rng.choice([0.1, 1.0, 5.0, 30.0])).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits)  # ties
+        t = tensors(rows, top_k=rng.choice([0, 1, 2, 5, 40, vocab + 3], rows),
+                    top_p=rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0], rows))
+        np.testing.assert_array_equal(ours_kept(logits, t, cutoffs=cpu_sampling.cutoffs), ours_kept(logits, t),
+                                      err_msg=f"trial {trial}")
 
 
 def test_draws_depend_on_seed_choice_and_position_only():

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
-from worker.engine import cpu_matmul
+from worker.engine import cpu_matmul, cpu_sampling
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
@@ -97,8 +97,11 @@ class LLMEngine:
         # warm-up times a step (calibrate_decode_steps)
         self.decode_steps = config.decode_steps or DEFAULT_DECODE_STEPS
         self.decode_step_s: float | None = None  # the full-batch decode step auto timed
+        cutoffs = cpu_sampling.choose(config.tensor_parallel)
+        self.sampler = "cpu-kernel" if cutoffs else "sort"  # how top-k/top-p cutoffs are found
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
-                                  self.decode_steps, attention, widest if attention.reads_own_context else None)
+                                  self.decode_steps, attention, widest if attention.reads_own_context else None,
+                                  cutoffs)
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}

@@ -47,10 +47,11 @@ class SamplerFlags:
     logprobs: bool = False
 
 
-def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags):
+def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, cutoffs=None):
     """logits f32[R, V] -> (tokens i32[R], logprobs f32[R], top_ids i32[R, N], top_logprobs f32[R, N]).
 
     Logprobs are of the model's own distribution (raw log-softmax), as OpenAI reports them.
+    `cutoffs` (see filter_logits): the compiled top-k/top-p kernel, or None to sort in jnp.
     """
     r, v = logits.shape
     raw = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
@@ -63,7 +64,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags):
     if flags.all_greedy:
         tokens = greedy
     else:
-        masked = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags)
+        masked = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, cutoffs)
         drawn = jax.vmap(_draw)(masked, t.seed, t.choice, t.out_pos)
         tokens = jnp.where(t.temperature == 0.0, greedy, drawn)
     if not flags.logprobs:
@@ -86,10 +87,15 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits - t.frequency[:, None] * counts - t.presence[:, None] * (counts > 0)
 
 
-def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
-    """Mask (to -inf) what top-k, top-p and min-p exclude; logits already temperature-scaled."""
+def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, cutoffs=None) -> jax.Array:
+    """Mask (to -inf) what top-k, top-p and min-p exclude; logits already temperature-scaled.
+
+    `cutoffs(logits, top_k, top_p) -> f32[R]`, when given, finds each row's top-k/top-p cut by the
+    same rules without sorting the vocabulary (engine/cpu_sampling.py: XLA's CPU sort is slow)."""
     r, v = logits.shape
-    if flags.needs_sort:
+    if flags.needs_sort and cutoffs is not None:
+        logits = jnp.where(logits < cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
+    elif flags.needs_sort:
         ordered = -jnp.sort(-logits, axis=-1)  # [R, V] descending
         k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, v), v)
         kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [R, 1]
