@@ -20,23 +20,23 @@ from worker.engine import cpu_sampling, sampler
 from worker.engine.sampler import SamplerFlags, SamplingTensors
 
 # jitted whole: op-by-op dispatch would compile every primitive separately
-sample = jax.jit(sampler.sample, static_argnames=("flags", "cutoffs"))
-filter_logits = jax.jit(sampler.filter_logits, static_argnames=("flags", "cutoffs"))
+sample = jax.jit(sampler.sample, static_argnames=("flags", "kernels"))
+filter_logits = jax.jit(sampler.filter_logits, static_argnames=("flags", "kernels"))
 apply_penalties = jax.jit(sampler.apply_penalties)
 
 SORTING = SamplerFlags(all_greedy=False, needs_sort=True)
 # chi-square quantile at 1 - 1e-6 by degrees of freedom (scipy.stats.chi2.ppf(1 - 1e-6, df))
-CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701}
+CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701, 9: 44.811}
 
 
-@pytest.fixture(params=["sort", "kernel"])
-def cutoffs(request):
-    """How top-k/top-p cuts are found: jnp's sort (accelerators) or the compiled CPU kernel (the CPU
-    backend; CI installs the compiler it needs, so it must build)."""
-    if request.param == "sort":
+@pytest.fixture(params=["jnp", "kernel"])
+def kernels(request):
+    """How sampled rows are cut and drawn: jnp (a sort, Gumbel noise; accelerators) or the compiled
+    CPU kernels (the CPU backend; CI installs the compiler they need, so they must build)."""
+    if request.param == "jnp":
         return None
-    assert cpu_sampling.load(), "the sampling-cutoffs kernel did not build"
-    return cpu_sampling.cutoffs
+    assert cpu_sampling.load(), "the sampling kernels did not build"
+    return cpu_sampling.KERNELS
 
 
 def tensors(rows: int, **fields) -> SamplingTensors:
@@ -65,34 +65,34 @@ def hf_kept(warper, logits_row: np.ndarray) -> np.ndarray:
     return torch.isfinite(out[0]).numpy()
 
 
-def ours_kept(logits: np.ndarray, t: SamplingTensors, flags: SamplerFlags = SORTING, cutoffs=None) -> np.ndarray:
-    return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), t, flags, cutoffs)))
+def ours_kept(logits: np.ndarray, t: SamplingTensors, flags: SamplerFlags = SORTING, kernels=None) -> np.ndarray:
+    return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), t, flags, kernels)))
 
 
-def test_top_k_mask_matches_transformers(cutoffs):
+def test_top_k_mask_matches_transformers(kernels):
     logits = random_logits(5, 64)
     ks = [1, 2, 7, 64, 0]  # 0: disabled
-    kept = ours_kept(logits, tensors(5, top_k=ks), cutoffs=cutoffs)
+    kept = ours_kept(logits, tensors(5, top_k=ks), kernels=kernels)
     for row, k in enumerate(ks):
         expected = hf_kept(TopKLogitsWarper(k), logits[row]) if k else np.ones(64, bool)
         np.testing.assert_array_equal(kept[row], expected, err_msg=f"top_k={k}")
         assert kept[row].sum() == (k or 64)
 
 
-def test_top_p_mask_matches_transformers(cutoffs):
+def test_top_p_mask_matches_transformers(kernels):
     logits = random_logits(6, 64, seed=1)
     ps = [1e-6, 0.1, 0.5, 0.8, 0.95, 1.0]
-    kept = ours_kept(logits, tensors(6, top_p=ps), cutoffs=cutoffs)
+    kept = ours_kept(logits, tensors(6, top_p=ps), kernels=kernels)
     for row, p in enumerate(ps):
         np.testing.assert_array_equal(kept[row], hf_kept(TopPLogitsWarper(p), logits[row]), err_msg=f"top_p={p}")
     assert kept[0].sum() == 1 and kept[0][logits[0].argmax()]  # the most likely token always survives
 
 
-def test_top_p_keeps_the_smallest_set_reaching_the_mass(cutoffs):
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(kernels):
     probs = np.array([[0.5, 0.25, 0.125, 0.075, 0.05]], np.float32)
     logits = np.log(probs)
     for p, count in [(0.4, 1), (0.6, 2), (0.8, 3), (0.9, 4)]:
-        assert ours_kept(logits, tensors(1, top_p=[p]), cutoffs=cutoffs)[0].tolist() == [i < count for i in range(5)], p
+        assert ours_kept(logits, tensors(1, top_p=[p]), kernels=kernels)[0].tolist() == [i < count for i in range(5)], p
 
 
 def test_min_p_mask_matches_transformers():
@@ -104,11 +104,11 @@ def test_min_p_mask_matches_transformers():
         np.testing.assert_array_equal(kept[row], expected, err_msg=f"min_p={m}")
 
 
-def test_temperature_top_k_top_p_min_p_together_match_the_transformers_chain(cutoffs):
+def test_temperature_top_k_top_p_min_p_together_match_the_transformers_chain(kernels):
     logits = random_logits(3, 64, seed=3) / 3.0
     temps, ks, ps, mins = [0.5, 1.0, 2.0], [20, 10, 40], [0.9, 0.7, 0.95], [0.02, 0.1, 0.05]
     t = tensors(3, temperature=temps, top_k=ks, top_p=ps, min_p=mins)
-    kept = ours_kept(logits / np.array(temps, np.float32)[:, None], t, cutoffs=cutoffs)
+    kept = ours_kept(logits / np.array(temps, np.float32)[:, None], t, kernels=kernels)
     for row in range(3):
         scores = torch.tensor(logits[row][None])
         for warper in (TemperatureLogitsWarper(temps[row]), TopKLogitsWarper(ks[row]), TopPLogitsWarper(ps[row]),
@@ -169,18 +169,18 @@ def test_logit_bias_steers_greedy_choice_but_not_reported_logprobs():
     np.testing.assert_allclose(top_lps, np.sort(raw, axis=-1)[:, ::-1][:, :2], atol=1e-5)
 
 
-def test_greedy_rows_stay_greedy_beside_sampled_rows():
+def test_greedy_rows_stay_greedy_beside_sampled_rows(kernels):
     logits = random_logits(4, 32, seed=7)
     t = tensors(4, temperature=[0.0, 1.5, 0.0, 1.5], seed=[1, 2, 3, 4], top_k=[0, 5, 0, 0])
-    tokens = np.asarray(sample(jnp.asarray(logits), t, SORTING)[0])
+    tokens = np.asarray(sample(jnp.asarray(logits), t, SORTING, kernels)[0])
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     assert tokens[1] in np.argsort(-logits[1])[:5]
 
 
-def draws(logits_row: np.ndarray, n: int, flags: SamplerFlags, cutoffs=None, **fields) -> np.ndarray:
+def draws(logits_row: np.ndarray, n: int, flags: SamplerFlags, kernels=None, **fields) -> np.ndarray:
     """`n` draws from one distribution: the same row at output positions 0..n-1."""
     t = tensors(n, out_pos=np.arange(n), **{k: np.repeat(np.asarray(v)[None], n, axis=0) for k, v in fields.items()})
-    return np.asarray(sample(jnp.asarray(np.repeat(logits_row[None], n, 0)), t, flags, cutoffs)[0])
+    return np.asarray(sample(jnp.asarray(np.repeat(logits_row[None], n, 0)), t, flags, kernels)[0])
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -194,14 +194,15 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
         dict(temperature=0.7, top_k=6),
         dict(temperature=1.3, top_p=0.8),
         dict(temperature=1.0, min_p=0.08),
+        dict(temperature=0.9),
     ],
-    ids=["top_k", "top_p", "min_p"],
+    ids=["top_k", "top_p", "min_p", "temperature"],
 )
-def test_sampled_frequencies_match_the_filtered_distribution(fields, cutoffs):
+def test_sampled_frequencies_match_the_filtered_distribution(fields, kernels):
     logits = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.2, -0.1, -0.6, -1.0, -2.0], np.float32)
     n = 6000
-    flags = SamplerFlags(all_greedy=False, needs_sort="min_p" not in fields)
-    tokens = draws(logits, n, flags, cutoffs, seed=11, **fields)
+    flags = SamplerFlags(all_greedy=False, needs_sort="top_k" in fields or "top_p" in fields)
+    tokens = draws(logits, n, flags, kernels, seed=11, **fields)
     counts = np.bincount(tokens, minlength=len(logits))
     # the target law, written out independently: temperature, then the cut, renormalised
     scaled = logits / fields["temperature"]
@@ -211,9 +212,11 @@ def test_sampled_frequencies_match_the_filtered_distribution(fields, cutoffs):
         keep = np.arange(len(logits)) < fields["top_k"]
     elif "top_p" in fields:
         keep = (np.cumsum(probs) - probs) < fields["top_p"]
-    else:
+    elif "min_p" in fields:
         keep = probs >= fields["min_p"] * probs.max()
-    assert 2 < keep.sum() < len(logits)
+    else:
+        keep = np.ones(len(logits), bool)
+    assert 2 < keep.sum() <= len(logits)
     assert counts[~keep].sum() == 0, "a filtered-out token was drawn"
     target = np.where(keep, probs, 0) / probs[keep].sum()
     stat = chi_square(counts[keep], target[keep])
@@ -224,7 +227,7 @@ def test_kernel_cutoffs_equal_the_sorted_ones_with_ties_and_large_vocabularies()
     """The CPU kernel keeps exactly the tokens the jnp sort path keeps: rows with ties at the cut
     (rounded logits), flat and peaked rows, top_k past the vocabulary, top_p 1, and a vocabulary
     large enough for the kernel to set values aside and sort in several blocks."""
-    assert cpu_sampling.load(), "the sampling-cutoffs kernel did not build"
+    assert cpu_sampling.load(), "the sampling kernels did not build"
     rng = np.random.default_rng(12)
     for trial in range(60):
         rows, vocab = 16, (7, 50, 4096)[trial % 3]
@@ -233,29 +236,49 @@ def test_kernel_cutoffs_equal_the_sorted_ones_with_ties_and_large_vocabularies()
             logits = np.round(logits)  # ties
         t = tensors(rows, top_k=rng.choice([0, 1, 2, 5, 40, vocab + 3], rows),
                     top_p=rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0], rows))
-        np.testing.assert_array_equal(ours_kept(logits, t, cutoffs=cpu_sampling.cutoffs), ours_kept(logits, t),
+        np.testing.assert_array_equal(ours_kept(logits, t, kernels=cpu_sampling.KERNELS), ours_kept(logits, t),
                                       err_msg=f"trial {trial}")
 
 
-def test_draws_depend_on_seed_choice_and_position_only():
+def test_kernel_draw_is_the_inverse_cdf_of_the_row_distribution():
+    """The drawn token is the first whose cumulative probability (vocabulary order) passes u, masked
+    (-inf) entries are never drawn, and u near 0 or 1 stays on the ends of what can be drawn."""
+    assert cpu_sampling.load(), "the sampling kernels did not build"
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((32, 300)) * 2).astype(np.float32)
+    logits[rng.random(logits.shape) < 0.3] = -np.inf  # masked by a cut
+    u = rng.random(32).astype(np.float32)
+    u[:2] = [0.0, np.nextafter(np.float32(1), np.float32(0))]
+    got = np.asarray(jax.jit(cpu_sampling.draw)(jnp.asarray(logits), jnp.asarray(u)))
+    probs = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+    cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), -1)
+    want = np.minimum((cdf <= u[:, None]).sum(-1), 299)
+    assert np.isfinite(logits[np.arange(32), got]).all()
+    assert (got == want).mean() >= 0.9  # float32 sums decide a u within rounding of a boundary
+    assert np.abs(cdf[np.arange(32), got] - cdf[np.arange(32), want]).max() < 1e-5
+    assert got[0] == np.flatnonzero(np.isfinite(logits[0]))[0]
+    assert got[1] == np.flatnonzero(np.isfinite(logits[1]))[-1]
+
+
+def test_draws_depend_on_seed_choice_and_position_only(kernels):
     logits = np.zeros(64, np.float32)  # uniform: any correlation between streams would show
     flags = SamplerFlags(all_greedy=False)
-    base = draws(logits, 256, flags, seed=5)
-    assert np.array_equal(base, draws(logits, 256, flags, seed=5))
-    for other in (draws(logits, 256, flags, seed=6), draws(logits, 256, flags, seed=5, choice=1)):
+    base = draws(logits, 256, flags, kernels, seed=5)
+    assert np.array_equal(base, draws(logits, 256, flags, kernels, seed=5))
+    for other in (draws(logits, 256, flags, kernels, seed=6), draws(logits, 256, flags, kernels, seed=5, choice=1)):
         assert (other == base).mean() < 0.1  # chance agreement is 1/64
     # one row's draw does not depend on which row it sits in or on its neighbours
     t = tensors(3, seed=[5, 9, 5], out_pos=[17, 17, 40], choice=[0, 0, 0])
-    mixed = np.asarray(sample(jnp.asarray(np.zeros((3, 64), np.float32)), t, flags)[0])
+    mixed = np.asarray(sample(jnp.asarray(np.zeros((3, 64), np.float32)), t, flags, kernels)[0])
     assert mixed[0] == base[17] and mixed[2] == base[40]
 
 
-def test_a_rows_draw_ignores_what_its_neighbours_ask_for():
+def test_a_rows_draw_ignores_what_its_neighbours_ask_for(kernels):
     """Penalties, bias, top-k/top-p and greedy rows beside it (a different compiled variant) leave a
     plain sampled row's draw unchanged."""
     logits = np.repeat(random_logits(1, 32, seed=8), 4, axis=0)  # one distribution; only row settings differ
     alone = int(sample(jnp.asarray(logits[:1]), tensors(1, seed=[21], out_pos=[3], temperature=[0.8]),
-                       SamplerFlags(all_greedy=False))[0][0])
+                       SamplerFlags(all_greedy=False), kernels)[0][0])
     busy = tensors(
         4, seed=[21] * 4, out_pos=[3] * 4, temperature=[0.8, 0.8, 0.0, 0.8], top_k=[0, 3, 0, 0],
         top_p=[1.0, 1.0, 0.5, 1.0], presence=[0, 0, 1.0, 0], repetition=[1, 1.5, 1, 1],
@@ -263,7 +286,7 @@ def test_a_rows_draw_ignores_what_its_neighbours_ask_for():
         bias_ids=[[0], [7], [0], [0]], bias_vals=[[0.0], [5.0], [0.0], [0.0]],
     )
     flags = SamplerFlags(all_greedy=False, needs_sort=True, penalties=True, bias=True, logprobs=True, num_logprobs=3)
-    tokens = np.asarray(sample(jnp.asarray(logits), busy, flags)[0])
+    tokens = np.asarray(sample(jnp.asarray(logits), busy, flags, kernels)[0])
     assert tokens[0] == alone and tokens[3] == alone
     assert tokens[2] == logits[2].argmax()
 

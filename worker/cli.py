@@ -48,11 +48,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul", choices=["auto", "kernel", "xla"],
                    help="projections: compiled CPU kernel on packed float32 weights when available (auto), "
                         "required (kernel), or XLA's dot")
+    g.add_argument("--sampler", choices=["auto", "kernel", "jnp"],
+                   help="sampled rows' top-k/top-p cutoffs and draws: compiled CPU kernels when available (auto), "
+                        "required (kernel), or jnp")
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "enable_prefix_cache", "tensor_parallel",
-               "attention", "matmul")
+               "attention", "matmul", "sampler")
 
 
 def _decode_steps(value: str) -> int | None:

@@ -21,6 +21,9 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampled, by both engines")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--compare", choices=["hf"], help="also run transformers generate on the same weights and prompts")
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="transformers batch size (default 32: its fastest of 8/16/32/64 on the models measured)")
@@ -35,7 +38,8 @@ def offline(argv: list[str]) -> int:
     args = offline_parser().parse_args(argv)
     from worker.bench.offline import Workload, bench_offline
 
-    work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed)
+    work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.temperature, args.top_p,
+                    args.top_k)
     model = resolve_model(args.model) if args.model else None
     report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf", args.hf_batch_size,
                            args.rounds)
@@ -43,8 +47,11 @@ def offline(argv: list[str]) -> int:
         print(json.dumps(report))
         return 0
     r = report
+    s = r["sampling"]
+    sampling = (f"sampled (temperature {s['temperature']:g}, top-p {s['top_p']:g}, top-k {s['top_k']}, "
+                f"{r['sampler']} sampler)" if s["temperature"] else "greedy")
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
-          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts x {r['input_len']} in / {r['output_len']} out")
+          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts x {r['input_len']} in / {r['output_len']} out, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")
@@ -58,8 +65,9 @@ def offline(argv: list[str]) -> int:
         print(f"  prefill: {r['prefill_token_us']:.1f} us/token (ideal {r['prefill_ideal_token_us']:.1f} us): "
               f"roofline {r['prefill_roofline_fraction']:.1%}, host {r['prefill_host_fraction']:.1%}")
     if "ratio" in r:
-        print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio "
-              f"{r['ratio']:.2f}x (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts)")
+        same = (f" (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts)"
+                if "greedy_match_fraction" in r else "")
+        print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio {r['ratio']:.2f}x{same}")
     for i, f in enumerate(r.get("per_round", [])):
         base = f" vs {f['baseline_output_tokens_per_s']:.1f} -> {f['ratio']:.2f}x" if "ratio" in f else ""
         print(f"  round {i + 1}: {f['output_tokens_per_s']:.1f} output tokens/s{base}")

@@ -14,8 +14,10 @@ def hf_device() -> str:
 
 
 def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int, batch_size: int,
-           dtype: str = "float32") -> tuple[float, list[list[int]]]:
-    """Greedy generation of exactly `output_len` tokens per prompt, in batches; -> (seconds, outputs).
+           dtype: str = "float32", temperature: float = 0.0, top_p: float = 1.0,
+           top_k: int = 0) -> tuple[float, list[list[int]]]:
+    """Generation of exactly `output_len` tokens per prompt, in batches, greedy or sampled with the
+    engine's settings; -> (seconds, outputs).
 
     Prompts have one length, so batches need no padding; a short warmup call is excluded.
     """
@@ -26,8 +28,9 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int, bat
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
     ).eval().to(device)
-    kwargs = dict(do_sample=False, min_new_tokens=output_len, max_new_tokens=output_len, pad_token_id=0,
-                  eos_token_id=None, top_p=None, top_k=None, temperature=None)
+    sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature
+                else dict(do_sample=False, top_p=None, top_k=None, temperature=None))
+    kwargs = dict(min_new_tokens=output_len, max_new_tokens=output_len, pad_token_id=0, eos_token_id=None, **sampling)
 
     def generate(batch: list[list[int]], new: int) -> list[list[int]]:
         ids = torch.tensor(batch, dtype=torch.long, device=device)

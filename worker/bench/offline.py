@@ -34,6 +34,13 @@ class Workload:
     input_len: int
     output_len: int
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy (outputs comparable with the baseline's token for token)
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def params(self, max_tokens: int, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=max_tokens, ignore_eos=True, seed=seed)
 
     def prompts(self, vocab_size: int, seed: int | None = None, lengths: list[int] | None = None) -> list[list[int]]:
         """Random token ids (uniform over the vocabulary); `lengths` overrides input_len per prompt."""
@@ -67,14 +74,15 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, probe: StepProbe | None = None,
-               tag: str = "bench") -> tuple[float, list[list[int]]]:
-    """Submit every prompt at once and step until all finish; -> (seconds, output ids per prompt)."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+               tag: str = "bench", work: Workload | None = None) -> tuple[float, list[list[int]]]:
+    """Submit every prompt at once and step until all finish; -> (seconds, output ids per prompt).
+    Greedy unless `work` says how to sample (request i then has seed i)."""
+    work = work or Workload(len(prompts), 0, output_len)
     outputs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
         outputs[f"{tag}-{i}"] = []
-        engine.add_request(f"{tag}-{i}", ids, params)
+        engine.add_request(f"{tag}-{i}", ids, work.params(output_len, i))
     while engine.has_unfinished():
         for out in probe.step(engine) if probe else engine.step():
             outputs[out.request_id] += out.token_ids
@@ -90,11 +98,11 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
     budget = engine.config.max_num_batched_tokens
     prefill_steps = -(-min(work.num_prompts, engine.config.max_num_seqs) * work.input_len // budget)
     short = min(work.output_len, max(2 * engine.decode_steps, prefill_steps) + 2)
-    run_engine(engine, work.prompts(vocab, seed=work.seed + 1), short, tag="warm-a")
+    run_engine(engine, work.prompts(vocab, seed=work.seed + 1), short, tag="warm-a", work=work)
     long = work.input_len + work.output_len - short
     if long > work.input_len:
         lengths = [work.input_len] * (work.num_prompts - 1) + [long]
-        run_engine(engine, work.prompts(vocab, seed=work.seed + 2, lengths=lengths), short, tag="warm-b")
+        run_engine(engine, work.prompts(vocab, seed=work.seed + 2, lengths=lengths), short, tag="warm-b", work=work)
 
 
 def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
@@ -126,22 +134,26 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     per_round: list[dict] = []
     for r in range(rounds):
         prompts = work.prompts(cfg.vocab_size, seed=work.seed + 1000 * r)  # round 0: the workload's own seed
-        seconds, outputs = run_engine(engine, prompts, work.output_len, probe)
+        seconds, outputs = run_engine(engine, prompts, work.output_len, probe, work=work)
         out_tokens = sum(len(o) for o in outputs)
         fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
                "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds}
         if compare_hf:
-            hf_seconds, hf_outputs = run_hf_baseline(weights_dir, prompts, work.output_len, hf_batch_size, dtype)
+            hf_seconds, hf_outputs = run_hf_baseline(weights_dir, prompts, work.output_len, hf_batch_size, dtype,
+                                                     work.temperature, work.top_p, work.top_k)
             base = sum(len(o) for o in hf_outputs) / hf_seconds
             fig |= {"baseline_seconds": hf_seconds, "baseline_output_tokens_per_s": base,
-                    "ratio": fig["output_tokens_per_s"] / base,
-                    "greedy_match_fraction": sum(a == b for a, b in zip(outputs, hf_outputs)) / len(prompts)}
+                    "ratio": fig["output_tokens_per_s"] / base}
+            if not work.temperature:  # sampled outputs differ by construction (other random streams)
+                fig["greedy_match_fraction"] = sum(a == b for a, b in zip(outputs, hf_outputs)) / len(prompts)
         per_round.append(fig)
     median = lambda key: float(np.median([f[key] for f in per_round]))  # noqa: E731
     seconds = median("seconds")
     report = {
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
+        "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k},
+        "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
         "matmul": engine.matmul, "decode_steps": engine.decode_steps,
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
@@ -157,8 +169,9 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
             "baseline": f"transformers generate (torch {hf_baseline_device().upper()}, batch {hf_batch_size})",
             "baseline_seconds": median("baseline_seconds"),
             "baseline_output_tokens_per_s": median("baseline_output_tokens_per_s"), "ratio": median("ratio"),
-            "greedy_match_fraction": min(f["greedy_match_fraction"] for f in per_round),
         }
+        if not work.temperature:
+            report["greedy_match_fraction"] = min(f["greedy_match_fraction"] for f in per_round)
     if rounds > 1:
         report["per_round"] = per_round
     return report

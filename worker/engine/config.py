@@ -42,6 +42,9 @@ class EngineConfig:
     matmul: str = "auto"  # the projections and LM head: "auto": the compiled CPU panel kernel (weights
     # packed at startup) for a float32 model on the CPU backend of an AVX-512 CPU if it builds, else
     # XLA's dot; "kernel": that kernel or an error; "xla": XLA's dot
+    sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
+    # on the CPU backend of one device if they build, else jnp (a sort of the vocabulary and Gumbel noise
+    # over it: fast on accelerators, slow on XLA's CPU backend); "kernel": those or an error; "jnp"
 
     def __post_init__(self) -> None:
         checks = {
@@ -58,6 +61,7 @@ class EngineConfig:
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
             "attention must be auto, kernel, pallas or jnp": self.attention in ("auto", "kernel", "pallas", "jnp"),
             "matmul must be auto, kernel or xla": self.matmul in ("auto", "kernel", "xla"),
+            "sampler must be auto, kernel or jnp": self.sampler in ("auto", "kernel", "jnp"),
         }
         for message, ok in checks.items():
             if not ok:

@@ -1,10 +1,13 @@
-"""Top-k and top-p cutoffs on the CPU backend through a compiled kernel
-(`cpu_kernels/sampling_cutoffs.cc`) instead of sorting every row of the vocabulary.
+"""Sampling on the CPU backend through compiled kernels (`cpu_kernels/sampling.cc`): top-k/top-p
+cutoffs without sorting the vocabulary, and draws with one random number per row.
 
-XLA's CPU sort takes 470 ms for 64 rows of 32000 logits (50 ms at the demo model's 4096), so a
-batch with one top-p or top-k request ran every step ten times slower. The kernel selects the
-top-k set and sorts only as much of it as the top-p mass needs. Its cutoffs follow the jnp
-sampler's rules, and tests hold it to that path and to transformers' warpers.
+On XLA's CPU backend the jnp sampler's two costly parts are slow: a sort of every row (470 ms for
+64 rows of 32000 logits, 52 ms at the demo model's 4096) when a request asks for top-k or top-p,
+and Gumbel noise over every row (a threefry number per vocabulary entry, 13 ms at 32000) for every
+sampled step. The cutoffs follow the jnp sampler's rules (tests hold them to that path and to
+transformers' warpers); draws come from the same filtered distribution by inverse CDF, with the
+row's uniform number taken from its (seed, choice, position) key, so they depend on those alone
+as the jnp draws do, but are other tokens than the jnp path's for the same seed.
 """
 
 from __future__ import annotations
@@ -15,26 +18,46 @@ import jax
 import jax.numpy as jnp
 
 from worker.engine import cpu_build
+from worker.engine.sampler import SamplingKernels
 
-TARGET = "redjax_sampling_cutoffs"
+CUTOFFS, DRAW = "redjax_sampling_cutoffs", "redjax_sampling_draw"
 
 
 @lru_cache(maxsize=1)
 def load() -> bool:
-    """Build (once per source and flags) and register the kernel; False if it cannot be built."""
-    return cpu_build.register("sampling_cutoffs.cc", "SamplingCutoffs", TARGET)
+    """Build (once per source and flags) and register both kernels; False if they cannot be built."""
+    return (cpu_build.register("sampling.cc", "SamplingCutoffs", CUTOFFS)
+            and cpu_build.register("sampling.cc", "SamplingDraw", DRAW))
 
 
 def cutoffs(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """logits f32[R, V] (temperature applied), top_k i32[R] (0: off), top_p f32[R] -> f32[R]: the
     sampler masks every logit below its row's value (-inf: nothing). Call `load()` first."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((logits.shape[0],), jnp.float32))
+    call = jax.ffi.ffi_call(CUTOFFS, jax.ShapeDtypeStruct((logits.shape[0],), jnp.float32))
     return call(logits.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32))
 
 
-def choose(tensor_parallel: int):
-    """`cutoffs` on the CPU backend of one device when the kernel builds; else None (the sampler
-    sorts in jnp: fast on accelerators, and an FFI call is not split over a mesh)."""
-    if jax.default_backend() != "cpu" or tensor_parallel > 1:
+def draw(logits: jax.Array, u: jax.Array) -> jax.Array:
+    """logits f32[R, V] (masked entries -inf), u f32[R] in [0, 1) -> i32[R]: per row, the first
+    token whose cumulative probability passes u. Call `load()` first."""
+    call = jax.ffi.ffi_call(DRAW, jax.ShapeDtypeStruct((logits.shape[0],), jnp.int32))
+    return call(logits.astype(jnp.float32), u.astype(jnp.float32))
+
+
+KERNELS = SamplingKernels(cutoffs, draw)
+
+
+def choose(mode: str, tensor_parallel: int) -> SamplingKernels | None:
+    """The kernels for `EngineConfig.sampler`, or None for jnp: "auto" takes them on the CPU backend
+    of one device when they build (an FFI call is not split over a mesh, and an accelerator sorts
+    and draws fast), "kernel" requires them, "jnp" never takes them."""
+    if mode == "jnp":
         return None
-    return cutoffs if load() else None
+    usable = jax.default_backend() == "cpu" and tensor_parallel == 1
+    if mode == "kernel":
+        if not usable:
+            raise ValueError("sampler='kernel' needs the CPU backend and tensor_parallel 1")
+        if not load():
+            raise RuntimeError("the sampling kernels could not be built (see the log)")
+        return KERNELS
+    return KERNELS if usable and load() else None

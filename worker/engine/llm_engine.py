@@ -97,11 +97,11 @@ class LLMEngine:
         # warm-up times a step (calibrate_decode_steps)
         self.decode_steps = config.decode_steps or DEFAULT_DECODE_STEPS
         self.decode_step_s: float | None = None  # the full-batch decode step auto timed
-        cutoffs = cpu_sampling.choose(config.tensor_parallel)
-        self.sampler = "cpu-kernel" if cutoffs else "sort"  # how top-k/top-p cutoffs are found
+        kernels = cpu_sampling.choose(config.sampler, config.tensor_parallel)
+        self.sampler = "cpu-kernel" if kernels else "jnp"  # how sampled rows are filtered and drawn
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
                                   self.decode_steps, attention, widest if attention.reads_own_context else None,
-                                  cutoffs)
+                                  kernels)
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}

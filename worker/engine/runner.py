@@ -63,7 +63,7 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
-                 attention: AttentionOps = JNP, fixed_pages: int | None = None, cutoffs=None):
+                 attention: AttentionOps = JNP, fixed_pages: int | None = None, sampling_kernels=None):
         self.graphdef, state = nnx.split(model)
         # a flat tuple of arrays: jit flattens an nnx.State through Python callbacks on every call
         # (~0.3 ms for 110 leaves), a tuple in C++
@@ -88,7 +88,7 @@ class ModelRunner:
         self.attention = attention  # jnp or the compiled CPU kernel (same contract)
         self.fixed_pages = fixed_pages  # page-table width of every step (None: bucketed to the batch)
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
-        self._step = _jitted_step(self.graphdef, self.param_def, attention, cutoffs)
+        self._step = _jitted_step(self.graphdef, self.param_def, attention, sampling_kernels)
 
     def model(self):
         """The model module over the runner's weights (shared arrays, no copy)."""
@@ -208,14 +208,14 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags) -> None:
 
 
 @lru_cache(maxsize=8)
-def _jitted_step(graphdef, param_def, attention: AttentionOps, cutoffs):
+def _jitted_step(graphdef, param_def, attention: AttentionOps, sampling_kernels):
     """The jitted step of one model structure, shared by every runner of it (so are its compiled
     variants: a new engine on the same model compiles nothing again)."""
-    return jax.jit(partial(_step, graphdef, param_def, attention, cutoffs), static_argnames=("shape", "flags"),
+    return jax.jit(partial(_step, graphdef, param_def, attention, sampling_kernels), static_argnames=("shape", "flags"),
                    donate_argnames=("kv",))
 
 
-def _step(graphdef, param_def, attention: AttentionOps, cutoffs, params: tuple, kv: KVCache, db: DeviceBatch,
+def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params: tuple, kv: KVCache, db: DeviceBatch,
           prev_tokens, shape: StepShape, flags: SamplerFlags):
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_def, params))
     cfg = model.cfg
@@ -251,7 +251,7 @@ def _step(graphdef, param_def, attention: AttentionOps, cutoffs, params: tuple, 
         pending = jnp.where(db.sampling.pending >= 0, prev_tokens[jnp.maximum(db.sampling.pending, 0)], -1)
         db = replace(db, sampling=replace(db.sampling, output_ids=jnp.concatenate(
             [db.sampling.output_ids, pending[:, None]], axis=1)))
-    sampled = [sample(logits, db.sampling, flags, cutoffs)]
+    sampled = [sample(logits, db.sampling, flags, sampling_kernels)]
     if shape.decode_steps > 1:  # fused decode: every row is a decode row
         def body(carry, i):
             kv, last = carry
@@ -262,7 +262,7 @@ def _step(graphdef, param_def, attention: AttentionOps, cutoffs, params: tuple, 
             slots = jnp.where(live, page * shape.page_size + positions % shape.page_size, 0)
             kv, logits, _ = forward(kv, last, positions, slots, db.context_lens + i, False)
             st = replace(db.sampling, out_pos=db.sampling.out_pos + i)
-            out = sample(logits, st, flags, cutoffs)
+            out = sample(logits, st, flags, sampling_kernels)
             return (kv, out[0]), out
 
         (kv, _), rest = jax.lax.scan(body, (kv, sampled[0][0]), jnp.arange(1, shape.decode_steps))

@@ -7,6 +7,7 @@ request resumed on another worker continues identically. Nothing here waits on t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -47,11 +48,19 @@ class SamplerFlags:
     logprobs: bool = False
 
 
-def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, cutoffs=None):
+@dataclass(frozen=True)
+class SamplingKernels:
+    """Compiled stand-ins for the two costly parts of sampling (engine/cpu_sampling.py)."""
+
+    cutoffs: Callable  # (logits f32[R, V], top_k i32[R], top_p f32[R]) -> f32[R]: mask the logits below
+    draw: Callable  # (logits f32[R, V] with -inf for masked, u f32[R] in [0, 1)) -> i32[R]: inverse-CDF draw
+
+
+def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: SamplingKernels | None = None):
     """logits f32[R, V] -> (tokens i32[R], logprobs f32[R], top_ids i32[R, N], top_logprobs f32[R, N]).
 
     Logprobs are of the model's own distribution (raw log-softmax), as OpenAI reports them.
-    `cutoffs` (see filter_logits): the compiled top-k/top-p kernel, or None to sort in jnp.
+    `kernels`: compiled cutoffs and draws (the CPU backend), or None: a sort and Gumbel noise in jnp.
     """
     r, v = logits.shape
     raw = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
@@ -64,8 +73,11 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, cutoffs=N
     if flags.all_greedy:
         tokens = greedy
     else:
-        masked = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, cutoffs)
-        drawn = jax.vmap(_draw)(masked, t.seed, t.choice, t.out_pos)
+        masked = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, kernels)
+        if kernels is not None:
+            drawn = kernels.draw(masked, jax.vmap(_uniform)(t.seed, t.choice, t.out_pos))
+        else:
+            drawn = jax.vmap(_draw)(masked, t.seed, t.choice, t.out_pos)
         tokens = jnp.where(t.temperature == 0.0, greedy, drawn)
     if not flags.logprobs:
         zeros = jnp.zeros((r, 0))
@@ -87,14 +99,15 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits - t.frequency[:, None] * counts - t.presence[:, None] * (counts > 0)
 
 
-def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, cutoffs=None) -> jax.Array:
+def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags,
+                  kernels: SamplingKernels | None = None) -> jax.Array:
     """Mask (to -inf) what top-k, top-p and min-p exclude; logits already temperature-scaled.
 
-    `cutoffs(logits, top_k, top_p) -> f32[R]`, when given, finds each row's top-k/top-p cut by the
-    same rules without sorting the vocabulary (engine/cpu_sampling.py: XLA's CPU sort is slow)."""
+    With `kernels`, each row's top-k/top-p cut comes from `kernels.cutoffs` (the same rules, without
+    sorting the vocabulary: XLA's CPU sort is slow)."""
     r, v = logits.shape
-    if flags.needs_sort and cutoffs is not None:
-        logits = jnp.where(logits < cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
+    if flags.needs_sort and kernels is not None:
+        logits = jnp.where(logits < kernels.cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
     elif flags.needs_sort:
         ordered = -jnp.sort(-logits, axis=-1)  # [R, V] descending
         k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, v), v)
@@ -124,6 +137,11 @@ def first_argmax(x: jax.Array) -> jax.Array:
 def row_key(seed: jax.Array, choice: jax.Array, out_pos: jax.Array) -> jax.Array:
     key = jax.random.fold_in(jax.random.key(seed), choice)
     return jax.random.fold_in(key, out_pos)
+
+
+def _uniform(seed, choice, out_pos) -> jax.Array:
+    """The row's one number in [0, 1) for an inverse-CDF draw (SamplingKernels.draw)."""
+    return jax.random.uniform(row_key(seed, choice, out_pos), (), jnp.float32)
 
 
 def _draw(logits: jax.Array, seed, choice, out_pos) -> jax.Array:

@@ -62,7 +62,7 @@ class Worker:
         freeze_startup_heap()  # the model, tokenizer and compiled steps: out of the collector's walks
         self.io.start()
         self.state = WorkerState.SERVING
-        log.info("worker %s serving %s (attention: %s, matmul: %s, top-k/top-p: %s, fused decode steps: %d)",
+        log.info("worker %s serving %s (attention: %s, matmul: %s, sampler: %s, fused decode steps: %d)",
                  self.config.name, self.config.model_name, self.engine.attention, self.engine.matmul,
                  self.engine.sampler, self.engine.decode_steps)
         try:

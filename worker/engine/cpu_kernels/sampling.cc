@@ -1,8 +1,9 @@
-// Top-k and top-p cutoffs of sampled rows on XLA's CPU backend, called from JAX through the XLA FFI.
+// The costly parts of sampling on XLA's CPU backend, called from JAX through the XLA FFI: top-k and
+// top-p cutoffs, and the draw itself.
 //
-// The jnp sampler finds both by sorting every row of the vocabulary, and XLA's CPU sort is a
-// generic comparison sort: 470 ms for 64 rows of 32000 logits, ten times a llama-100m decode step.
-// A row only needs its largest values in order until the mass the top-p cutoff asks for is
+// Cutoffs. The jnp sampler finds both by sorting every row of the vocabulary, and XLA's CPU sort is
+// a generic comparison sort: 470 ms for 64 rows of 32000 logits, ten times a llama-100m decode
+// step. A row only needs its largest values in order until the mass the top-p cutoff asks for is
 // reached, so this kernel selects before it sorts: std::nth_element takes the top-k set (O(V)),
 // values too small to matter are set aside in one pass (a bound from the softmax denominator), and
 // ever larger leading blocks of the rest (32, 64, 128, ... values) are selected and sorted until
@@ -15,9 +16,16 @@
 // are the jnp path's rules (worker/engine/sampler.py), so ties at the cut are kept as there.
 // Rows with neither top_k nor top_p < 1 get -inf (nothing cut) without looking at their logits.
 //
-// Shapes: logits f32[R, V] (temperature applied); top_k i32[R] (0: off); top_p f32[R]; cut f32[R].
+// Draw. The jnp sampler adds Gumbel noise to every logit (a threefry random number per vocabulary
+// entry: 13 ms for 64 rows of 32000 on the CPU). Here each row gets one uniform number u (drawn in
+// JAX from the row's key) and takes the first token whose cumulative probability, in vocabulary
+// order, passes u: an exact draw from the row's distribution with one random number.
+//
+// Shapes: cutoffs: logits f32[R, V] (temperature applied); top_k i32[R] (0: off); top_p f32[R];
+// cut f32[R]. draw: logits f32[R, V] (masked entries -inf); u f32[R] in [0, 1); token i32[R].
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -88,6 +96,58 @@ ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
   return ffi::Error::Success();
 }
 
+// -inf by its bits: the kernels build with -ffast-math, under which a compiler may assume no
+// operand is infinite and fold a comparison with -inf away
+inline bool masked(float x) { return std::bit_cast<uint32_t>(x) == 0xff800000u; }
+
+int32_t row_draw(const float* x, int64_t v, float u, std::vector<float>& e) {
+  float top = -std::numeric_limits<float>::max();
+  int64_t first = -1;  // the first entry not masked (the answer if rounding leaves u unreached)
+  for (int64_t i = 0; i < v; ++i)
+    if (!masked(x[i])) {
+      top = std::max(top, x[i]);
+      if (first < 0) first = i;
+    }
+  if (first < 0) return 0;  // nothing to draw from (cannot happen: the largest logit is never cut)
+  e.resize(v);
+  double z = 0.0;
+#pragma omp simd reduction(+ : z)
+  for (int64_t i = 0; i < v; ++i) {
+    e[i] = masked(x[i]) ? 0.0f : std::exp(x[i] - top);
+    z += e[i];
+  }
+  const double target = double(u) * z;
+  double sum = 0.0;
+  int64_t last = first;
+  for (int64_t i = 0; i < v; ++i) {
+    if (e[i] == 0.0f) continue;
+    sum += e[i];
+    last = i;
+    if (sum > target) return int32_t(i);
+  }
+  return int32_t(last);  // u within rounding of 1: the last token that can be drawn
+}
+
+ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> u,
+                            ffi::ResultBuffer<ffi::S32> token) {
+  auto ld = logits.dimensions();
+  if (ld.size() != 2 || u.element_count() != ld[0] || token->element_count() != ld[0])
+    return ffi::Error::InvalidArgument("sampling_draw: expected logits [R,V], u [R], token [R]");
+  const int64_t rows = ld[0], v = ld[1];
+  const float* x = logits.typed_data();
+  const float* us = u.typed_data();
+  int32_t* out = token->typed_data();
+  if (v == 0) {
+    std::fill(out, out + rows, 0);
+    return ffi::Error::Success();
+  }
+  redjax::run_on_pool(pool, rows, [=](int64_t r) {
+    thread_local std::vector<float> e;  // each row's weights, reused across calls
+    out[r] = row_draw(x + r * v, v, us[r], e);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SamplingCutoffs, SamplingCutoffsImpl,
@@ -97,3 +157,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SamplingCutoffs, SamplingCutoffsImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SamplingDraw, SamplingDrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
