@@ -31,8 +31,10 @@ prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((5, 17, 3
 out = {}
 for parallel in (1, tp):
     model = load_model(path, mesh=make_mesh(parallel) if parallel > 1 else None)
+    # one sampler on both: a mesh always samples in jnp, one CPU device by default through kernels
+    # whose draws are other tokens for a seed
     engine = LLMEngine(model, Ids(), EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=4,
-                                                   num_pages=64, tensor_parallel=parallel))
+                                                   num_pages=64, tensor_parallel=parallel, sampler="jnp"))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0.8, seed=i, max_tokens=12))
     tokens = {str(i): [] for i in range(len(prompts))}
