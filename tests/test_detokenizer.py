@@ -108,3 +108,26 @@ def test_sentencepiece_leading_spaces_follow_the_prompt(metaspace):
     full = metaspace.decode(prompt + output)
     assert joined == full[len(metaspace.decode(prompt)) :] == " fox jumps over the lazy dog"
     assert metaspace.decode(output) == "fox jumps over the lazy dog"  # alone, the space is lost
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
+def test_a_stream_resumed_by_another_detokenizer_repeats_and_loses_nothing(name, request):
+    """A worker that resumes a request continues the text exactly where the client's stream stopped,
+    whether the dead worker's last tokens completed their characters or were held back inside one
+    (sent as token ids with no text); every cut point of every sample, one token at a time."""
+    tokenizer = request.getfixturevalue(name)
+    prompt = tokenizer.encode("the quick", add_special_tokens=False)
+    for sample in SAMPLES:
+        output = tokenizer.encode(sample, add_special_tokens=False)
+        whole = "".join(stream(tokenizer, prompt, output, [1] * len(output)))
+        for cut in range(1, len(output)):
+            first = IncrementalDetokenizer(tokenizer, prompt)
+            sent_text, held = "", 0  # what the client got, and the trailing tokens with no text yet
+            for token in output[:cut]:
+                delta = first.add([token])
+                sent_text += delta
+                held = 0 if delta else held + 1
+            second = IncrementalDetokenizer(tokenizer, prompt)
+            assert second.resume(output[: cut - held], output[cut - held : cut]) == first.text
+            rest = "".join(second.add([t]) for t in output[cut:]) + second.flush()
+            assert sent_text + rest == whole, (sample, cut)

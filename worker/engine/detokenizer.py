@@ -37,6 +37,15 @@ class IncrementalDetokenizer:
         self._ids.extend(token_ids)
         return self._emit(final=False)
 
+    def resume(self, sent: list[int], held: list[int]) -> str:
+        """Take over another detokenizer's stream (a request resumed by another worker): the text of
+        the `sent` tokens was emitted there, that of the `held` ones not yet (it ended inside a
+        character), so they stay pending here. Returns the sent text."""
+        self._ids.extend(sent)
+        text = self._emit(final=True)
+        self._ids.extend(held)
+        return text
+
     def flush(self) -> str:
         """At the end of the sequence: whatever is held back, incomplete characters included."""
         return self._emit(final=True)

@@ -148,8 +148,9 @@ class LLMEngine:
 
     def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        emitted: dict[int, list[int]], finished: dict[int, str] | None = None,
-                       arrival_time: float | None = None) -> None:
+                       arrival_time: float | None = None, held: dict[int, int] | None = None) -> None:
         """Continue a request another worker started: `emitted[choice]` tokens were already sent,
+        the text of all but the last `held[choice]` of them too (those ended inside a character),
         `finished[choice]` says which choices had ended. Prompt + emitted tokens are recomputed."""
         self.add_request(request_id, prompt_token_ids, params, arrival_time)
         for seq in self._groups[request_id].sequences:
@@ -157,7 +158,8 @@ class LLMEngine:
             seq.output_token_ids.extend(tokens)
             track = self._tracks[seq.seq_id]
             track.prompt_sent = True
-            track.stops.add(track.detok.add(tokens) if tokens else "")
+            cut = len(tokens) - (held or {}).get(seq.index, 0)
+            track.stops.add(track.detok.resume(tokens[:cut], tokens[cut:]))
             if finished and seq.index in finished:
                 self.scheduler.finish(seq, finished[seq.index])
                 del self._tracks[seq.seq_id]  # its end was reported by the worker that ran it

@@ -31,6 +31,7 @@ class Incoming:
     entry_id: str
     message: RequestMessage
     emitted: dict[int, list[int]] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)  # trailing emitted tokens whose text was not sent
     finished: dict[int, str] = field(default_factory=dict)
     next_seq: int = 0
     cancelled: bool = False
@@ -165,6 +166,8 @@ class RedisIO:
                 continue
             seen = delta.seq
             incoming.emitted.setdefault(delta.index, []).extend(delta.token_ids)
+            # a detokenizer emits the text of all its tokens or none (an unfinished character)
+            incoming.held[delta.index] = 0 if delta.text else incoming.held.get(delta.index, 0) + len(delta.token_ids)
             if delta.finish_reason:
                 incoming.finished[delta.index] = delta.finish_reason
         incoming.next_seq = seen + 1

@@ -133,7 +133,7 @@ class Worker:
         try:
             if incoming.emitted or incoming.finished:
                 self.engine.resume_request(message.id, message.prompt_token_ids, params, incoming.emitted,
-                                           incoming.finished, message.enqueued_at)
+                                           incoming.finished, message.enqueued_at, incoming.held)
             else:
                 self.engine.add_request(message.id, message.prompt_token_ids, params, message.enqueued_at)
         except ValueError as exc:
