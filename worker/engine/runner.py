@@ -27,7 +27,7 @@ from flax import nnx
 from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, step_cost
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps, write_keys, write_kv
-from worker.engine.sampler import SamplerFlags, sample
+from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
 from worker.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
-                 attention: AttentionOps = JNP, fixed_pages: int | None = None, sampling_kernels=None):
+                 attention: AttentionOps = JNP, fixed_pages: int | None = None,
+                 sampling_kernels: SamplingKernels | None = None):
         self.graphdef, state = nnx.split(model)
         # a flat tuple of arrays: jit flattens an nnx.State through Python callbacks on every call
         # (~0.3 ms for 110 leaves), a tuple in C++
@@ -211,8 +212,8 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags) -> None:
 def _jitted_step(graphdef, param_def, attention: AttentionOps, sampling_kernels):
     """The jitted step of one model structure, shared by every runner of it (so are its compiled
     variants: a new engine on the same model compiles nothing again)."""
-    return jax.jit(partial(_step, graphdef, param_def, attention, sampling_kernels), static_argnames=("shape", "flags"),
-                   donate_argnames=("kv",))
+    return jax.jit(partial(_step, graphdef, param_def, attention, sampling_kernels),
+                   static_argnames=("shape", "flags"), donate_argnames=("kv",))
 
 
 def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params: tuple, kv: KVCache, db: DeviceBatch,
