@@ -41,19 +41,23 @@ namespace {
 
 constexpr int64_t kFirstBlock = 32;  // values sorted first; each further block doubles the sorted prefix
 
-float row_cut(const float* logits, int64_t v, int32_t top_k, float top_p) {
+// -inf by its bits: the kernels build with -ffast-math, under which a compiler may assume no
+// operand is infinite and fold a comparison with -inf away
+inline bool masked(float x) { return std::bit_cast<uint32_t>(x) == 0xff800000u; }
+
+float row_cut(const float* logits, int64_t v, int32_t top_k, float top_p, std::vector<float>& a) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   const int64_t k = top_k > 0 ? std::min<int64_t>(top_k, v) : v;
   const bool by_p = top_p < 1.0f;
   if (k == v && !by_p) return kNone;
-  std::vector<float> a(logits, logits + v);
+  a.assign(logits, logits + v);
   auto desc = std::greater<float>();
   if (k < v) std::nth_element(a.begin(), a.begin() + (k - 1), a.end(), desc);  // a[0, k): the top-k set
   float kth = kNone;
   if (k < v) kth = a[k - 1];
   if (!by_p) return kth;
   const float top = *std::max_element(a.begin(), a.begin() + k);
-  if (!(top > kNone)) return kth;  // nothing finite to renormalize
+  if (masked(top)) return kth;  // nothing finite to renormalize
   float z = 0.0f;  // the softmax denominator over the top-k set (a vectorized pass)
   const float* set = a.data();
 #pragma omp simd reduction(+ : z)
@@ -92,13 +96,12 @@ ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
     std::fill(out, out + rows, -std::numeric_limits<float>::infinity());
     return ffi::Error::Success();
   }
-  redjax::run_on_pool(pool, rows, [=](int64_t r) { out[r] = row_cut(x + r * v, v, ks[r], ps[r]); });
+  redjax::run_on_pool(pool, rows, [=](int64_t r) {
+    thread_local std::vector<float> a;  // the row's values, reordered; reused across calls
+    out[r] = row_cut(x + r * v, v, ks[r], ps[r], a);
+  });
   return ffi::Error::Success();
 }
-
-// -inf by its bits: the kernels build with -ffast-math, under which a compiler may assume no
-// operand is infinite and fold a comparison with -inf away
-inline bool masked(float x) { return std::bit_cast<uint32_t>(x) == 0xff800000u; }
 
 int32_t row_draw(const float* x, int64_t v, float u, std::vector<float>& e) {
   float top = -std::numeric_limits<float>::max();
