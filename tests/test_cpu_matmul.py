@@ -21,8 +21,10 @@ def kernel():
     assert cpu_matmul.load(), "the CPU matmul kernel did not build (is a C++ compiler installed?)"
 
 
-# rows below, at and above the 12-row register tile; columns not a multiple of the 32-column panel
-@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 100, 33), (12, 7, 1), (13, 64, 97), (64, 256, 512), (100, 48, 200)])
+# rows below, at and above the 12-row register tile; columns not a multiple of the 32-column panel;
+# 64 panels and more: x copied into k-major tiles first (kPackPanels)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 100, 33), (12, 7, 1), (13, 64, 97), (64, 256, 512), (100, 48, 200),
+                                   (5, 16, 2048), (25, 33, 2081), (62, 40, 4096)])
 def test_products_equal_float64_numpy(m, k, n):
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -88,14 +90,15 @@ def test_choice_of_matmul(tmp_path, monkeypatch):
         EngineConfig(matmul="onednn")
 
 
-def test_a_row_comes_out_the_same_in_any_batch():
+@pytest.mark.parametrize("n", [200, 2100])  # x used in place, and copied into tiles
+def test_a_row_comes_out_the_same_in_any_batch(n):
     # a request recomputed in a prefill chunk (resumed by another worker, or after preemption)
     # must continue exactly as its decode rows did: each output sums over K in one fixed order
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((256, 200), dtype=np.float32)
+    w = rng.standard_normal((256, n), dtype=np.float32)
     panels = cpu_matmul.pack(jnp.asarray(w))
     x = rng.standard_normal((100, 256), dtype=np.float32)
-    full = np.asarray(cpu_matmul.matmul(jnp.asarray(x), panels, 200))
+    full = np.asarray(cpu_matmul.matmul(jnp.asarray(x), panels, n))
     for lo, hi in ((0, 1), (7, 8), (3, 11), (50, 63), (88, 100)):
-        part = np.asarray(cpu_matmul.matmul(jnp.asarray(x[lo:hi]), panels, 200))
+        part = np.asarray(cpu_matmul.matmul(jnp.asarray(x[lo:hi]), panels, n))
         assert np.array_equal(part, full[lo:hi]), (lo, hi)

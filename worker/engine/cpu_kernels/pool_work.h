@@ -9,6 +9,10 @@
 // only an idle core pulls it over. A caller that spun instead would keep its core busy doing
 // nothing while the helper waited for its turn (a few milliseconds of scheduler slice).
 //
+// A `fn` that takes two arguments is called as fn(item, next): `next` is the item this thread
+// runs after `item` (claimed before `item` runs), or -1 if there is none, so an item can request
+// the memory of the next one while it computes. Such a thread holds back at most two items.
+//
 // The state is shared-owned: a pool task that starts after the call returned finds the counter
 // exhausted and touches nothing else (`fn` may hold pointers that are dead by then).
 
@@ -20,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -33,15 +38,28 @@ struct PoolWork {
   PoolWork(int64_t items, Fn fn) : items(items), fn(std::move(fn)) {}
 
   const int64_t items;
-  Fn fn;  // fn(item): runs one item, on whichever thread claimed it
+  Fn fn;  // fn(item) or fn(item, next): runs one item, on whichever thread claimed it
   std::atomic<int64_t> next{0};
   std::atomic<int32_t> done{0};  // a 32-bit word: waited on with a futex
 
   void run() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      fn(i);
-      if (done.fetch_add(1, std::memory_order_release) + 1 == items) done.notify_all();
+    if constexpr (std::is_invocable_v<Fn&, int64_t, int64_t>) {
+      for (int64_t i = claim(), j; i < items; i = j) {
+        j = claim();
+        fn(i, j < items ? j : int64_t{-1});
+        finish();
+      }
+    } else {
+      for (int64_t i; (i = claim()) < items;) {
+        fn(i);
+        finish();
+      }
     }
+  }
+
+  int64_t claim() { return next.fetch_add(1, std::memory_order_relaxed); }
+  void finish() {
+    if (done.fetch_add(1, std::memory_order_release) + 1 == items) done.notify_all();
   }
 
   void wait() {
