@@ -31,7 +31,7 @@ def pages_and_queries(rng, heads, kv_heads, dim, page_size, num_pages, width, ro
     """Random pages (garbage everywhere: only what the tables and lengths name may be read)."""
     k = rng.standard_normal((kv_heads, num_pages, dim, page_size), dtype=np.float32) * 3
     v = rng.standard_normal((kv_heads, num_pages, page_size, dim), dtype=np.float32) * 3
-    to = (lambda x: pa._stored(jnp.asarray(x), pa.BF16_BITS)) if stored == pa.BF16_BITS else jnp.asarray
+    to = (lambda x: pa.stored(jnp.asarray(x), pa.BF16_BITS)) if stored == pa.BF16_BITS else jnp.asarray
     tables = rng.permutation(np.arange(1, num_pages))[: rows * width].reshape(rows, width).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((rows, heads, dim), dtype=np.float32))
     return q, to(k), to(v), jnp.asarray(tables)

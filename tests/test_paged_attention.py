@@ -93,6 +93,31 @@ def test_write_keys_puts_each_token_in_its_column_of_the_transposed_page():
     assert np.asarray(pa.key_rows(bits[:, 0])[:, 2]).astype(np.float32).tolist() == np.asarray(new[0]).tolist()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_page_writes_equal_the_jnp_scatters_in_place(dtype):
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU attention kernels did not build"
+    rng = np.random.default_rng(4)
+    kv, n, d, ps = 3, 9, 8, 4
+    store = pa.storage_dtype(dtype)
+    k_pages = pa.stored(jnp.asarray(rng.standard_normal((kv, n, d, ps), np.float32)), store)
+    v_pages = pa.stored(jnp.asarray(rng.standard_normal((kv, n, ps, d), np.float32)), store)
+    k, v = (jnp.asarray(rng.standard_normal((6, kv, d), np.float32)) for _ in range(2))  # [T, KV, D]
+    # distinct slots across pages, a padding token (slot 0, the reserved page), one past the cache
+    slots = jnp.asarray([5 * ps + 3, 1 * ps, 8 * ps + 1, 0, 5 * ps + 2, n * ps + 1], jnp.int32)
+    want_k, want_v = jax.jit(pa.write_pages)(k_pages, v_pages, k, v, slots)
+    write = jax.jit(cpu_attention.write_pages, donate_argnums=(0, 1))
+    got_k, got_v = write(jnp.array(k_pages), jnp.array(v_pages), k, v, slots)
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    # not donated: the operands are left as they were (XLA copies them for the aliased results)
+    kept = jnp.array(k_pages)
+    again_k, _ = jax.jit(cpu_attention.write_pages)(kept, v_pages, k, v, slots)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(k_pages))
+    np.testing.assert_array_equal(np.asarray(again_k), np.asarray(want_k))
+
+
 # ---- a paged forward of the real model, driven like the engine drives it ----
 
 CFG = ModelConfig(

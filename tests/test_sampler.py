@@ -291,10 +291,21 @@ def test_a_rows_draw_ignores_what_its_neighbours_ask_for(kernels):
     assert tokens[2] == logits[2].argmax()
 
 
-def test_first_argmax_equals_argmax_including_ties():
+@pytest.mark.parametrize("v", [1000, 32000, 7])  # a tail past the 16-lane blocks; a row shorter than one
+def test_greedy_argmax_equals_numpy_including_ties_infinities_and_nans(kernels, v):
     from worker.engine.sampler import first_argmax
 
+    argmax = jax.jit(kernels.argmax if kernels is not None else first_argmax)
     rng = np.random.default_rng(5)
-    x = rng.integers(-3, 3, (64, 1000)).astype(np.float32)  # many ties: the first maximum wins
+    x = rng.integers(-3, 3, (64, v)).astype(np.float32)  # many ties: the first maximum wins
     x[7] = -1e30  # all equal
-    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), x.argmax(-1))
+    x[8] = -np.inf  # all masked
+    x[9, -1] = np.inf
+    x[10, v // 2] = np.inf  # two infinite maxima: the first
+    x[10, -1] = np.inf
+    x[11, -1] = 100.0  # the maximum in the tail
+    x[12] = rng.standard_normal(v).astype(np.float32)  # no ties
+    want = x.argmax(-1)
+    x[13, v // 3] = np.nan  # a NaN anywhere: the last index, on both paths
+    want[13] = v - 1
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), want)

@@ -19,15 +19,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from worker.engine import cpu_build
-from worker.engine.paged_attention import AttentionOps
+from worker.engine.paged_attention import AttentionOps, stored
 
-TARGET = "redjax_paged_attention"
+TARGET, WRITE = "redjax_paged_attention", "redjax_kv_write"
 
 
 @lru_cache(maxsize=1)
 def load() -> bool:
-    """Build (once per source and flags) and register the kernel; False if it cannot be built."""
-    return cpu_build.register("paged_attention.cc", "PagedAttention", TARGET)
+    """Build (once per source and flags) and register the kernels (attention and page writes);
+    False if they cannot be built."""
+    return (cpu_build.register("paged_attention.cc", "PagedAttention", TARGET)
+            and cpu_build.register("kv_write.cc", "KvWrite", WRITE))
+
+
+def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array):
+    """`paged_attention.write_pages` in place through `cpu_kernels/kv_write.cc`: k_pages
+    [KV, N, D, page_size], v_pages [KV, N, page_size, D], k and v [T, KV, D], slots i32[T] ->
+    (k_pages, v_pages). Call `load()` first."""
+    call = jax.ffi.ffi_call(WRITE, (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+                            input_output_aliases={0: 0, 1: 1})
+    return call(k_pages, v_pages, stored(k, k_pages.dtype), stored(v, v_pages.dtype), slots.astype(jnp.int32))
 
 
 def ragged_paged_attention(
@@ -75,4 +87,4 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 KERNEL = AttentionOps("cpu-kernel", paged_decode_attention, paged_attention, reads_own_context=True,
-                      ragged=ragged_paged_attention)
+                      ragged=ragged_paged_attention, write=write_pages)

@@ -47,7 +47,7 @@ def page_values(x: jax.Array) -> jax.Array:
 BLOCK_BYTES = 2 << 20  # gathered keys per decode block: one block stays in a core's L2 cache
 
 
-def _stored(x: jax.Array, dtype) -> jax.Array:
+def stored(x: jax.Array, dtype) -> jax.Array:
     """Values as the pages hold them (bfloat16 as its bit patterns)."""
     if dtype == BF16_BITS:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
@@ -61,7 +61,7 @@ def write_kv(
 ) -> jax.Array:
     """Scatter one layer's new values into their slots; returns the updated pages."""
     kv, n, ps, d = pages.shape
-    rows = _stored(new.transpose(1, 0, 2), pages.dtype)  # [KV, T, D]
+    rows = stored(new.transpose(1, 0, 2), pages.dtype)  # [KV, T, D]
     flat = pages.reshape(kv, n * ps, d).at[:, slots].set(rows)
     return flat.reshape(kv, n, ps, d)
 
@@ -74,7 +74,12 @@ def write_keys(
     """Scatter one layer's new keys into their slots of the transposed key pages."""
     ps = pages.shape[3]
     # pages[:, page, :, offset] with the two index arrays apart: the token axis comes first, [T, KV, D]
-    return pages.at[:, slots // ps, :, slots % ps].set(_stored(new, pages.dtype))
+    return pages.at[:, slots // ps, :, slots % ps].set(stored(new, pages.dtype))
+
+
+def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array):
+    """One layer's new keys and values (k, v [T, KV, D]) into their slots -> (k_pages, v_pages)."""
+    return write_keys(k_pages, k, slots), write_kv(v_pages, v, slots)
 
 
 def key_rows(gathered: jax.Array) -> jax.Array:
@@ -181,13 +186,15 @@ class AttentionOps:
     width, so every step can use the widest table (fewer compiled variants). `ragged` (optional):
     rows of any length packed back to back (q [T, H, D], positions [T], row r the tokens
     `[q_starts[r], q_starts[r] + q_lens[r])`); with it a step packs prefill chunks without padding
-    each to a common row length (`batch.StepShape.packed`)."""
+    each to a common row length (`batch.StepShape.packed`). `write`: how a layer's new keys and
+    values go into the pages, with the contract of `write_pages`."""
 
     name: str
     decode: Callable
     prefill: Callable
     reads_own_context: bool
     ragged: Callable | None = None
+    write: Callable = write_pages
 
 
 JNP = AttentionOps("jnp", paged_decode_attention, paged_attention, reads_own_context=False)

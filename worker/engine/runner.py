@@ -26,7 +26,7 @@ from flax import nnx
 
 from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, step_cost
 from worker.engine.kv_cache import KVCache
-from worker.engine.paged_attention import JNP, AttentionOps, write_keys, write_kv
+from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
 from worker.engine.scheduler import ScheduledBatch
 
@@ -231,7 +231,7 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
 
         def attend(layer, q, k, v, cache):  # q [T, H, D] (or [R, H, D] for out_rows), k/v [T, KV, D]
             keys, values = cache
-            kp, vp = write_keys(keys[layer], k, slots), write_kv(values[layer], v, slots)
+            kp, vp = attention.write(keys[layer], values[layer], k, v, slots)
             if out_rows is not None and layer == last:
                 out = attention.decode(q, kp, vp, db.page_tables, positions[out_rows], context_lens, cfg.window(layer))
             elif shape.packed:  # decode rows and packed prefill chunks in one ragged call

@@ -50,10 +50,11 @@ class SamplerFlags:
 
 @dataclass(frozen=True)
 class SamplingKernels:
-    """Compiled stand-ins for the two costly parts of sampling (engine/cpu_sampling.py)."""
+    """Compiled stand-ins for the costly parts of sampling (engine/cpu_sampling.py)."""
 
     cutoffs: Callable  # (logits f32[R, V], top_k i32[R], top_p f32[R]) -> f32[R]: mask the logits below
     draw: Callable  # (logits f32[R, V] with -inf for masked, u f32[R] in [0, 1)) -> i32[R]: inverse-CDF draw
+    argmax: Callable  # (logits f32[R, V]) -> i32[R]: first_argmax
 
 
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: SamplingKernels | None = None):
@@ -69,7 +70,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     if flags.bias:
         rows = jnp.arange(r)[:, None]
         logits = logits.at[rows, t.bias_ids].add(t.bias_vals)
-    greedy = first_argmax(logits)
+    greedy = kernels.argmax(logits) if kernels is not None else first_argmax(logits)
     if flags.all_greedy:
         tokens = greedy
     else:
@@ -131,7 +132,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     v = x.shape[-1]
     top = x.max(axis=-1, keepdims=True)
     first = jnp.min(jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
-    return jnp.minimum(first, v - 1)  # a row of NaNs matches nowhere: stay inside the vocabulary
+    # a row with a NaN (a broken model) gives the last index on every backend, as the CPU kernel does
+    return jnp.where(jnp.isnan(x).any(axis=-1), v - 1, first)
 
 
 def row_key(seed: jax.Array, choice: jax.Array, out_pos: jax.Array) -> jax.Array:

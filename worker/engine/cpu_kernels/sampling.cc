@@ -21,8 +21,14 @@
 // JAX from the row's key) and takes the first token whose cumulative probability, in vocabulary
 // order, passes u: an exact draw from the row's distribution with one random number.
 //
+// Argmax. Greedy rows take the first index of the row's largest logit. XLA's CPU backend runs that
+// as a max, a compare-select over the whole row and a min (3.4 ms for 62 rows of 32000 on the
+// 2-core Intel VM, 5 % of a llama-100m decode step); here it is one pass per row, rows in parallel.
+// A row holding a NaN gives V - 1, as the jnp path (sampler.first_argmax) does.
+//
 // Shapes: cutoffs: logits f32[R, V] (temperature applied); top_k i32[R] (0: off); top_p f32[R];
 // cut f32[R]. draw: logits f32[R, V] (masked entries -inf); u f32[R] in [0, 1); token i32[R].
+// argmax: logits f32[R, V]; token i32[R].
 
 #include <algorithm>
 #include <bit>
@@ -151,7 +157,55 @@ ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, 
   return ffi::Error::Success();
 }
 
+// NaN by its bits (-ffast-math lets a compiler assume there are none)
+inline bool is_nan(float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffffu) > 0x7f800000u; }
+
+int32_t row_argmax(const float* x, int64_t v) {
+  constexpr int64_t kLanes = 16;
+  // lane-wise maxima over the row (vectorized), then the first index that holds the maximum
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, -std::numeric_limits<float>::infinity());
+  bool nan = false;
+  int64_t i = 0;
+  for (; i + kLanes <= v; i += kLanes)
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) {
+      nan |= is_nan(x[i + l]);
+      lanes[l] = std::max(lanes[l], x[i + l]);
+    }
+  float top = *std::max_element(lanes, lanes + kLanes);
+  for (; i < v; ++i) {
+    nan |= is_nan(x[i]);
+    top = std::max(top, x[i]);
+  }
+  if (nan) return int32_t(v - 1);
+  for (int64_t j = 0; j < v; ++j)
+    if (x[j] == top) return int32_t(j);
+  return int32_t(v - 1);  // unreachable: the maximum is one of the values
+}
+
+ffi::Error SamplingArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> token) {
+  auto ld = logits.dimensions();
+  if (ld.size() != 2 || token->element_count() != ld[0])
+    return ffi::Error::InvalidArgument("sampling_argmax: expected logits [R,V], token [R]");
+  const int64_t rows = ld[0], v = ld[1];
+  const float* x = logits.typed_data();
+  int32_t* out = token->typed_data();
+  if (v == 0) {
+    std::fill(out, out + rows, 0);
+    return ffi::Error::Success();
+  }
+  redjax::run_on_pool(pool, rows, [=](int64_t r) { out[r] = row_argmax(x + r * v, v); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SamplingArgmax, SamplingArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SamplingCutoffs, SamplingCutoffsImpl,
                               ffi::Ffi::Bind()
