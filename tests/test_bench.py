@@ -14,7 +14,7 @@ import pytest
 from tests.hf_models import make_hf_model
 from tests.stack_support import make_served_model, start_api, start_worker, stop
 from worker.bench import roofline
-from worker.bench.cli import run
+from worker.bench.cli import offline_parser, run
 from worker.models.config import ModelConfig
 
 TINY = ["--num-prompts", "4", "--input-len", "8", "--output-len", "8", "--json"]
@@ -52,6 +52,21 @@ def test_offline_compare_hf(tiny_model):
     for key in ("output_tokens_per_s", "baseline_output_tokens_per_s", "ratio"):
         assert report[key] > 0, key
     assert report["greedy_match_fraction"] == 1.0  # same weights, same prompts, greedy
+    assert report["baseline_batch_size"] == 2 and list(report["baseline_batch_trials"]) == ["2"]
+
+
+def test_offline_compare_hf_picks_the_fastest_batch_size_by_default(tiny_model):
+    code, out = _bench("offline", "--model", str(tiny_model), "--num-prompts", "20", "--input-len", "8",
+                       "--output-len", "4", "--json", "--compare", "hf", "--rounds", "2")
+    report = json.loads(out)
+    assert code == 0
+    trials = report["baseline_batch_trials"]  # 16, 32 and 64, capped at the 20 prompts
+    assert sorted(map(int, trials)) == [16, 20]
+    assert report["baseline_batch_size"] == int(max(trials, key=trials.get))
+    assert "batch {}".format(report["baseline_batch_size"]) in report["baseline"]
+    assert all(f["greedy_match_fraction"] == 1.0 for f in report["per_round"])
+    with pytest.raises(SystemExit):
+        offline_parser().parse_args(["--model", "x", "--hf-batch-size", "0"])
 
 
 def test_offline_compare_hf_on_dummy_weights_gives_transformers_the_engine_weights():

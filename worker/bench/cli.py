@@ -25,13 +25,23 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--compare", choices=["hf"], help="also run transformers generate on the same weights and prompts")
-    p.add_argument("--hf-batch-size", type=int, default=32,
-                   help="transformers batch size (default 32: its fastest of 8/16/32/64 on the models measured)")
+    p.add_argument("--hf-batch-size", type=_batch_size, default=None, metavar="N|auto",
+                   help="transformers batch size, or auto (default): the fastest of 16/32/64 (up to the number of "
+                        "prompts), tried on the first round's prompts")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the run (and the baseline, alternating) on fresh prompts; report medians")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     _engine_flags(p)
     return p
+
+
+def _batch_size(text: str) -> int | None:
+    """--hf-batch-size: a positive number, or auto -> None."""
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError("expected a positive number or auto")
+    return int(text)
 
 
 def offline(argv: list[str]) -> int:
@@ -68,6 +78,9 @@ def offline(argv: list[str]) -> int:
         same = (f" (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts)"
                 if "greedy_match_fraction" in r else "")
         print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio {r['ratio']:.2f}x{same}")
+        if len(r["baseline_batch_trials"]) > 1:
+            tried = ", ".join(f"{b}: {t:.1f}" for b, t in r["baseline_batch_trials"].items())
+            print(f"  transformers batch sizes tried on round 1 (output tokens/s): {tried}")
     for i, f in enumerate(r.get("per_round", [])):
         base = f" vs {f['baseline_output_tokens_per_s']:.1f} -> {f['ratio']:.2f}x" if "ratio" in f else ""
         print(f"  round {i + 1}: {f['output_tokens_per_s']:.1f} output tokens/s{base}")
