@@ -96,8 +96,8 @@ struct Block {
 // Scores of query head `qh` [DIM] against NC * 16 consecutive keys of one key page (`kp` points at
 // the first key of the run in dimension 0; dimension i is `ps` further on). Two accumulator sets
 // (even and odd dimensions) keep 2 * NC independent FMA chains in flight.
-template <int DIM, int NC>
-inline void key_run_scores(const float* qh, const float* kp, int64_t ps, float* out) {
+template <int DIM, int NC, typename E>
+inline void key_run_scores(const float* qh, const E* kp, int64_t ps, float* out) {
   f32xN even[NC] = {}, odd[NC] = {};
   for (int i = 0; i < DIM; i += 2) {
     for (int c = 0; c < NC; ++c) even[c] += qh[i] * load(kp + i * ps + c * kLanes);
@@ -106,8 +106,8 @@ inline void key_run_scores(const float* qh, const float* kp, int64_t ps, float* 
   for (int c = 0; c < NC; ++c) std::memcpy(out + c * kLanes, &(even[c] += odd[c]), sizeof(f32xN));
 }
 
-template <int DIM>
-inline void key_scores(const float* qh, const float* kp, int64_t ps, int64_t keys, float* out) {
+template <int DIM, typename E>
+inline void key_scores(const float* qh, const E* kp, int64_t ps, int64_t keys, float* out) {
   // `keys` is a multiple of 16 (page sizes are), taken 64 at a time
   int64_t t = 0;
   for (; t + 4 * kLanes <= keys; t += 4 * kLanes) key_run_scores<DIM, 4>(qh, kp + t, ps, out + t);
@@ -117,6 +117,21 @@ inline void key_scores(const float* qh, const float* kp, int64_t ps, int64_t key
     case 1: key_run_scores<DIM, 1>(qh, kp + t, ps, out + t); break;
     default: break;
   }
+}
+
+// max(-1e30, p[0], ..., p[n - 1]) in 16 lanes at a time: GCC left the `omp simd` max reduction a
+// scalar chain of dependent vmaxss (4 cycles each), 17 % of a demo decode step's attention
+inline float row_max(const float* p, int64_t n) {
+  f32xN lanes = f32xN{} - 1e30f;
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const f32xN v = load(p + t);
+    lanes = lanes > v ? lanes : v;
+  }
+  float mx = -1e30f;
+  for (int l = 0; l < kLanes; ++l) mx = std::max(mx, lanes[l]);
+  for (; t < n; ++t) mx = std::max(mx, p[t]);
+  return mx;
 }
 
 // Per-thread buffers, reused across work items.
@@ -190,9 +205,8 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
   prime(value_page(lo / ps));  // read once the softmax is done
   for (int64_t h = 0; h < g; ++h) {
     float* p = probs + h * n;
-    float mx = -1e30f, sum = 0.0f;
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, p[t]);
+    const float mx = row_max(p, n);
+    float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {
       p[t] = std::exp(p[t] - mx);
@@ -207,7 +221,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
       constexpr int NC = DIM / kLanes;
       f32xN even[NC] = {}, odd[NC] = {};  // alternate keys: two independent chains per lane group
       for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
-        const float* rows = value_page(col);  // [ps, D]
+        const E* rows = value_page(col);  // [ps, D]
         if (h == 0 && (col + 1) * ps < hi) prime(value_page(col + 1));  // later heads find it cached
         int64_t t = first;
         for (; t + 1 < end; t += 2) {
@@ -245,15 +259,23 @@ inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t
   }
 }
 
-// One work item: the queries of block `b` for KV head `kvh`. On the vector path, bfloat16 pages are
-// widened once per item (all its queries and heads then read float32 from cache) instead of once
-// per head and query.
+// One work item: the queries of block `b` for KV head `kvh`. On the vector path, a block of several
+// queries widens its bfloat16 pages once (all its queries and heads then read float32 from cache);
+// a single query (a decode row) widens them as it loads them, reading half the bytes of float32
+// pages (widening first had made bfloat16 pages slower than float32 ones: 6.2 against 5.3 ms per
+// demo decode step).
 template <typename T, int DIM>
 void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
   const int64_t d = pb.dim, ps = pb.page_size, page_floats = d * ps;
   const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * page_floats;  // [N, D, ps]
   const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * page_floats;  // [N, ps, D]
   if constexpr (DIM > 0 && std::is_same_v<T, uint16_t>) {
+    if (b.end - b.begin == 1) {
+      attend_query<DIM, T>(
+          pb, b.row, b.begin, kvh, scratch, [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; },
+          [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; });
+      return;
+    }
     int64_t lo = INT64_MAX, hi = 0;  // union of the block's visible ranges
     for (int64_t token = b.begin; token < b.end; ++token) {
       int64_t l, h;
