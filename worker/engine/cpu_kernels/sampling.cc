@@ -34,6 +34,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -161,27 +162,40 @@ ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, 
 inline bool is_nan(float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffffu) > 0x7f800000u; }
 
 int32_t row_argmax(const float* x, int64_t v) {
+  // One pass over 16 values at a time (GCC/Clang vector extensions; the `omp simd` form stayed
+  // scalar): each lane keeps its largest value, the first index where it saw it, and whether it
+  // saw a NaN. The answer is the smallest index among the lanes holding the overall maximum.
   constexpr int64_t kLanes = 16;
-  // lane-wise maxima over the row (vectorized), then the first index that holds the maximum
-  float lanes[kLanes];
-  std::fill(lanes, lanes + kLanes, -std::numeric_limits<float>::infinity());
-  bool nan = false;
+  using f32xN = float __attribute__((vector_size(kLanes * 4)));
+  using i32xN = int32_t __attribute__((vector_size(kLanes * 4)));
+  using u32xN = uint32_t __attribute__((vector_size(kLanes * 4)));
+  f32xN top_lanes = f32xN{} - std::numeric_limits<float>::infinity();
+  i32xN at_lanes = i32xN{}, index;
+  for (int l = 0; l < kLanes; ++l) index[l] = l;
+  u32xN nan_lanes = u32xN{};
   int64_t i = 0;
-  for (; i + kLanes <= v; i += kLanes)
-#pragma omp simd
-    for (int64_t l = 0; l < kLanes; ++l) {
-      nan |= is_nan(x[i + l]);
-      lanes[l] = std::max(lanes[l], x[i + l]);
-    }
-  float top = *std::max_element(lanes, lanes + kLanes);
-  for (; i < v; ++i) {
-    nan |= is_nan(x[i]);
-    top = std::max(top, x[i]);
+  for (; i + kLanes <= v; i += kLanes, index += int32_t(kLanes)) {
+    f32xN x16;
+    std::memcpy(&x16, x + i, sizeof x16);
+    nan_lanes |= (reinterpret_cast<const u32xN&>(x16) & 0x7fffffffu) > 0x7f800000u;
+    const auto larger = x16 > top_lanes;  // strictly: a lane keeps the first index of its maximum
+    top_lanes = larger ? x16 : top_lanes;
+    at_lanes = larger ? index : at_lanes;
   }
-  if (nan) return int32_t(v - 1);
-  for (int64_t j = 0; j < v; ++j)
-    if (x[j] == top) return int32_t(j);
-  return int32_t(v - 1);  // unreachable: the maximum is one of the values
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t at = -1;
+  bool nan = false;
+  for (int l = 0; l < kLanes; ++l) {
+    nan |= nan_lanes[l] != 0;
+    if (i == 0) break;  // no full block
+    if (at < 0 || top_lanes[l] > top || (top_lanes[l] == top && at_lanes[l] < at))
+      top = top_lanes[l], at = at_lanes[l];
+  }
+  for (; i < v; ++i) {  // the tail: later indices, so only a larger value wins
+    nan |= is_nan(x[i]);
+    if (at < 0 || x[i] > top) top = x[i], at = i;
+  }
+  return nan ? int32_t(v - 1) : int32_t(at);
 }
 
 ffi::Error SamplingArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> token) {
