@@ -110,30 +110,73 @@ ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
   return ffi::Error::Success();
 }
 
-int32_t row_draw(const float* x, int64_t v, float u, std::vector<float>& e) {
-  float top = -std::numeric_limits<float>::max();
-  int64_t first = -1;  // the first entry not masked (the answer if rounding leaves u unreached)
-  for (int64_t i = 0; i < v; ++i)
-    if (!masked(x[i])) {
-      top = std::max(top, x[i]);
-      if (first < 0) first = i;
-    }
-  if (first < 0) return 0;  // nothing to draw from (cannot happen: the largest logit is never cut)
-  e.resize(v);
+// 16-float vectors (GCC/Clang vector extensions): loops the compiler left scalar
+constexpr int64_t kLanes = 16;
+using f32xN = float __attribute__((vector_size(kLanes * 4)));
+
+inline f32xN load16(const float* p) {
+  f32xN v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// the largest of x[0, v): -inf if every entry is masked
+inline float row_max(const float* x, int64_t v) {
+  f32xN lanes = f32xN{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= v; i += kLanes) {
+    const f32xN x16 = load16(x + i);
+    lanes = lanes > x16 ? lanes : x16;
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < kLanes; ++l) top = std::max(top, lanes[l]);
+  for (; i < v; ++i) top = std::max(top, x[i]);
+  return top;
+}
+
+constexpr int64_t kDrawBlock = 64;  // weights summed per block: the search walks blocks, then one block
+
+// The cumulative search is blocked: the weights are summed per block of 64 (vectorized), the
+// running sum walks the blocks to the one where it passes the target, and only that block is
+// scanned one weight at a time (a scan of the whole row was a chain of dependent additions:
+// 4.2 ms for 62 rows of 32000).
+int32_t row_draw(const float* x, int64_t v, float u, std::vector<float>& e, std::vector<double>& sums) {
+  const float top = row_max(x, v);
+  if (masked(top)) return 0;  // nothing to draw from (cannot happen: the largest logit is never cut)
+  const int64_t blocks = (v + kDrawBlock - 1) / kDrawBlock;
+  e.resize(blocks * kDrawBlock);
+#pragma omp simd
+  for (int64_t i = 0; i < v; ++i) e[i] = masked(x[i]) ? 0.0f : std::exp(x[i] - top);
+  std::fill(e.begin() + v, e.end(), 0.0f);
+  sums.resize(blocks);
   double z = 0.0;
-#pragma omp simd reduction(+ : z)
-  for (int64_t i = 0; i < v; ++i) {
-    e[i] = masked(x[i]) ? 0.0f : std::exp(x[i] - top);
-    z += e[i];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* w = e.data() + b * kDrawBlock;
+    f32xN acc = load16(w);
+    for (int64_t j = kLanes; j < kDrawBlock; j += kLanes) acc += load16(w + j);
+    double sum = 0.0;
+    for (int l = 0; l < kLanes; ++l) sum += acc[l];
+    sums[b] = sum;
+    z += sum;
   }
   const double target = double(u) * z;
-  double sum = 0.0;
-  int64_t last = first;
-  for (int64_t i = 0; i < v; ++i) {
-    if (e[i] == 0.0f) continue;
-    sum += e[i];
-    last = i;
-    if (sum > target) return int32_t(i);
+  double before = 0.0;  // the weight of the blocks before b
+  int64_t last = -1;    // the last entry that can be drawn, if rounding leaves u unreached
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (sums[b] == 0.0) continue;
+    if (before + sums[b] > target) {
+      double sum = before;
+      for (int64_t i = b * kDrawBlock; i < (b + 1) * kDrawBlock; ++i) {
+        if (e[i] == 0.0f) continue;
+        sum += e[i];
+        last = i;
+        if (sum > target) return int32_t(i);
+      }
+      return int32_t(last);  // the block's own sum rounded past the target: its last entry
+    }
+    before += sums[b];
+    for (int64_t i = (b + 1) * kDrawBlock - 1; last < b * kDrawBlock; --i)
+      if (e[i] != 0.0f) last = i;
   }
   return int32_t(last);  // u within rounding of 1: the last token that can be drawn
 }
@@ -152,8 +195,9 @@ ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, 
     return ffi::Error::Success();
   }
   redjax::run_on_pool(pool, rows, [=](int64_t r) {
-    thread_local std::vector<float> e;  // each row's weights, reused across calls
-    out[r] = row_draw(x + r * v, v, us[r], e);
+    thread_local std::vector<float> e;      // each row's weights, reused across calls
+    thread_local std::vector<double> sums;  // and their block sums
+    out[r] = row_draw(x + r * v, v, us[r], e, sums);
   });
   return ffi::Error::Success();
 }
@@ -162,11 +206,8 @@ ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, 
 inline bool is_nan(float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffffu) > 0x7f800000u; }
 
 int32_t row_argmax(const float* x, int64_t v) {
-  // One pass over 16 values at a time (GCC/Clang vector extensions; the `omp simd` form stayed
-  // scalar): each lane keeps its largest value, the first index where it saw it, and whether it
+  // One pass over 16 values at a time (the `omp simd` form stayed scalar): each lane keeps its largest value, the first index where it saw it, and whether it
   // saw a NaN. The answer is the smallest index among the lanes holding the overall maximum.
-  constexpr int64_t kLanes = 16;
-  using f32xN = float __attribute__((vector_size(kLanes * 4)));
   using i32xN = int32_t __attribute__((vector_size(kLanes * 4)));
   using u32xN = uint32_t __attribute__((vector_size(kLanes * 4)));
   f32xN top_lanes = f32xN{} - std::numeric_limits<float>::infinity();
@@ -175,8 +216,7 @@ int32_t row_argmax(const float* x, int64_t v) {
   u32xN nan_lanes = u32xN{};
   int64_t i = 0;
   for (; i + kLanes <= v; i += kLanes, index += int32_t(kLanes)) {
-    f32xN x16;
-    std::memcpy(&x16, x + i, sizeof x16);
+    const f32xN x16 = load16(x + i);
     nan_lanes |= (reinterpret_cast<const u32xN&>(x16) & 0x7fffffffu) > 0x7f800000u;
     const auto larger = x16 > top_lanes;  // strictly: a lane keeps the first index of its maximum
     top_lanes = larger ? x16 : top_lanes;
