@@ -27,26 +27,16 @@
 #include <vector>
 
 #include "pool_work.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats per vector below (one AVX-512 register)
-
-// GCC/Clang vector extensions: plain C++ arithmetic on whole vectors, lowered to the target's
-// widest registers (-march=native); no intrinsics, and no reliance on the auto-vectorizer to keep
-// accumulators in registers.
-using f32xN = float __attribute__((vector_size(kLanes * 4)));
-using u32xN = uint32_t __attribute__((vector_size(kLanes * 4)));
+using redjax::f32xN, redjax::kLanes, redjax::load, redjax::u32xN;
 using u16xN = uint16_t __attribute__((vector_size(kLanes * 2)));
 
-inline f32xN load(const float* p) {
-  f32xN v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 // bfloat16 (stored as its bits) is the high half of a float32: widen by a 16-bit shift
 inline f32xN load(const uint16_t* p) {
   u16xN h;
@@ -117,21 +107,6 @@ inline void key_scores(const float* qh, const E* kp, int64_t ps, int64_t keys, f
     case 1: key_run_scores<DIM, 1>(qh, kp + t, ps, out + t); break;
     default: break;
   }
-}
-
-// max(-1e30, p[0], ..., p[n - 1]) in 16 lanes at a time: GCC left the `omp simd` max reduction a
-// scalar chain of dependent vmaxss (4 cycles each), 17 % of a demo decode step's attention
-inline float row_max(const float* p, int64_t n) {
-  f32xN lanes = f32xN{} - 1e30f;
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    const f32xN v = load(p + t);
-    lanes = lanes > v ? lanes : v;
-  }
-  float mx = -1e30f;
-  for (int l = 0; l < kLanes; ++l) mx = std::max(mx, lanes[l]);
-  for (; t < n; ++t) mx = std::max(mx, p[t]);
-  return mx;
 }
 
 // Per-thread buffers, reused across work items.
@@ -205,7 +180,8 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
   prime(value_page(lo / ps));  // read once the softmax is done
   for (int64_t h = 0; h < g; ++h) {
     float* p = probs + h * n;
-    const float mx = row_max(p, n);
+    // (an `omp simd` max reduction here stayed scalar: 17 % of the demo's decode attention)
+    const float mx = redjax::max_of(p, n, -1e30f);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {

@@ -29,13 +29,15 @@
 #include <vector>
 
 #include "pool_work.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // floats per vector (one AVX-512 register)
+using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store;
+
 constexpr int64_t kPanel = 32;  // columns per panel (worker/engine/cpu_matmul.py: PANEL)
 constexpr int kVecs = kPanel / kLanes;
 constexpr int64_t kRows = 12;           // rows of x per register tile
@@ -43,16 +45,6 @@ constexpr int64_t kPrefetch = 128;  // panel rows (16 KB) ahead to request while
 // products over at least this many panels copy x into k-major tiles first (measured at 62 rows,
 // any K: 8-10 % faster at 96-256 panels, about even at 48, 10-20 % slower at 8-16)
 constexpr int64_t kPackPanels = 64;
-
-// GCC/Clang vector extensions, lowered to the target's widest registers (-march=native).
-using f32xN = float __attribute__((vector_size(kLanes * 4)));
-
-inline f32xN load(const float* p) {
-  f32xN v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
 
 struct Problem {
   const float* x;  // [M, K], or in tiles [ceil(M / kRows), K, kRows] (rows past M zero) if packed

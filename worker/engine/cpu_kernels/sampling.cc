@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "pool_work.h"
+#include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -110,29 +111,7 @@ ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
   return ffi::Error::Success();
 }
 
-// 16-float vectors (GCC/Clang vector extensions): loops the compiler left scalar
-constexpr int64_t kLanes = 16;
-using f32xN = float __attribute__((vector_size(kLanes * 4)));
-
-inline f32xN load16(const float* p) {
-  f32xN v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// the largest of x[0, v): -inf if every entry is masked
-inline float row_max(const float* x, int64_t v) {
-  f32xN lanes = f32xN{} - std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= v; i += kLanes) {
-    const f32xN x16 = load16(x + i);
-    lanes = lanes > x16 ? lanes : x16;
-  }
-  float top = -std::numeric_limits<float>::infinity();
-  for (int l = 0; l < kLanes; ++l) top = std::max(top, lanes[l]);
-  for (; i < v; ++i) top = std::max(top, x[i]);
-  return top;
-}
+using redjax::f32xN, redjax::i32xN, redjax::kLanes, redjax::load, redjax::u32xN;
 
 constexpr int64_t kDrawBlock = 64;  // weights summed per block: the search walks blocks, then one block
 
@@ -141,7 +120,7 @@ constexpr int64_t kDrawBlock = 64;  // weights summed per block: the search walk
 // scanned one weight at a time (a scan of the whole row was a chain of dependent additions:
 // 4.2 ms for 62 rows of 32000).
 int32_t row_draw(const float* x, int64_t v, float u, std::vector<float>& e, std::vector<double>& sums) {
-  const float top = row_max(x, v);
+  const float top = redjax::max_of(x, v, -std::numeric_limits<float>::infinity());
   if (masked(top)) return 0;  // nothing to draw from (cannot happen: the largest logit is never cut)
   const int64_t blocks = (v + kDrawBlock - 1) / kDrawBlock;
   e.resize(blocks * kDrawBlock);
@@ -152,33 +131,36 @@ int32_t row_draw(const float* x, int64_t v, float u, std::vector<float>& e, std:
   double z = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
     const float* w = e.data() + b * kDrawBlock;
-    f32xN acc = load16(w);
-    for (int64_t j = kLanes; j < kDrawBlock; j += kLanes) acc += load16(w + j);
+    f32xN acc = load(w);
+    for (int64_t j = kLanes; j < kDrawBlock; j += kLanes) acc += load(w + j);
     double sum = 0.0;
     for (int l = 0; l < kLanes; ++l) sum += acc[l];
     sums[b] = sum;
     z += sum;
   }
   const double target = double(u) * z;
+  // the last entry of block b that can be drawn (b holds weight)
+  auto last_in = [&](int64_t b) {
+    int64_t i = (b + 1) * kDrawBlock - 1;
+    while (e[i] == 0.0f) --i;
+    return int32_t(i);
+  };
   double before = 0.0;  // the weight of the blocks before b
-  int64_t last = -1;    // the last entry that can be drawn, if rounding leaves u unreached
+  int64_t last_block = -1;
   for (int64_t b = 0; b < blocks; ++b) {
     if (sums[b] == 0.0) continue;
     if (before + sums[b] > target) {
       double sum = before;
       for (int64_t i = b * kDrawBlock; i < (b + 1) * kDrawBlock; ++i) {
-        if (e[i] == 0.0f) continue;
         sum += e[i];
-        last = i;
-        if (sum > target) return int32_t(i);
+        if (e[i] != 0.0f && sum > target) return int32_t(i);
       }
-      return int32_t(last);  // the block's own sum rounded past the target: its last entry
+      return last_in(b);  // the block's own sum rounded past the target: its last entry
     }
     before += sums[b];
-    for (int64_t i = (b + 1) * kDrawBlock - 1; last < b * kDrawBlock; --i)
-      if (e[i] != 0.0f) last = i;
+    last_block = b;
   }
-  return int32_t(last);  // u within rounding of 1: the last token that can be drawn
+  return last_in(last_block);  // u within rounding of 1: the last token that can be drawn
 }
 
 ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> u,
@@ -206,17 +188,16 @@ ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, 
 inline bool is_nan(float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffffu) > 0x7f800000u; }
 
 int32_t row_argmax(const float* x, int64_t v) {
-  // One pass over 16 values at a time (the `omp simd` form stayed scalar): each lane keeps its largest value, the first index where it saw it, and whether it
-  // saw a NaN. The answer is the smallest index among the lanes holding the overall maximum.
-  using i32xN = int32_t __attribute__((vector_size(kLanes * 4)));
-  using u32xN = uint32_t __attribute__((vector_size(kLanes * 4)));
+  // One pass over 16 values at a time (the `omp simd` form stayed scalar): each lane keeps its
+  // largest value, the first index where it saw it, and whether it saw a NaN. The answer is the
+  // smallest index among the lanes holding the overall maximum.
   f32xN top_lanes = f32xN{} - std::numeric_limits<float>::infinity();
   i32xN at_lanes = i32xN{}, index;
   for (int l = 0; l < kLanes; ++l) index[l] = l;
   u32xN nan_lanes = u32xN{};
   int64_t i = 0;
   for (; i + kLanes <= v; i += kLanes, index += int32_t(kLanes)) {
-    const f32xN x16 = load16(x + i);
+    const f32xN x16 = load(x + i);
     nan_lanes |= (reinterpret_cast<const u32xN&>(x16) & 0x7fffffffu) > 0x7f800000u;
     const auto larger = x16 > top_lanes;  // strictly: a lane keeps the first index of its maximum
     top_lanes = larger ? x16 : top_lanes;
@@ -225,9 +206,8 @@ int32_t row_argmax(const float* x, int64_t v) {
   float top = -std::numeric_limits<float>::infinity();
   int64_t at = -1;
   bool nan = false;
-  for (int l = 0; l < kLanes; ++l) {
+  for (int l = 0; l < kLanes && i > 0; ++l) {  // (no lane saw a value when v < 16)
     nan |= nan_lanes[l] != 0;
-    if (i == 0) break;  // no full block
     if (at < 0 || top_lanes[l] > top || (top_lanes[l] == top && at_lanes[l] < at))
       top = top_lanes[l], at = at_lanes[l];
   }
