@@ -216,3 +216,32 @@ def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
             asyncio.run(_read_stream(Content(body, cut), r))
             assert (r.prompt_tokens, r.output_tokens) == (5, 3), (newline, cut)
             assert r.ttft > 0 and len(r.itl) == 1, (newline, cut)  # two chunks with text; "" is not content
+
+
+def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
+    """scripts/gpu_bench.sh, dry-run on the CPU with a tiny preset: each run of a stage leaves its
+    JSON report and prints its summary line; a run that cannot start is reported, not fatal."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PRESET": "llama-tiny", "DTYPE": "float32", "ATTENTION": "auto", "SIZE_SCALE": "64",
+           "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "scripts/gpu_bench.sh", "long", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["1024-1024", "1024-1024-jnp"], done.stdout
+    for name, attention in (("1024-1024", "cpu-kernel"), ("1024-1024-jnp", "jnp")):
+        report = json.loads((tmp_path / f"long-{name}.json").read_text())
+        assert (report["input_len"], report["output_len"], report["num_prompts"]) == (16, 16, 64)
+        assert report["attention"] == attention
+        assert f"{report['output_tokens_per_s']:.0f} output tok/s" in lines[0 if name == "1024-1024" else 1]
+    # the kernel on a machine without a GPU: that run fails with the engine's reason, the stage goes on
+    env["ATTENTION"] = "pallas"
+    done = subprocess.run(["bash", "scripts/gpu_bench.sh", "long", str(tmp_path / "pallas")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0
+    assert done.stdout.startswith("1024-1024: FAILED") and "needs the GPU backend" in done.stdout
+    assert "1024-1024-jnp:" in done.stdout and "output tok/s" in done.stdout
