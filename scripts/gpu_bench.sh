@@ -1,49 +1,71 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md ("GPU results"), on a machine with one NVIDIA GPU.
 #
-#   scripts/gpu_bench.sh STAGE [OUTDIR]
+#   scripts/gpu_bench.sh RUN... [--out OUTDIR]
 #
-# Stages, each sized for one 10-minute call of a lent GPU machine (run them in this order):
-#   check  the machine (nvidia-smi, jax's devices), the GPU attention tests (the compiled Pallas
-#          kernel against the reference), batch-1 decode at 128/128
-#   short  64 x 128/128 (with transformers on the same GPU, same prompts) and 64 x 1024/128
-#   long   64 x 1024/1024 with the Pallas decode kernel, then with the jnp reference attention
+# Runs, in the order given:
+#   check          the machine (nvidia-smi, jax's devices) and tests/test_gpu_attention.py (the
+#                  compiled Pallas kernel against the reference)
+#   batch1         1 x 128/128: batch-1 decode against the memory-bandwidth roofline
+#   128-128        64 x 128/128, with transformers on the same GPU and prompts (--compare hf)
+#   1024-128       64 x 1024/128
+#   1024-1024      64 x 1024/1024
+#   1024-1024-jnp  64 x 1024/1024 with the jnp reference attention instead of the kernel
 #
-# Every run writes its `--json` report to OUTDIR (default: $OUT when set, else ./gpu-results) as
-# STAGE-NAME.json, and its stderr to STAGE-NAME.log; a summary line per run goes to stdout.
-# A run that fails or passes its time limit is reported and the stage goes on to the next run.
+# All runs of one invocation share DEADLINE_S (default 570: one 10-minute device call); each gets
+# the time still left. Compiled programs go to a persistent cache (JAX_COMPILATION_CACHE_DIR,
+# default /tmp/redjax-jax-cache), so a run cut off by the deadline is cheaper the second time on
+# the same machine. Each run writes its `--json` report to OUTDIR/RUN.json (OUTDIR: $OUT when
+# set, else ./gpu-results) and appends its stderr to OUTDIR/gpu_bench.log; one summary line per
+# run goes to stdout and OUTDIR/summary.txt. A run that fails or passes the deadline is reported
+# and the next one still runs.
 #
 # Environment: PRESET (default llama3-8b), DTYPE (default bfloat16), ATTENTION (default pallas:
-# fail rather than fall back to jnp unnoticed), RUN_LIMIT_S (default 280 per run),
-# SIZE_SCALE (default 1; a dry run on a CPU can divide the prompt and output lengths by it).
+# fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
+# the prompt and output lengths by it), PYTHON (default python3).
 set -uo pipefail
 
-stage=${1:?usage: scripts/gpu_bench.sh check|short|long [OUTDIR]}
-out=${2:-${OUT:-gpu-results}}
+runs=()
+out=${OUT:-gpu-results}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out=$2; shift 2 ;;
+    *) runs+=("$1"); shift ;;
+  esac
+done
+[ ${#runs[@]} -gt 0 ] || { echo "usage: scripts/gpu_bench.sh RUN... [--out OUTDIR]" >&2; exit 2; }
 preset=${PRESET:-llama3-8b}
 dtype=${DTYPE:-bfloat16}
 attention=${ATTENTION:-pallas}
-limit=${RUN_LIMIT_S:-280}
+deadline=$((SECONDS + ${DEADLINE_S:-570}))
 scale=${SIZE_SCALE:-1}
 python=${PYTHON:-python3}
 mkdir -p "$out"
+log="$out/gpu_bench.log"
 export PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/redjax-jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.5}
+
+say() { echo "$*" | tee -a "$out/summary.txt"; }
+
+left() { echo $((deadline - SECONDS > 1 ? deadline - SECONDS : 1)); }
 
 # bench NAME NUM_PROMPTS INPUT OUTPUT [extra flags...]
 bench() {
   local name=$1 n=$2 input=$(($3 / scale)) output=$(($4 / scale))
   shift 4
-  local json="$out/$stage-$name.json" log="$out/$stage-$name.log"
-  local started=$SECONDS
-  timeout "$limit" "$python" -m worker.cli bench offline --dummy "$preset" --dtype "$dtype" \
-    --num-prompts "$n" --input-len "$input" --output-len "$output" --json "$@" >"$json" 2>"$log"
+  local json="$out/$name.json" started=$SECONDS
+  echo "=== $name: $n x $input/$output $*" >>"$log"
+  timeout "$(left)" "$python" -m worker.cli bench offline --dummy "$preset" --dtype "$dtype" \
+    --num-prompts "$n" --input-len "$input" --output-len "$output" --json "$@" >"$json" 2>>"$log"
   local rc=$?
   if [ $rc -ne 0 ]; then
-    echo "$name: FAILED (exit $rc after $((SECONDS - started)) s; see $log)"
-    tail -5 "$log"
+    rm -f "$json"
+    say "$name: FAILED (exit $rc$([ $rc -eq 124 ] && echo ', deadline') after $((SECONDS - started)) s; see gpu_bench.log)"
+    tail -3 "$log"
     return 0
   fi
-  "$python" - "$json" "$name" "$((SECONDS - started))" <<'EOF'
+  say "$("$python" - "$json" "$name" "$((SECONDS - started))" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
 line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, decode {r['decode_step_ms']:.2f} ms/step "
@@ -54,30 +76,26 @@ if "ratio" in r:
     line += f"; transformers {r['baseline_output_tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)"
 print(line + f" [{sys.argv[3]} s]")
 EOF
+)"
 }
 
-case "$stage" in
-  check)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/check-gpu.txt" 2>&1
-    "$python" -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" \
-      >>"$out/check-gpu.txt" 2>&1
-    cat "$out/check-gpu.txt"
-    timeout "$limit" "$python" -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py >"$out/check-tests.log" 2>&1
-    echo "GPU attention tests: exit $? ($(tail -1 "$out/check-tests.log"))"
-    bench batch1 1 128 128 --attention "$attention"
-    ;;
-  short)
+for run in "${runs[@]}"; do
+  case "$run" in
+    check)
+      { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        "$python" -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
+      } >>"$log" 2>&1
+      tail -2 "$log"
+      timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py >>"$log" 2>&1
+      say "check: GPU attention tests exit $? ($(tail -1 "$log"))"
+      ;;
+    batch1) bench batch1 1 128 128 --attention "$attention" ;;
     # transformers on the same GPU: leave it half the memory (JAX takes 75 % by default)
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 bench 128-128 64 128 128 --attention "$attention" \
-      --compare hf --hf-batch-size 64
-    bench 1024-128 64 1024 128 --attention "$attention"
-    ;;
-  long)
-    bench 1024-1024 64 1024 1024 --attention "$attention"
-    bench 1024-1024-jnp 64 1024 1024 --attention jnp
-    ;;
-  *)
-    echo "unknown stage $stage (check, short or long)" >&2
-    exit 2
-    ;;
-esac
+    128-128) XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 bench 128-128 64 128 128 --attention "$attention" \
+               --compare hf --hf-batch-size 64 ;;
+    1024-128) bench 1024-128 64 1024 128 --attention "$attention" ;;
+    1024-1024) bench 1024-1024 64 1024 1024 --attention "$attention" ;;
+    1024-1024-jnp) bench 1024-1024-jnp 64 1024 1024 --attention jnp ;;
+    *) say "$run: unknown run (check, batch1, 128-128, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
+  esac
+done

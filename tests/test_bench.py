@@ -219,29 +219,37 @@ def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
 
 
 def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
-    """scripts/gpu_bench.sh, dry-run on the CPU with a tiny preset: each run of a stage leaves its
-    JSON report and prints its summary line; a run that cannot start is reported, not fatal."""
+    """scripts/gpu_bench.sh, dry-run on the CPU with a tiny preset: each run leaves its JSON report
+    and a summary line; a run that fails or passes the deadline is reported and the next one runs."""
     import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PRESET": "llama-tiny", "DTYPE": "float32", "ATTENTION": "auto", "SIZE_SCALE": "64",
-           "PYTHON": sys.executable}
-    done = subprocess.run(["bash", "scripts/gpu_bench.sh", "long", str(tmp_path)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+           "PYTHON": sys.executable, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+
+    def script(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/gpu_bench.sh", *args], cwd=root, env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)
+
+    done = script("1024-1024", "1024-1024-jnp", "--out", str(tmp_path / "a"))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["1024-1024", "1024-1024-jnp"], done.stdout
-    for name, attention in (("1024-1024", "cpu-kernel"), ("1024-1024-jnp", "jnp")):
-        report = json.loads((tmp_path / f"long-{name}.json").read_text())
+    assert (tmp_path / "a" / "summary.txt").read_text().splitlines() == lines
+    for line, (name, attention) in zip(lines, (("1024-1024", "cpu-kernel"), ("1024-1024-jnp", "jnp"))):
+        report = json.loads((tmp_path / "a" / f"{name}.json").read_text())
         assert (report["input_len"], report["output_len"], report["num_prompts"]) == (16, 16, 64)
         assert report["attention"] == attention
-        assert f"{report['output_tokens_per_s']:.0f} output tok/s" in lines[0 if name == "1024-1024" else 1]
-    # the kernel on a machine without a GPU: that run fails with the engine's reason, the stage goes on
-    env["ATTENTION"] = "pallas"
-    done = subprocess.run(["bash", "scripts/gpu_bench.sh", "long", str(tmp_path / "pallas")], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+        assert f"{report['output_tokens_per_s']:.0f} output tok/s" in line
+    # the kernel on a machine without a GPU: that run fails with the engine's reason, the next goes on
+    done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas")
     assert done.returncode == 0
-    assert done.stdout.startswith("1024-1024: FAILED") and "needs the GPU backend" in done.stdout
-    assert "1024-1024-jnp:" in done.stdout and "output tok/s" in done.stdout
+    assert done.stdout.startswith("1024-128: FAILED (exit 1") and "needs the GPU backend" in done.stdout
+    assert "1024-1024-jnp: " in done.stdout and "output tok/s" in done.stdout
+    assert not (tmp_path / "b" / "1024-128.json").exists()
+    # past the deadline: killed and reported
+    done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
+    assert done.returncode == 0
+    assert done.stdout.startswith("1024-1024: FAILED (exit 124, deadline")
