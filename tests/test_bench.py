@@ -7,6 +7,9 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -221,10 +224,6 @@ def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
 def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     """scripts/gpu_bench.sh, dry-run on the CPU with a tiny preset: each run leaves its JSON report
     and a summary line; a run that fails or passes the deadline is reported and the next one runs."""
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PRESET": "llama-tiny", "DTYPE": "float32", "ATTENTION": "auto", "SIZE_SCALE": "64",
            "PYTHON": sys.executable, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
