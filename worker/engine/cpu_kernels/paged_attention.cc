@@ -34,7 +34,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using redjax::f32xN, redjax::kLanes, redjax::load, redjax::u32xN;
+using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store, redjax::u32xN;
 using u16xN = uint16_t __attribute__((vector_size(kLanes * 2)));
 
 // bfloat16 (stored as its bits) is the high half of a float32: widen by a 16-bit shift
@@ -93,7 +93,7 @@ inline void key_run_scores(const float* qh, const E* kp, int64_t ps, float* out)
     for (int c = 0; c < NC; ++c) even[c] += qh[i] * load(kp + i * ps + c * kLanes);
     for (int c = 0; c < NC; ++c) odd[c] += qh[i + 1] * load(kp + (i + 1) * ps + c * kLanes);
   }
-  for (int c = 0; c < NC; ++c) std::memcpy(out + c * kLanes, &(even[c] += odd[c]), sizeof(f32xN));
+  for (int c = 0; c < NC; ++c) store(out + c * kLanes, even[c] + odd[c]);
 }
 
 template <int DIM, typename E>
@@ -209,8 +209,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
           for (int c = 0; c < NC; ++c) even[c] += p[j + t - first] * load(rows + t * DIM + c * kLanes);
       });
       for (int c = 0; c < NC; ++c) {
-        const f32xN sum = (even[c] + odd[c]) * inv[h];
-        std::memcpy(oh + c * kLanes, &sum, sizeof sum);
+        store(oh + c * kLanes, (even[c] + odd[c]) * inv[h]);
       }
     } else {
       for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
@@ -230,8 +229,7 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
 inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t* ahead) {
   for (int64_t i = 0; i < count; i += kLanes) {
     if (ahead != nullptr && i % (2 * kLanes) == 0) __builtin_prefetch(ahead + i);  // one 64-byte line
-    const f32xN v = load(from + i);
-    std::memcpy(to + i, &v, sizeof v);
+    store(to + i, load(from + i));
   }
 }
 
