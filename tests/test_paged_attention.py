@@ -201,10 +201,10 @@ def test_paged_forward_with_chunks_and_decodes_equals_plain_forward():
         np.testing.assert_allclose(paged, plain[: len(paged)], rtol=0, atol=1e-5 * scale, err_msg=f"sequence {s}")
 
 
-def decode_inputs(dtype, seed=7, ps=4, d=8):
+def decode_inputs(dtype, seed=7, ps=4, d=8, h=4, kv=2):
     """6 sequences over 40 scattered pages of `ps` tokens; contexts on and off page boundaries and a full table."""
     rng = np.random.default_rng(seed)
-    s, h, kv, n, p = 6, 4, 2, 40, 6
+    s, n, p = 6, 40, 6
     k_pages = jnp.asarray(rng.normal(size=(kv, n, d, ps)), dtype)
     v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
     tables = jnp.asarray(rng.permutation(n)[: s * p].reshape(s, p), jnp.int32)
@@ -249,6 +249,27 @@ def test_compiled_cpu_kernel_matches_the_reference(window, dtype, shape):
                           early[:, None], ctx, window)[:, 0]
     np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, early, ctx, window)), np.asarray(ref),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2), (12, 2), (14, 2), (16, 2)],
+                         ids=["G1", "G3", "G4", "G6", "G7", "G8"])
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cpu_kernel_decode_matches_the_reference_for_every_head_grouping(heads, kv_heads, d, window, dtype):
+    """Decode rows take the query heads of a KV head in passes of up to 4 over the pages (6 = 4 + 2,
+    7 = 4 + 3, 8 = 4 + 4), with the value pass split into head subsets where the accumulators would
+    not fit in registers (D 128)."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=5, ps=16, d=d, h=heads, kv=kv_heads)
+    kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
+    for positions in (ctx - 1, jnp.maximum(ctx - 3, 0)):
+        want = paged_attention(q[:, None], k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), tables,
+                               positions[:, None], ctx, window)[:, 0]
+        np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, positions, ctx, window)),
+                                   np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)

@@ -224,6 +224,133 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
   }
 }
 
+// The largest divisor of `g` that is at most `cap` (at least 1).
+constexpr int divisor_up_to(int g, int cap) {
+  for (int d = std::min(g, cap); d > 1; --d)
+    if (g % d == 0) return d;
+  return 1;
+}
+
+// One decode query (row `s`, token `token`): query heads [head, head + G) of the group that
+// shares KV head `kvh`, in one pass over each page: a key or value vector loaded once serves all G
+// heads (the per-head loop of `attend_query` went over every page once per head). G (1 to 4: a
+// group of 8 heads is two calls) and the head dimension are compile-time (DIM a multiple of 16,
+// page sizes too), so the accumulators live in registers.
+// Independent accumulator sets (a power of two) that keep at least 8 FMA chains in flight (two FMA
+// units of 4 cycles' latency) when one set has `chains`, at most 16 registers in all.
+constexpr int sets_for(int chains) {
+  int sets = 1;
+  while (sets * chains < 8 && 2 * sets * chains <= 16) sets *= 2;
+  return sets;
+}
+
+// Scores of G query heads (`qt` [D, G], scaled) against RUNS * 16 keys of a key page (`kp` at the
+// first key in dimension 0, dimension i `ps` further on) -> out[h * stride + key]. Each key vector
+// loaded serves the G heads; the dimensions go round KD accumulator sets.
+template <int DIM, int G, int RUNS, typename E>
+inline void key_step(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* out, int64_t stride) {
+  constexpr int KD = sets_for(G * RUNS);
+  static_assert(DIM % KD == 0);
+  f32xN acc[KD][G][RUNS] = {};
+  for (int i = 0; i < DIM; i += KD)
+    for (int u = 0; u < KD; ++u)
+      for (int r = 0; r < RUNS; ++r) {
+        const f32xN kv = load(kp + (i + u) * ps + r * kLanes);
+        for (int h = 0; h < G; ++h) acc[u][h][r] += qt[i + u][h] * kv;
+      }
+  for (int h = 0; h < G; ++h)
+    for (int r = 0; r < RUNS; ++r) {
+      f32xN sum = acc[0][h][r];
+      for (int u = 1; u < KD; ++u) sum += acc[u][h][r];
+      store(out + h * stride + r * kLanes, sum);
+    }
+}
+
+// One decode query (row `s`, token `token`): query heads [head, head + G) of the group that
+// shares KV head `kvh`, in one pass over each page: a key or value vector loaded once serves all G
+// heads (the per-head loop of `attend_query` went over every page once per head). Keys are taken
+// 64 at a time, a whole row of a float32 page, so a page is read front to back. G (1 to 4: a group
+// of 8 heads is two calls) and the head dimension are compile-time (DIM a multiple of 16, page
+// sizes too), so the accumulators live in registers.
+template <int DIM, int G, typename E, typename KeyPage, typename ValuePage>
+void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int64_t head, Scratch& scratch,
+                   KeyPage key_page, ValuePage value_page) {
+  constexpr int NC = DIM / kLanes;                        // vectors per value row
+  constexpr int GV = divisor_up_to(G, std::max(1, 16 / NC));  // heads per value pass
+  constexpr int KS = sets_for(GV * NC);                   // value accumulator sets: keys round them
+  const int64_t ps = pb.page_size;
+  const int64_t head0 = kvh * (pb.heads / pb.kv_heads) + head;  // this call's first query head
+  float* o = pb.out + (token * pb.heads + head0) * DIM;  // [G, D]
+  int64_t lo, hi;
+  visible(pb, s, token, lo, hi);
+  const int64_t n = hi - lo;
+  std::fill(o, o + G * DIM, 0.0f);
+  if (n <= 0) return;  // padding
+  const int64_t c0 = lo / ps, c1 = (hi - 1) / ps;  // the pages holding visible keys
+  const int64_t span = (c1 - c0 + 1) * ps;          // scores for whole pages: [G, span]
+  scratch.probs.resize(G * span + G);
+  float* scores = scratch.probs.data();  // [G, span]; key j of the row at j - c0 * ps
+  float* inv = scores + G * span;        // [G]
+  const float scale = 1.0f / std::sqrt(static_cast<float>(DIM));
+  const float* qs = pb.q + (token * pb.heads + head0) * DIM;  // [G, D]
+  float qt[DIM][G];  // [D, G]: a dimension's G query values side by side
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < DIM; ++i) qt[i][h] = qs[h * DIM + i] * scale;
+  for (int64_t col = c0; col <= c1; ++col) {
+    const E* kp = key_page(col);  // [D, ps]
+    if (col < c1) prime(key_page(col + 1));
+    float* out = scores + (col - c0) * ps;
+    int64_t t = 0;
+    for (; t + 4 * kLanes <= ps; t += 4 * kLanes) key_step<DIM, G, 4>(qt, kp + t, ps, out + t, span);
+    switch ((ps - t) / kLanes) {
+      case 3: key_step<DIM, G, 3>(qt, kp + t, ps, out + t, span); break;
+      case 2: key_step<DIM, G, 2>(qt, kp + t, ps, out + t, span); break;
+      case 1: key_step<DIM, G, 1>(qt, kp + t, ps, out + t, span); break;
+      default: break;
+    }
+  }
+  const int64_t first = lo - c0 * ps;  // scores [first, first + n) of each head are visible
+  for (int h = 0; h < G; ++h) {
+    float* p = scores + h * span + first;
+    const float mx = redjax::max_of(p, n, -1e30f);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      p[t] = std::exp(p[t] - mx);
+      sum += p[t];
+    }
+    inv[h] = 1.0f / sum;
+  }
+  prime(value_page(c0));
+  for (int h0 = 0; h0 < G; h0 += GV) {
+    f32xN acc[KS][GV][NC] = {};  // keys go round the KS sets
+    for (int64_t col = c0; col <= c1; ++col) {
+      const E* rows = value_page(col);  // [ps, D]
+      if (h0 == 0 && col < c1) prime(value_page(col + 1));
+      const int64_t from = std::max(lo, col * ps) - col * ps, to = std::min(hi, col * ps + ps) - col * ps;
+      const float* p = scores + h0 * span + (col - c0) * ps;  // this page's probabilities of head h0
+      int64_t t = from;
+      for (; t + KS <= to; t += KS)
+        for (int u = 0; u < KS; ++u)
+          for (int c = 0; c < NC; ++c) {
+            const f32xN vv = load(rows + (t + u) * DIM + c * kLanes);
+            for (int h = 0; h < GV; ++h) acc[u][h][c] += p[h * span + t + u] * vv;
+          }
+      for (; t < to; ++t)
+        for (int c = 0; c < NC; ++c) {
+          const f32xN vv = load(rows + t * DIM + c * kLanes);
+          for (int h = 0; h < GV; ++h) acc[0][h][c] += p[h * span + t] * vv;
+        }
+    }
+    for (int h = 0; h < GV; ++h)
+      for (int c = 0; c < NC; ++c) {
+        f32xN sum = acc[0][h][c];
+        for (int u = 1; u < KS; ++u) sum += acc[u][h][c];
+        store(o + (h0 + h) * DIM + c * kLanes, sum * inv[h0 + h]);
+      }
+  }
+}
+
 // bfloat16 -> float32 over `count` elements (a multiple of 16)
 // `ahead` (may be null): the next page, whose lines are requested while this one converts
 inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t* ahead) {
@@ -233,23 +360,33 @@ inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t
   }
 }
 
-// One work item: the queries of block `b` for KV head `kvh`. On the vector path, a block of several
-// queries widens its bfloat16 pages once (all its queries and heads then read float32 from cache);
-// a single query (a decode row) widens them as it loads them, reading half the bytes of float32
-// pages (widening first had made bfloat16 pages slower than float32 ones: 6.2 against 5.3 ms per
-// demo decode step).
+// One work item: the queries of block `b` for KV head `kvh`. On the vector path, a single query (a
+// decode row) goes through `attend_decode`, which widens bfloat16 pages as it loads them (half the
+// bytes of float32 pages; widening a copy first had made bfloat16 pages slower than float32 ones),
+// and a block of several queries widens its bfloat16 pages once (all its queries and heads then
+// read float32 from cache).
 template <typename T, int DIM>
 void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
   const int64_t d = pb.dim, ps = pb.page_size, page_floats = d * ps;
   const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * page_floats;  // [N, D, ps]
   const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * page_floats;  // [N, ps, D]
-  if constexpr (DIM > 0 && std::is_same_v<T, uint16_t>) {
-    if (b.end - b.begin == 1) {
-      attend_query<DIM, T>(
-          pb, b.row, b.begin, kvh, scratch, [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; },
-          [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; });
+  if constexpr (DIM > 0) {
+    if (b.end - b.begin == 1) {  // a decode row: all heads in one pass over the pages
+      auto key_page = [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; };
+      auto value_page = [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; };
+      const int64_t g = pb.heads / pb.kv_heads;
+      for (int64_t h = 0; h < g; h += 4) {  // heads in calls of up to 4
+        switch (std::min<int64_t>(4, g - h)) {
+          case 1: attend_decode<DIM, 1, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
+          case 2: attend_decode<DIM, 2, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
+          case 3: attend_decode<DIM, 3, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
+          default: attend_decode<DIM, 4, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
+        }
+      }
       return;
     }
+  }
+  if constexpr (DIM > 0 && std::is_same_v<T, uint16_t>) {
     int64_t lo = INT64_MAX, hi = 0;  // union of the block's visible ranges
     for (int64_t token = b.begin; token < b.end; ++token) {
       int64_t l, h;
