@@ -302,12 +302,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
     float* out = scores + (col - c0) * ps;
     int64_t t = 0;
     for (; t + 4 * kLanes <= ps; t += 4 * kLanes) key_step<DIM, G, 4>(qt, kp + t, ps, out + t, span);
-    switch ((ps - t) / kLanes) {
-      case 3: key_step<DIM, G, 3>(qt, kp + t, ps, out + t, span); break;
-      case 2: key_step<DIM, G, 2>(qt, kp + t, ps, out + t, span); break;
-      case 1: key_step<DIM, G, 1>(qt, kp + t, ps, out + t, span); break;
-      default: break;
-    }
+    for (; t < ps; t += kLanes) key_step<DIM, G, 1>(qt, kp + t, ps, out + t, span);  // pages not a multiple of 64
   }
   const int64_t first = lo - c0 * ps;  // scores [first, first + n) of each head are visible
   for (int h = 0; h < G; ++h) {
