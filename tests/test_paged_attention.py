@@ -263,7 +263,8 @@ def test_compiled_cpu_kernel_decode_matches_the_reference_for_every_head_groupin
     from worker.engine import cpu_attention
 
     assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
-    q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=5, ps=16, d=d, h=heads, kv=kv_heads)
+    # pages of 80 keys: a 64-key step (32 keys per load) and a 16-key step per page
+    q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=5, ps=80, d=d, h=heads, kv=kv_heads)
     kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
     for positions in (ctx - 1, jnp.maximum(ctx - 3, 0)):
         want = paged_attention(q[:, None], k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), tables,

@@ -231,11 +231,6 @@ constexpr int divisor_up_to(int g, int cap) {
   return 1;
 }
 
-// One decode query (row `s`, token `token`): query heads [head, head + G) of the group that
-// shares KV head `kvh`, in one pass over each page: a key or value vector loaded once serves all G
-// heads (the per-head loop of `attend_query` went over every page once per head). G (1 to 4: a
-// group of 8 heads is two calls) and the head dimension are compile-time (DIM a multiple of 16,
-// page sizes too), so the accumulators live in registers.
 // Independent accumulator sets (a power of two) that keep at least 8 FMA chains in flight (two FMA
 // units of 4 cycles' latency) when one set has `chains`, at most 16 registers in all.
 constexpr int sets_for(int chains) {
@@ -263,6 +258,57 @@ inline void key_step(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* 
       f32xN sum = acc[0][h][r];
       for (int u = 1; u < KD; ++u) sum += acc[u][h][r];
       store(out + h * stride + r * kLanes, sum);
+    }
+}
+
+// 32 consecutive elements as two vectors: float32 as they lie (the first 16, the next 16);
+// bfloat16 (64 bytes) as the even-indexed and the odd-indexed elements, each widened by one
+// instruction (a shift, a mask) instead of two per 16 elements (a widening shuffle and a shift).
+inline void load32(const float* p, f32xN& a, f32xN& b) {
+  a = load(p);
+  b = load(p + kLanes);
+}
+inline void load32(const uint16_t* p, f32xN& a, f32xN& b) {
+  u32xN w;
+  std::memcpy(&w, p, sizeof w);
+  const u32xN even = w << 16, odd = w & 0xFFFF0000u;
+  a = reinterpret_cast<const f32xN&>(even);
+  b = reinterpret_cast<const f32xN&>(odd);
+}
+
+// Results computed lane by lane on load32's two vectors, stored back in element order at p[0, 32).
+template <typename E>
+inline void store32(float* p, f32xN a, f32xN b) {
+  if constexpr (std::is_same_v<E, uint16_t>) {  // a: elements 0, 2, .., 30; b: 1, 3, .., 31
+    store(p, __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23));
+    store(p + kLanes, __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31));
+  } else {
+    store(p, a);
+    store(p + kLanes, b);
+  }
+}
+
+// key_step over PAIRS * 32 keys, loaded 32 at a time (load32).
+template <int DIM, int G, int PAIRS, typename E>
+inline void key_step32(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* out, int64_t stride) {
+  constexpr int KD = sets_for(G * PAIRS * 2);
+  static_assert(DIM % KD == 0);
+  f32xN acc[KD][G][PAIRS][2] = {};
+  for (int i = 0; i < DIM; i += KD)
+    for (int u = 0; u < KD; ++u)
+      for (int r = 0; r < PAIRS; ++r) {
+        f32xN a, b;
+        load32(kp + (i + u) * ps + r * 2 * kLanes, a, b);
+        for (int h = 0; h < G; ++h) {
+          acc[u][h][r][0] += qt[i + u][h] * a;
+          acc[u][h][r][1] += qt[i + u][h] * b;
+        }
+      }
+  for (int h = 0; h < G; ++h)
+    for (int r = 0; r < PAIRS; ++r) {
+      f32xN a = acc[0][h][r][0], b = acc[0][h][r][1];
+      for (int u = 1; u < KD; ++u) a += acc[u][h][r][0], b += acc[u][h][r][1];
+      store32<E>(out + h * stride + r * 2 * kLanes, a, b);
     }
 }
 
@@ -301,7 +347,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
     if (col < c1) prime(key_page(col + 1));
     float* out = scores + (col - c0) * ps;
     int64_t t = 0;
-    for (; t + 4 * kLanes <= ps; t += 4 * kLanes) key_step<DIM, G, 4>(qt, kp + t, ps, out + t, span);
+    for (; t + 4 * kLanes <= ps; t += 4 * kLanes) key_step32<DIM, G, 2>(qt, kp + t, ps, out + t, span);
     for (; t < ps; t += kLanes) key_step<DIM, G, 1>(qt, kp + t, ps, out + t, span);  // pages not a multiple of 64
   }
   const int64_t first = lo - c0 * ps;  // scores [first, first + n) of each head are visible
@@ -317,6 +363,45 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
     inv[h] = 1.0f / sum;
   }
   prime(value_page(c0));
+  if constexpr (DIM % (2 * kLanes) == 0) {
+    constexpr int NP = DIM / (2 * kLanes);  // 32-element pieces of a value row (load32)
+    for (int h0 = 0; h0 < G; h0 += GV) {
+      f32xN acc[KS][GV][NP][2] = {};  // keys go round the KS sets
+      for (int64_t col = c0; col <= c1; ++col) {
+        const E* rows = value_page(col);  // [ps, D]
+        if (h0 == 0 && col < c1) prime(value_page(col + 1));
+        const int64_t from = std::max(lo, col * ps) - col * ps, to = std::min(hi, col * ps + ps) - col * ps;
+        const float* p = scores + h0 * span + (col - c0) * ps;  // this page's probabilities of head h0
+        int64_t t = from;
+        for (; t + KS <= to; t += KS)
+          for (int u = 0; u < KS; ++u)
+            for (int c = 0; c < NP; ++c) {
+              f32xN a, b;
+              load32(rows + (t + u) * DIM + c * 2 * kLanes, a, b);
+              for (int h = 0; h < GV; ++h) {
+                acc[u][h][c][0] += p[h * span + t + u] * a;
+                acc[u][h][c][1] += p[h * span + t + u] * b;
+              }
+            }
+        for (; t < to; ++t)
+          for (int c = 0; c < NP; ++c) {
+            f32xN a, b;
+            load32(rows + t * DIM + c * 2 * kLanes, a, b);
+            for (int h = 0; h < GV; ++h) {
+              acc[0][h][c][0] += p[h * span + t] * a;
+              acc[0][h][c][1] += p[h * span + t] * b;
+            }
+          }
+      }
+      for (int h = 0; h < GV; ++h)
+        for (int c = 0; c < NP; ++c) {
+          f32xN a = acc[0][h][c][0], b = acc[0][h][c][1];
+          for (int u = 1; u < KS; ++u) a += acc[u][h][c][0], b += acc[u][h][c][1];
+          store32<E>(o + (h0 + h) * DIM + c * 2 * kLanes, a * inv[h0 + h], b * inv[h0 + h]);
+        }
+    }
+    return;
+  }
   for (int h0 = 0; h0 < G; h0 += GV) {
     f32xN acc[KS][GV][NC] = {};  // keys go round the KS sets
     for (int64_t col = c0; col <= c1; ++col) {
