@@ -239,26 +239,25 @@ constexpr int sets_for(int chains) {
   return sets;
 }
 
-// Scores of G query heads (`qt` [D, G], scaled) against RUNS * 16 keys of a key page (`kp` at the
-// first key in dimension 0, dimension i `ps` further on) -> out[h * stride + key]. Each key vector
-// loaded serves the G heads; the dimensions go round KD accumulator sets.
-template <int DIM, int G, int RUNS, typename E>
-inline void key_step(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* out, int64_t stride) {
-  constexpr int KD = sets_for(G * RUNS);
+// Scores of G query heads (`qt` [D, G], scaled) against 16 keys of a key page (`kp` at the first
+// key in dimension 0, dimension i `ps` further on) -> out[h * stride + key]: the tail of a page that
+// is not a multiple of 64 keys. Each key vector loaded serves the G heads; the dimensions go round
+// KD accumulator sets.
+template <int DIM, int G, typename E>
+inline void key_step16(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* out, int64_t stride) {
+  constexpr int KD = sets_for(G);
   static_assert(DIM % KD == 0);
-  f32xN acc[KD][G][RUNS] = {};
+  f32xN acc[KD][G] = {};
   for (int i = 0; i < DIM; i += KD)
-    for (int u = 0; u < KD; ++u)
-      for (int r = 0; r < RUNS; ++r) {
-        const f32xN kv = load(kp + (i + u) * ps + r * kLanes);
-        for (int h = 0; h < G; ++h) acc[u][h][r] += qt[i + u][h] * kv;
-      }
-  for (int h = 0; h < G; ++h)
-    for (int r = 0; r < RUNS; ++r) {
-      f32xN sum = acc[0][h][r];
-      for (int u = 1; u < KD; ++u) sum += acc[u][h][r];
-      store(out + h * stride + r * kLanes, sum);
+    for (int u = 0; u < KD; ++u) {
+      const f32xN kv = load(kp + (i + u) * ps);
+      for (int h = 0; h < G; ++h) acc[u][h] += qt[i + u][h] * kv;
     }
+  for (int h = 0; h < G; ++h) {
+    f32xN sum = acc[0][h];
+    for (int u = 1; u < KD; ++u) sum += acc[u][h];
+    store(out + h * stride, sum);
+  }
 }
 
 // 32 consecutive elements as two vectors: float32 as they lie (the first 16, the next 16);
@@ -288,7 +287,7 @@ inline void store32(float* p, f32xN a, f32xN b) {
   }
 }
 
-// key_step over PAIRS * 32 keys, loaded 32 at a time (load32).
+// Scores as key_step16 computes them, over PAIRS * 32 keys loaded 32 at a time (load32).
 template <int DIM, int G, int PAIRS, typename E>
 inline void key_step32(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* out, int64_t stride) {
   constexpr int KD = sets_for(G * PAIRS * 2);
@@ -348,7 +347,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
     float* out = scores + (col - c0) * ps;
     int64_t t = 0;
     for (; t + 4 * kLanes <= ps; t += 4 * kLanes) key_step32<DIM, G, 2>(qt, kp + t, ps, out + t, span);
-    for (; t < ps; t += kLanes) key_step<DIM, G, 1>(qt, kp + t, ps, out + t, span);  // pages not a multiple of 64
+    for (; t < ps; t += kLanes) key_step16<DIM, G>(qt, kp + t, ps, out + t, span);  // pages not a multiple of 64
   }
   const int64_t first = lo - c0 * ps;  // scores [first, first + n) of each head are visible
   for (int h = 0; h < G; ++h) {
