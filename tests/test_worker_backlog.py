@@ -1,21 +1,27 @@
-"""A worker holds its free slots plus `backlog` requests; draining hands the unstarted ones back at once.
+"""A worker holds its free slots plus `backlog` requests; draining hands the unstarted ones back at once;
+an idle worker waits in Redis instead of polling it.
 
 The worker runs in this process against real Redis and the real engine on the tiny served model;
-the test drives its loop by hand (pull, step, drain) instead of through its Redis thread.
+the tests drive its loop by hand (pull, step, drain) instead of through its Redis threads, except
+the last, which starts them.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 import redis
 
+from tests.stack_support import wait_until
 from tests.test_serving import model_dir  # noqa: F401 (fixture)
 from worker import contract
-from worker.contract import RequestMessage
+from worker.contract import OutputDelta, RequestMessage
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.service.config import WorkerConfig
-from worker.service.redis_io import Incoming
+from worker.service.redis_io import PULL_BLOCK_S, Incoming
 from worker.service.worker import Worker
 
 SEQS, BACKLOG = 4, 3
@@ -51,6 +57,7 @@ def test_a_worker_holds_its_slots_plus_the_backlog_and_hands_unstarted_ones_back
     worker._drain_deadline = float("inf")  # what SIGTERM sets
     worker._take_work()
     assert set(worker.active) == started  # the unstarted ones left at once...
+    worker.io.send()
     worker.io._flush()
     client = redis.Redis.from_url(redis_url)
     requeued = [RequestMessage.decode(fields) for _, fields in client.xrange(contract.REQUESTS)]
@@ -78,3 +85,50 @@ def test_a_pull_admits_every_entry_with_its_cancel_state_and_drops_malformed_one
     assert [(m.message.id, m.cancelled) for m in admitted] == [("req-0", False), ("req-1", True), ("req-2", False)]
     assert worker.io.wakeup.is_set()
     assert client.xlen(contract.REQUESTS) == 3  # the malformed entry is acknowledged and deleted
+
+
+def _reads(client: redis.Redis) -> int:
+    """XREADGROUP calls the server has answered so far."""
+    return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
+
+
+def test_an_idle_worker_waits_in_redis_instead_of_polling_it(model_dir, redis_url):  # noqa: F811
+    worker = _worker(model_dir, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    pulls = []
+    pull = worker.io._pull
+    worker.io._pull = lambda: pulls.append(1) or pull()  # counts the reader thread's turns
+    worker.io.start()
+    try:
+        before, t0 = _reads(client), time.monotonic()
+        time.sleep(0.5)  # no room: the reader sleeps on the capacity, and reads nothing
+        assert _reads(client) == before
+        assert len(pulls) <= (time.monotonic() - t0) / PULL_BLOCK_S + 2  # a 4 ms poll turned ~125 times
+
+        worker.io.set_capacity(SEQS)
+        before, t0 = _reads(client), time.monotonic()
+        time.sleep(1.0)  # room, nothing queued: each read blocks in Redis
+        assert 1 <= _reads(client) - before <= (time.monotonic() - t0) / PULL_BLOCK_S + 2
+
+        client.xadd(contract.REQUESTS, _message(0).encode())  # arrives during a blocked read
+        assert worker.io.wakeup.wait(10)
+        assert worker.io.inbox.get_nowait().message.id == "req-0"
+    finally:
+        worker.io.stop()
+    assert not client.exists(contract.worker_key(worker.config.name))  # the heartbeat is gone
+
+
+def test_output_is_written_while_the_reader_waits_for_requests(model_dir, redis_url):  # noqa: F811
+    worker = _worker(model_dir, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    release = threading.Event()
+    pull = worker.io._pull
+    worker.io._pull = lambda: release.wait() and pull()  # a read that lasts until the test lets it go
+    worker.io.start()
+    try:
+        worker.io.publish("req-9", [OutputDelta(seq=0, text="hi", token_ids=[5])])
+        worker.io.send()
+        wait_until(lambda: client.xlen(contract.out_stream("req-9")) == 1, 10)  # raises on timeout
+    finally:
+        release.set()
+        worker.io.stop()

@@ -32,7 +32,6 @@ class WorkerConfig:
     served_model_name: str = ""  # "" means the model folder's name (the API uses the same rule)
     name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")  # unique in the fleet
     drain_timeout_s: float = 30.0  # on SIGTERM: finish what is running for this long, then hand it back
-    flush_interval_s: float = 0.004  # output deltas of one request within this window share one entry
     claim_interval_s: float = 2.0  # how often to look for requests left by dead workers
     log_level: str = "info"
     # persistent XLA compilation cache, so a restarted worker skips compiling its step shapes; "" disables

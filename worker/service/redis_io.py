@@ -1,9 +1,15 @@
-"""The worker's Redis side, on its own thread so Redis I/O never stalls a device step.
+"""The worker's Redis side, on threads of its own so Redis I/O never stalls a device step.
 
-It pulls requests only up to the capacity the engine loop last reported (pull-based
-admission), claims requests left by workers whose heartbeat expired, listens for cancels,
-publishes output deltas (coalescing what arrives within a few milliseconds into one entry),
-acknowledges finished requests and writes the heartbeat.
+Three threads, each asleep until it has something to do (no polling: on a small machine every
+wake-up of a thread takes a core from the engine's compute threads for a moment):
+
+- `redis-in` pulls requests only up to the capacity the engine loop last reported (pull-based
+  admission), blocking in XREADGROUP while there is room and on the capacity while there is none;
+  it also claims requests left by workers whose heartbeat expired and writes the heartbeat.
+- `redis-out` waits on the outbox: the engine loop hands over what one turn of it produced (the
+  deltas of a step, finished and handed-back requests) as one batch, written in one pipelined
+  round trip with one notification per API.
+- `redis-cancels` waits on the cancel channel.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from worker.contract import OutputDelta, RequestEvent, RequestMessage, WorkerSta
 from worker.service.config import WorkerConfig
 
 log = logging.getLogger("redjax.worker")
+PULL_BLOCK_S = 0.1  # longest XREADGROUP wait: how stale the pull's capacity and the heartbeat can get
+CANCEL_WAIT_S = 0.5  # longest wait for a cancel before the thread looks at the stop flag again
+RETRY_S = 0.5  # after a Redis error
 
 
 @dataclass
@@ -47,6 +56,9 @@ class Finished:
     handed_back: bool = False  # re-enqueued instead of completed (drain timeout)
 
 
+Item = tuple[str, list[OutputDelta]] | Finished | RequestMessage  # what the engine loop hands over
+
+
 class RedisIO:
     def __init__(self, config: WorkerConfig, client: redis.Redis):
         self.config = config
@@ -54,58 +66,80 @@ class RedisIO:
         self.inbox: queue.Queue[Incoming] = queue.Queue()  # new or resumed requests for the engine loop
         self.cancels: queue.Queue[str] = queue.Queue()  # request ids to abort
         self.wakeup = threading.Event()  # set when the inbox or cancels get something
-        self._outbox: queue.Queue[tuple[str, list[OutputDelta]] | Finished | RequestMessage] = queue.Queue()
+        self._pending: list[Item] = []  # this turn of the engine loop's output, not yet handed over
+        self._outbox: queue.Queue[list[Item] | None] = queue.Queue()  # batches for redis-out; None: stop
         self._capacity = 0
+        self._room = threading.Event()  # set while capacity > 0
         self._stats: WorkerStats | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # request id -> (entry id, its API's notify stream), for requests this worker holds
         self._pulled: dict[str, tuple[str, str]] = {}
-        self._thread = threading.Thread(target=self._run, name="redis-io", daemon=True)
+        self._pubsub = None
+        self._threads = [
+            threading.Thread(target=self._read, name="redis-in", daemon=True),
+            threading.Thread(target=self._write, name="redis-out", daemon=True),
+            threading.Thread(target=self._listen_cancels, name="redis-cancels", daemon=True),
+        ]
 
     # ---- called from the engine loop ----
 
     def start(self) -> None:
         contract.ensure_group(self.client)
         self.client.sadd(contract.WORKERS, self.config.name)
-        self._thread.start()
+        # subscribed before the first pull: a cancel sent after a request's admission check is heard
+        self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(contract.CANCEL_CHANNEL)
+        for thread in self._threads:
+            thread.start()
 
     def set_capacity(self, n: int) -> None:
         with self._lock:
             self._capacity = n
+            if n > 0:
+                self._room.set()
+            else:
+                self._room.clear()
 
     def set_stats(self, stats: WorkerStats) -> None:
         with self._lock:
             self._stats = stats
 
     def publish(self, request_id: str, deltas: list[OutputDelta]) -> None:
-        self._outbox.put((request_id, deltas))
+        self._pending.append((request_id, deltas))
 
     def finish(self, done: Finished) -> None:
-        self._outbox.put(done)
+        self._pending.append(done)
 
     def hand_back(self, message: RequestMessage) -> None:
         """Re-enqueue a request this worker will not finish (drain); another worker resumes it."""
-        self._outbox.put(message)
+        self._pending.append(message)
+
+    def send(self) -> None:
+        """Hand everything published, finished or handed back since the last call to redis-out."""
+        if self._pending:
+            self._outbox.put(self._pending)
+            self._pending = []
 
     def stop(self) -> None:
-        """Flush everything queued, remove the heartbeat, stop the thread."""
+        """Write everything handed over, remove the heartbeat, stop the threads."""
+        self.send()
         self._stop.set()
-        self._thread.join(timeout=30)
-        self._flush()
+        self._room.set()
+        self._outbox.put(None)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=30)
+        self._flush()  # whatever a thread that never started left
         self.client.delete(contract.worker_key(self.config.name))
 
-    # ---- the thread ----
+    # ---- the threads ----
 
-    def _run(self) -> None:
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(contract.CANCEL_CHANNEL)
+    def _read(self) -> None:
         last_beat = last_claim = 0.0
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
-                self._flush()
-                self._take_cancels(pubsub)
                 if now - last_beat >= contract.HEARTBEAT_INTERVAL_S:
                     self._heartbeat()
                     last_beat = now
@@ -115,23 +149,47 @@ class RedisIO:
                 self._pull()
             except redis.RedisError as exc:  # Redis away: keep the engine running, retry shortly
                 log.warning("redis error in worker I/O: %s", type(exc).__name__)
-                time.sleep(0.5)
-        pubsub.close()
+                self._stop.wait(RETRY_S)
+
+    def _write(self) -> None:
+        while (batch := self._outbox.get()) is not None:
+            try:
+                self._write_items(batch + self._take_outbox())
+            except redis.RedisError as exc:
+                log.warning("redis error in worker I/O: %s", type(exc).__name__)
+                self._stop.wait(RETRY_S)
+
+    def _listen_cancels(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self._pubsub.get_message(timeout=CANCEL_WAIT_S)
+            except redis.RedisError as exc:
+                log.warning("redis error in worker I/O: %s", type(exc).__name__)
+                self._stop.wait(RETRY_S)
+                continue
+            if message is not None and (request_id := _s(message["data"])) in self._pulled:
+                self.cancels.put(request_id)
+                self.wakeup.set()
+        self._pubsub.close()
 
     def _pull(self) -> None:
+        """Requests up to the capacity: blocks in XREADGROUP for new ones while there is room, on
+        the room itself while there is none."""
         with self._lock:
             capacity = self._capacity
         if capacity <= 0:
-            self._stop.wait(self.config.flush_interval_s)
+            self._room.wait(PULL_BLOCK_S)
             return
-        block_ms = max(1, int(self.config.flush_interval_s * 1000))
         reply = self.client.xreadgroup(
-            contract.WORKERS_GROUP, self.config.name, {contract.REQUESTS: ">"}, count=capacity, block=block_ms
+            contract.WORKERS_GROUP, self.config.name, {contract.REQUESTS: ">"}, count=capacity,
+            block=int(PULL_BLOCK_S * 1000),
         )
         self._admit([(_s(entry_id), fields) for _, entries in reply or [] for entry_id, fields in entries])
         if reply:
             with self._lock:
                 self._capacity = max(0, self._capacity - sum(len(e) for _, e in reply))
+                if self._capacity == 0:
+                    self._room.clear()
 
     def _admit(self, entries: list[tuple[str, dict]], resumed: bool = False) -> None:
         """Hand pulled (or claimed) request entries to the engine thread; whether each was cancelled
@@ -200,16 +258,6 @@ class RedisIO:
             log.info("claimed request entry %s from a dead worker", entry_id)
         self._admit(entries, resumed=True)
 
-    def _take_cancels(self, pubsub) -> None:
-        while True:
-            message = pubsub.get_message(timeout=0)
-            if message is None:
-                return
-            request_id = _s(message["data"])
-            if request_id in self._pulled:
-                self.cancels.put(request_id)
-                self.wakeup.set()
-
     def _heartbeat(self) -> None:
         with self._lock:
             stats = self._stats
@@ -219,16 +267,26 @@ class RedisIO:
         self.client.pipeline().hset(key, mapping=stats.encode()).expire(key, contract.HEARTBEAT_TTL_S).sadd(
             contract.WORKERS, self.config.name).execute()
 
-    def _flush(self) -> None:
-        """Write every queued delta (one entry per request per flush), then close finished requests."""
-        items: list[Any] = []
+    def _take_outbox(self) -> list[Item]:
+        items: list[Item] = []
         while True:
             try:
-                items.append(self._outbox.get_nowait())
+                batch = self._outbox.get_nowait()
             except queue.Empty:
-                break
-        if not items:
-            return
+                return items
+            if batch is None:  # stop: put back for the thread's loop to see
+                self._outbox.put(None)
+                return items
+            items += batch
+
+    def _flush(self) -> None:
+        """Write every batch handed over and not yet written (the caller's thread)."""
+        if items := self._take_outbox():
+            self._write_items(items)
+
+    def _write_items(self, items: list[Item]) -> None:
+        """Every delta an entry, finished requests closed, handed-back ones re-enqueued, all in one
+        pipelined round trip; one notification per API, after the entries it announces."""
         pipe = self.client.pipeline(transaction=False)
         generated = 0
         touched: dict[str, list[str]] = {}  # notify stream -> requests with new entries

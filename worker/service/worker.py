@@ -68,8 +68,10 @@ class Worker:
         try:
             while not self._done():
                 self._take_work()
+                self.io.send()  # aborts and rejections: out before the step
                 if self.engine.has_unfinished():
                     self._publish(self.engine.step())
+                    self.io.send()  # the step's deltas and finished requests: one batch
                 else:
                     self.io.wakeup.wait(0.05)
                     self.io.wakeup.clear()
