@@ -132,3 +132,17 @@ def test_output_is_written_while_the_reader_waits_for_requests(model_dir, redis_
     finally:
         release.set()
         worker.io.stop()
+
+
+def test_a_worker_makes_the_request_group_again_when_redis_lost_it(model_dir, redis_url):  # noqa: F811
+    worker = _worker(model_dir, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    worker.io.set_capacity(SEQS)
+    worker.io.start()
+    try:
+        client.flushdb()  # what a Redis restarted without persistence holds: no stream, no group
+        client.xadd(contract.REQUESTS, _message(0).encode())  # an API enqueues as before
+        assert worker.io.wakeup.wait(20)
+        assert worker.io.inbox.get_nowait().message.id == "req-0"
+    finally:
+        worker.io.stop()

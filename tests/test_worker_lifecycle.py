@@ -1,4 +1,5 @@
-"""Worker lifecycle against a live API and real Redis: SIGTERM drains, SIGKILL is survived by resume.
+"""Worker lifecycle against a live API and real Redis: SIGTERM drains, SIGKILL is survived by resume,
+and a Redis that restarts empty is served again.
 
 A worker killed mid-request leaves its entry pending; a second worker claims it once the heartbeat
 has expired, re-prefills prompt + emitted tokens and continues the output stream's numbering, so
@@ -16,6 +17,7 @@ import openai
 import pytest
 import redis
 
+from tests.conftest import free_port, redis_server
 from tests.stack_support import jax_cache_env, start_api, start_worker, stop, stop_when_in_flight, wait_until
 from tests.test_serving import _db_url, ids_of_dir, jax_cache, model_dir, offline, offline_greedy  # noqa: F401
 from worker import contract
@@ -117,3 +119,31 @@ def test_sigkilled_worker_request_is_resumed_by_another(api, model_dir, offline,
     [event] = [RequestEvent.decode(f) for _, f in r.xrange(contract.EVENTS) if RequestEvent.decode(f).id == request_id]
     assert event.worker == "rescuer-w" and event.output_tokens == MAX_TOKENS
     assert r.xlen(contract.REQUESTS) == 0
+
+
+def test_the_stack_serves_again_after_redis_restarts_empty(model_dir, offline, jax_cache, tmp_path):  # noqa: F811
+    """Redis stops and a new one, holding nothing, starts at the same address: the worker makes the
+    request stream's group again and rejoins, the API reconnects, and the next request is answered."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    ids = ids_of_dir(model_dir, "once more from the top")
+    ref = offline_greedy(offline, ids, 24, ignore_eos=True)
+    ask = lambda client: client.completions.create(  # noqa: E731
+        model=model_dir.name, prompt=ids, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    procs = []
+    try:
+        with redis_server(port, tmp_path):
+            api_proc, base = start_api(model_dir, url, env={"REDJAX_NO_WORKER_TIMEOUT_S": "120"})
+            procs = [api_proc, start_worker(model_dir, url, "restart-w", env=jax_cache_env(jax_cache))]
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+            wait_until(lambda: httpx.get(base + "/ready").status_code == 200, 120)
+            assert ask(client).choices[0].text == ref.text
+        with redis_server(port, tmp_path):  # the same address, nothing in it
+            wait_until(lambda: httpx.get(base + "/ready").status_code == 200, 60)
+            assert ask(client).choices[0].text == ref.text
+            assert all(proc.poll() is None for proc in procs)
+            assert [stop(proc) for proc in reversed(procs)] == [0, 0]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

@@ -137,8 +137,13 @@ class RedisIO:
 
     def _read(self) -> None:
         last_beat = last_claim = 0.0
+        group_gone = False
         while not self._stop.is_set():
             try:
+                if group_gone:  # Redis lost its data (restarted without persistence): begin anew
+                    contract.ensure_group(self.client)
+                    log.warning("created the request stream's consumer group again")
+                    group_gone = False
                 now = time.monotonic()
                 if now - last_beat >= contract.HEARTBEAT_INTERVAL_S:
                     self._heartbeat()
@@ -149,6 +154,7 @@ class RedisIO:
                 self._pull()
             except redis.RedisError as exc:  # Redis away: keep the engine running, retry shortly
                 log.warning("redis error in worker I/O: %s", type(exc).__name__)
+                group_gone = "NOGROUP" in str(exc)
                 self._stop.wait(RETRY_S)
 
     def _write(self) -> None:
