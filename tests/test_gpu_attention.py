@@ -66,13 +66,16 @@ def test_bfloat16_pages_and_padding_rows():
     assert not got[1].any()
 
 
-@pytest.mark.parametrize("dtype,stored,s", [(jnp.float32, jnp.float32, 64), (jnp.bfloat16, pa.BF16_BITS, 64),
-                                           (jnp.bfloat16, pa.BF16_BITS, 1)])
-def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored, s):
+@pytest.mark.parametrize("dtype,stored,s,n,p", [(jnp.float32, jnp.float32, 64, 1024, 64),
+                                               (jnp.bfloat16, pa.BF16_BITS, 64, 1024, 64),
+                                               (jnp.bfloat16, pa.BF16_BITS, 1, 1024, 64),
+                                               (jnp.bfloat16, pa.BF16_BITS, 64, 3000, 130)])
+def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored, s, n, p):
     """The llama3-8b decode shape (32 heads, 8 KV heads, head dim 128, pages of 16) lowers for CUDA
     to a Triton custom call (a primitive Triton cannot express fails here, not on the GPU); at
-    batch 1 with its context split over 64 programs per KV head."""
-    kv, n, p = 8, 1024, 64
+    batch 1 with its context split over 64 programs per KV head; with a page pool and a page table
+    whose sizes are not powers of two (the pool's size follows the GPU's free memory)."""
+    kv = 8
     args = (jax.ShapeDtypeStruct((s, 32, 128), dtype), jax.ShapeDtypeStruct((kv, n, 128, 16), stored),
             jax.ShapeDtypeStruct((kv, n, 16, 128), stored), *(jax.ShapeDtypeStruct(x, jnp.int32) for x in ((s, p), (s,), (s,))))
     lowered = jax.jit(gpu_attention.pallas_decode_attention).trace(*args).lower(lowering_platforms=("cuda",))
