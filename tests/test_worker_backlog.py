@@ -13,6 +13,7 @@ import time
 
 import redis
 
+from tests.conftest import free_port, redis_server
 from tests.stack_support import wait_until
 from tests.test_serving import model_dir  # noqa: F401 (fixture)
 from worker import contract
@@ -146,3 +147,21 @@ def test_a_worker_makes_the_request_group_again_when_redis_lost_it(model_dir, re
         assert worker.io.inbox.get_nowait().message.id == "req-0"
     finally:
         worker.io.stop()
+
+
+def test_output_made_while_redis_is_away_is_written_when_it_is_back(model_dir, tmp_path):  # noqa: F811
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    with redis_server(port, tmp_path):
+        worker = _worker(model_dir, url)
+        worker.io.start()
+    # Redis has stopped: the writer fails, and tries again
+    worker.io.publish("req-7", [OutputDelta(seq=0, text="late", token_ids=[9])])
+    worker.io.send()
+    with redis_server(port, tmp_path):  # back, at the same address
+        try:
+            client = redis.Redis.from_url(url)
+            wait_until(lambda: client.xlen(contract.out_stream("req-7")) == 1, 30)  # raises on timeout
+            assert OutputDelta.decode(client.xrange(contract.out_stream("req-7"))[0][1]).text == "late"
+        finally:
+            worker.io.stop()

@@ -130,8 +130,11 @@ class RedisIO:
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout=30)
-        self._flush()  # whatever a thread that never started left
-        self.client.delete(contract.worker_key(self.config.name))
+        try:
+            self._flush()  # what a writer that never started, or gave up on a Redis away, left
+            self.client.delete(contract.worker_key(self.config.name))
+        except redis.RedisError as exc:
+            log.error("redis unreachable at shutdown (%s): output not yet written is lost", type(exc).__name__)
 
     # ---- the threads ----
 
@@ -159,11 +162,18 @@ class RedisIO:
 
     def _write(self) -> None:
         while (batch := self._outbox.get()) is not None:
-            try:
-                self._write_items(batch + self._take_outbox())
-            except redis.RedisError as exc:
-                log.warning("redis error in worker I/O: %s", type(exc).__name__)
-                self._stop.wait(RETRY_S)
+            items = batch + self._take_outbox()
+            # Redis away: the same items again once it is back. Readers drop repeated seqs; a batch
+            # whose first try reached Redis before the connection broke is applied twice.
+            while True:
+                try:
+                    self._write_items(items)
+                    break
+                except redis.RedisError as exc:
+                    log.warning("redis error in worker I/O: %s", type(exc).__name__)
+                    if self._stop.wait(RETRY_S):  # stopping: one more try, in stop()
+                        self._outbox.put(items)
+                        return
 
     def _listen_cancels(self) -> None:
         while not self._stop.is_set():
@@ -273,21 +283,21 @@ class RedisIO:
         self.client.pipeline().hset(key, mapping=stats.encode()).expire(key, contract.HEARTBEAT_TTL_S).sadd(
             contract.WORKERS, self.config.name).execute()
 
-    def _take_outbox(self) -> list[Item]:
+    def _take_outbox(self, stop_at_none: bool = True) -> list[Item]:
         items: list[Item] = []
         while True:
             try:
                 batch = self._outbox.get_nowait()
             except queue.Empty:
                 return items
-            if batch is None:  # stop: put back for the thread's loop to see
+            if batch is None and stop_at_none:  # put back for the writer's loop to see
                 self._outbox.put(None)
                 return items
-            items += batch
+            items += batch or []
 
     def _flush(self) -> None:
-        """Write every batch handed over and not yet written (the caller's thread)."""
-        if items := self._take_outbox():
+        """Write every batch handed over and not yet written, on the caller's thread."""
+        if items := self._take_outbox(stop_at_none=False):
             self._write_items(items)
 
     def _write_items(self, items: list[Item]) -> None:
