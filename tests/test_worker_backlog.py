@@ -1,9 +1,9 @@
 """A worker holds its free slots plus `backlog` requests; draining hands the unstarted ones back at once;
-an idle worker waits in Redis instead of polling it.
+its Redis threads wait instead of polling, write output while a read waits, and outlast a Redis that
+goes away or comes back empty.
 
-The worker runs in this process against real Redis and the real engine on the tiny served model;
-the tests drive its loop by hand (pull, step, drain) instead of through its Redis threads, except
-the last, which starts them.
+The worker runs in this process against real Redis and the real engine on the tiny served model.
+The first two tests drive its loop by hand (pull, step, drain); the others start its Redis threads.
 """
 
 from __future__ import annotations
