@@ -57,7 +57,7 @@ bench() {
   local json="$out/$name.json" started=$SECONDS
   echo "=== $name: $n x $input/$output $*" >>"$log"
   timeout "$(left)" "$python" -m worker.cli bench offline --dummy "$preset" --dtype "$dtype" \
-    --num-prompts "$n" --input-len "$input" --output-len "$output" --json "$@" >"$json" 2>>"$log"
+    --num-prompts "$n" --input-len "$input" --output-len "$output" --json --log-level info "$@" >"$json" 2>>"$log"
   local rc=$?
   if [ $rc -ne 0 ]; then
     rm -f "$json"

@@ -49,7 +49,8 @@ def test_kernel_matches_the_reference(heads, kv_heads, dim, page_size, window):
     lens = jnp.asarray([1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5, width * page_size], jnp.int32)
     positions = lens - 1
     got = decode(q, k, v, tables, positions, lens, window)
-    ref = pa.paged_attention(q[:, None], k, v, tables, positions[:, None], lens, window)[:, 0]
+    with jax.default_matmul_precision("highest"):  # a GPU's float32 einsum defaults to TF32 (10-bit mantissa)
+        ref = pa.paged_attention(q[:, None], k, v, tables, positions[:, None], lens, window)[:, 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 

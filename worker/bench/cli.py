@@ -31,6 +31,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the run (and the baseline, alternating) on fresh prompts; report medians")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="stderr logging (info: each phase's duration and each step variant compiled)")
     _engine_flags(p)
     return p
 
@@ -44,8 +46,16 @@ def _batch_size(text: str) -> int | None:
     return int(text)
 
 
+def _log_to_stderr(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 def offline(argv: list[str]) -> int:
     args = offline_parser().parse_args(argv)
+    _log_to_stderr(args.log_level)
     from worker.bench.offline import Workload, bench_offline
 
     work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.temperature, args.top_p,
@@ -65,7 +75,7 @@ def offline(argv: list[str]) -> int:
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")
-    print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
+    print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
     if "decode_step_ms" in r:
         print(f"  decode: {r['decode_step_ms']:.2f} ms/step at batch {r['decode_mean_batch']:.1f} (ideal "
               f"{r['decode_ideal_step_ms']:.2f} ms = max of {r['decode_memory_step_ms']:.2f} ms memory, "

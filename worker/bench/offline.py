@@ -7,6 +7,7 @@ through Hugging Face transformers (`hf_baseline.py`) on the same weights.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from worker.engine.sampling_params import SamplingParams
 from worker.heap import freeze_startup_heap
 from worker.models.config import ModelConfig
 from worker.models.loader import DTYPES, build_model, load_model, load_tokenizer, save_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
                 save_to: Path | None = None):
     """-> (engine, directory with the weights for transformers, or None if they exist only in memory).
     Dummy weights are written to `save_to` if given, before the engine packs them for its kernels."""
+    t0 = time.perf_counter()
     if preset:
         cfg = ModelConfig.preset(preset)
         model, tokenizer, path = build_model(cfg, overrides.get("dtype"), seed=0), IdTokenizer(), None
@@ -70,7 +74,9 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
         per_seq = -(-(work.input_len + work.output_len) // page_size)
         running = min(work.num_prompts, overrides.get("max_num_seqs", 64))
         overrides = {**overrides, "num_pages": running * per_seq + RESERVED_PAGES}
-    return LLMEngine(model, tokenizer, EngineConfig(**overrides)), path
+    engine = LLMEngine(model, tokenizer, EngineConfig(**overrides))
+    log.info("model and engine ready in %.1f s (%s KV pages)", time.perf_counter() - t0, engine.config.num_pages)
+    return engine, path
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, probe: StepProbe | None = None,
@@ -126,8 +132,12 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     dtype = engine.config.dtype or cfg.dtype
     itemsize = jnp.dtype(DTYPES[dtype]).itemsize
     engine.runner.compile_after = 1  # compile exactly the shapes the warmup meets: the run then reuses them
+    t0 = time.perf_counter()
     engine.calibrate_decode_steps()  # as a worker's warm-up does
+    t1 = time.perf_counter()
     warmup(engine, work, cfg.vocab_size)
+    log.info("calibration %.1f s, warm-up %.1f s (%d step variants compiled)", t1 - t0, time.perf_counter() - t1,
+             len(engine.runner.compiled))
     freeze_startup_heap()  # as a worker does after its warm-up (and the baseline runs after it too)
     compiled = len(engine.runner.compiled)
     probe = StepProbe().install(engine)
@@ -137,6 +147,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         prompts = work.prompts(cfg.vocab_size, seed=work.seed + 1000 * r)  # round 0: the workload's own seed
         seconds, outputs = run_engine(engine, prompts, work.output_len, probe, work=work)
         out_tokens = sum(len(o) for o in outputs)
+        log.info("round %d: %d output tokens in %.2f s", r, out_tokens, seconds)
         fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
                "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds}
         if compare_hf:
@@ -214,8 +225,10 @@ def hf_baseline_device() -> str:
 
 
 def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int) -> dict:
+    t0 = time.perf_counter()
     bandwidth = roofline.memory_bandwidth_gbs()
     gflops = roofline.matmul_gflops(dtype=DTYPES[dtype])
+    log.info("machine probes: %.0f GB/s, %.0f GFLOP/s (%.1f s)", bandwidth, gflops, time.perf_counter() - t0)
     d, p = probe.decode, probe.prefill
     out: dict = {"memory_bandwidth_gbs": bandwidth, "matmul_gflops": gflops,
                  "decode_phase": d.as_dict(), "prefill_phase": p.as_dict()}
