@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md ("GPU results"), on a machine with one NVIDIA GPU.
 #
-#   scripts/gpu_bench.sh RUN... [--out OUTDIR]
+#   scripts/gpu_bench.sh RUN... [--out OUTDIR] [--cache-in DIR] [--cache-out]
 #
 # Runs, in the order given:
 #   check          the machine (nvidia-smi, jax's devices) and tests/test_gpu_attention.py (the
@@ -20,6 +20,14 @@
 # run goes to stdout and OUTDIR/summary.txt. A run that fails or passes the deadline is reported
 # and the next one still runs.
 #
+# A device machine starts bare on every call, and an 8B model's step variants take 25-60 s each to
+# compile on an H100 (a 64 x 1024/1024 warm-up needs over 25 of them: more than one 10-minute
+# call). So the compile cache can travel between calls: --cache-out writes it, after the runs, as
+# OUTDIR/jax-cache.tgz.* (parts of 15 MiB, within what a call brings back), and --cache-in DIR
+# unpacks DIR/jax-cache.tgz.* into the cache before the runs (keep the cache's path: XLA's compile
+# options, part of every cache key, name it). Leave the call ~20 s past DEADLINE_S
+# for the packing (without DEADLINE_S, the runs stop 20 s before the default's 570).
+#
 # Environment: PRESET (default llama3-8b), DTYPE (default bfloat16), ATTENTION (default pallas:
 # fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
 # the prompt and output lengths by it), PYTHON (default python3).
@@ -27,17 +35,22 @@ set -uo pipefail
 
 runs=()
 out=${OUT:-gpu-results}
+cache_in=
+cache_out=
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift 2 ;;
+    --cache-in) cache_in=$2; shift 2 ;;
+    --cache-out) cache_out=1; shift ;;
     *) runs+=("$1"); shift ;;
   esac
 done
-[ ${#runs[@]} -gt 0 ] || { echo "usage: scripts/gpu_bench.sh RUN... [--out OUTDIR]" >&2; exit 2; }
+[ ${#runs[@]} -gt 0 ] || { echo "usage: scripts/gpu_bench.sh RUN... [--out OUTDIR] [--cache-in DIR] [--cache-out]" >&2; exit 2; }
 preset=${PRESET:-llama3-8b}
 dtype=${DTYPE:-bfloat16}
 attention=${ATTENTION:-pallas}
 deadline=$((SECONDS + ${DEADLINE_S:-570}))
+[ -z "$cache_out" ] || deadline=$((deadline - 20))  # time to pack the cache within the call
 scale=${SIZE_SCALE:-1}
 python=${PYTHON:-python3}
 mkdir -p "$out"
@@ -47,6 +60,16 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/redjax-jax-ca
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.5}
 
 say() { echo "$*" | tee -a "$out/summary.txt"; }
+
+mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+if [ -n "$cache_in" ]; then
+  if compgen -G "$cache_in/jax-cache.tgz.*" >/dev/null; then
+    cat "$cache_in"/jax-cache.tgz.* | tar xz -C "$JAX_COMPILATION_CACHE_DIR" \
+      && say "cache: restored $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries from $cache_in"
+  else
+    say "cache: nothing to restore in $cache_in"
+  fi
+fi
 
 left() { echo $((deadline - SECONDS > 1 ? deadline - SECONDS : 1)); }
 
@@ -99,3 +122,9 @@ for run in "${runs[@]}"; do
     *) say "$run: unknown run (check, batch1, 128-128, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
   esac
 done
+
+if [ -n "$cache_out" ]; then
+  rm -f "$out"/jax-cache.tgz.*
+  tar cz -C "$JAX_COMPILATION_CACHE_DIR" . | split -b 15M - "$out/jax-cache.tgz."
+  say "cache: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries saved as $(ls "$out"/jax-cache.tgz.* | wc -l) part(s) in $out"
+fi

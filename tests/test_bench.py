@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -252,3 +253,34 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
     assert done.returncode == 0
     assert done.stdout.startswith("1024-1024: FAILED (exit 124, deadline")
+
+
+def test_gpu_bench_compile_cache_travels_between_invocations(tmp_path):
+    """--cache-out packs the compile cache into OUTDIR's jax-cache.tgz.* parts; --cache-in unpacks
+    them into a fresh machine's empty cache (here: the same path, emptied) before the runs, and the
+    programs the first invocation compiled are read from it, not compiled again. (The path must be
+    the same: XLA's compile options, part of every cache key, name the cache directory.)"""
+    root = Path(__file__).resolve().parent.parent
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PRESET": "llama-tiny", "DTYPE": "float32", "ATTENTION": "auto", "SIZE_SCALE": "64",
+           "PYTHON": sys.executable, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_COMPILATION_CACHE_DIR": str(cache)}
+
+    def script(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/gpu_bench.sh", "batch1", *args], cwd=root, capture_output=True,
+                              text=True, timeout=600, env=env)
+
+    first = script("--out", str(tmp_path / "a"), "--cache-out")
+    assert first.returncode == 0, first.stderr
+    saved = sorted(p.name for p in cache.iterdir())
+    assert any(name.startswith("jit__step-") for name in saved), saved
+    assert f"cache: {len(saved)} entries saved as 1 part(s)" in first.stdout.splitlines()[-1], first.stdout
+    assert [p.name for p in (tmp_path / "a").glob("jax-cache.tgz.*")] == ["jax-cache.tgz.aa"]
+    shutil.rmtree(cache)
+    second = script("--out", str(tmp_path / "b"), "--cache-in", str(tmp_path / "a"))
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.splitlines()[0] == f"cache: restored {len(saved)} entries from {tmp_path / 'a'}"
+    assert "batch1: " in second.stdout and "output tok/s" in second.stdout, second.stdout
+    assert sorted(p.name for p in cache.iterdir()) == saved  # every program was found there, none compiled again
+    empty = script("--out", str(tmp_path / "c"), "--cache-in", str(tmp_path / "nothing"))
+    assert empty.stdout.startswith("cache: nothing to restore in "), empty.stdout
