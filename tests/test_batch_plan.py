@@ -1,12 +1,15 @@
-"""How prefill chunks are laid out in a step: row counts and the split of chunks into rows."""
+"""How a step lays out its rows: prefill row counts, the split of chunks into rows, decode rows beside them."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tests.engine_support import ROOMY, drain, tokenizer  # noqa: F401 (a fixture)
+from tests.test_engine import GEN, greedy_refs, hf, make_engine, model, prompts, random_ckpt  # noqa: F401 (fixtures)
 from worker.engine.batch import (MIN_PREFILL_LEN, PACK_GRANULE, StepShape, envelopes, fits, plan_packed, plan_prefill,
                                  row_bucket, slot_bucket, step_cost)
+from worker.engine.sampling_params import SamplingParams
 
 
 def test_slot_bucket_ladder_has_four_steps_per_octave():
@@ -140,3 +143,22 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     runner._compile_next = None
     assert ModelRunner._choose_shape(runner, near, flags, 5, lengths, 4) == (big, flags)  # its own flags first
     assert ModelRunner._choose_shape(runner, exact, top_p, 5, lengths, 4) == (near, full)
+
+
+def test_row_layout_mixed_steps_take_every_decode_row_and_keep_the_tokens(model, tokenizer, prompts, greedy_refs):
+    """Without ragged attention (the GPU's and the jnp path), a step with prefill and decode rows
+    pads its decode rows to all of them, so mixed variants do not multiply with the decode-row
+    ladder (each a 25-60 s compile for llama3-8b on an H100); the tokens stay transformers'."""
+    engine = make_engine(model, tokenizer, {**ROOMY, "max_num_seqs": 32}, decode_steps=4, attention="jnp")
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+
+    def arrive(k):  # one prompt joins the running batch every other step
+        if k % 2 == 0 and k // 2 < len(prompts):
+            engine.add_request(f"p{k // 2}", prompts[k // 2], params)
+
+    results = drain(engine, arrive)
+    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+    shapes = {shape for shape, _ in engine.runner.compiled}
+    mixed = {s for s in shapes if s.num_prefill and s.num_decode}
+    assert mixed and {s.num_decode for s in mixed} == {32}, shapes  # at most 8 were running
+    assert min(s.num_decode for s in shapes if not s.num_prefill) < 32  # pure decode keeps its ladder

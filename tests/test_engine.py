@@ -188,25 +188,6 @@ def test_greedy_batch_equals_generate_on_the_jnp_attention_and_xla_matmul_path(m
     assert [results[(f"r{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
 
 
-def test_row_layout_mixed_steps_take_every_decode_row_and_keep_the_tokens(model, tokenizer, prompts, greedy_refs):
-    """Without ragged attention (the GPU's and the jnp path), a step with prefill and decode rows
-    pads its decode rows to all of them, so mixed variants do not multiply with the decode-row
-    ladder (each a 25-60 s compile for llama3-8b on an H100); the tokens stay transformers'."""
-    engine = make_engine(model, tokenizer, {**ROOMY, "max_num_seqs": 32}, decode_steps=4, attention="jnp")
-    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-
-    def arrive(k):  # one prompt joins the running batch every other step
-        if k % 2 == 0 and k // 2 < len(prompts):
-            engine.add_request(f"p{k // 2}", prompts[k // 2], params)
-
-    results = drain(engine, arrive)
-    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
-    shapes = {shape for shape, _ in engine.runner.compiled}
-    mixed = {s for s in shapes if s.num_prefill and s.num_decode}
-    assert mixed and {s.num_decode for s in mixed} == {32}, shapes  # at most 8 were running
-    assert min(s.num_decode for s in shapes if not s.num_prefill) < 32  # pure decode keeps its ladder
-
-
 def test_context_limit_ends_with_length(model, tokenizer, prompts, greedy_refs):
     engine = make_engine(model, tokenizer, ROOMY, max_model_len=24)
     free = engine.allocator.num_free_pages
