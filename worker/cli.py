@@ -175,9 +175,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_worker(args) -> int:
+def log_to_stderr(level: str) -> None:
+    """Timestamped logging to stderr at `level` (jax's own loggers stay at warning or above)."""
     import logging
 
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # backend probing chatter
+
+
+def cmd_worker(args) -> int:
     import redis
 
     from worker.engine.llm_engine import LLMEngine
@@ -193,8 +199,7 @@ def cmd_worker(args) -> int:
     if not overrides["model_dir"] and not os.environ.get("REDJAX_MODEL_DIR"):
         overrides["model_dir"] = resolve_model(None)
     config = WorkerConfig.from_env(overrides)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # backend probing chatter
+    log_to_stderr(config.log_level)
     if config.compile_cache_dir:
         import jax
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from worker.cli import _engine_flags, _engine_overrides, engine_argv, resolve_model
+from worker.cli import _engine_flags, _engine_overrides, engine_argv, log_to_stderr, resolve_model
 
 
 def run(mode: str, argv: list[str]) -> int:
@@ -46,16 +46,9 @@ def _batch_size(text: str) -> int | None:
     return int(text)
 
 
-def _log_to_stderr(level: str) -> None:
-    import logging
-
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
 def offline(argv: list[str]) -> int:
     args = offline_parser().parse_args(argv)
-    _log_to_stderr(args.log_level)
+    log_to_stderr(args.log_level)
     from worker.bench.offline import Workload, bench_offline
 
     work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.temperature, args.top_p,
