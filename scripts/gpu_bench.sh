@@ -20,9 +20,10 @@
 # run goes to stdout and OUTDIR/summary.txt. A run that fails or passes the deadline is reported
 # and the next one still runs.
 #
-# A device machine starts bare on every call, and an 8B model's step variants take 25-60 s each to
-# compile on an H100 (a 64 x 1024/1024 warm-up needs over 25 of them: more than one 10-minute
-# call). So the compile cache can travel between calls: --cache-out writes it, after the runs, as
+# A device machine starts bare on every call, and an 8B model's step variants took 25-60 s each to
+# compile on an H100 (session 17, one after another: a 64 x 1024/1024 warm-up outlasted two
+# 10-minute calls; it now plans 12 variants and compiles them several at once, and the dummy
+# weights no longer cost a 2-minute compile). So the compile cache can travel between calls: --cache-out writes it, after the runs, as
 # OUTDIR/jax-cache.tgz.* (parts of 15 MiB, within what a call brings back), and --cache-in DIR
 # unpacks DIR/jax-cache.tgz.* into the cache before the runs (keep the cache's path: XLA's compile
 # options, part of every cache key, name it). Leave the call ~20 s past DEADLINE_S

@@ -114,7 +114,8 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     shape = lambda sd, sp, qp, pages=4: StepShape(sd, sp, qp, pages, 1, False, 16, 128)  # noqa: E731
     big, bigger = shape(16, 16, 64), shape(64, 32, 64)
     runner = SimpleNamespace(compiled={(big, flags), (shape(8, 4, 8), flags)}, ready={(bigger, flags): None},
-                             compiling=set(), wanted={}, compile_after=COMPILE_AFTER, _compile_next=None)
+                             compiling=set(), wanted={}, compile_after=COMPILE_AFTER, _compile_next=None,
+                             planned=None)
     exact = shape(8, 6, 32)
     lengths = [60, 30, 100, 20]  # 1 + 1 + 2 + 1 rows of 64 fit in 16
     for _ in range(COMPILE_AFTER - 1):

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from safetensors.torch import load_file, save_file
 
 from tests.hf_models import ARCHITECTURES, make_hf_model
 from worker.models.config import ModelConfig, ModelConfigError
+from worker.models import loader
 from worker.models.loader import CheckpointError, build_model, load_model
 
 PROMPT_LENGTHS = (3, 9, 14, 20)
@@ -117,6 +119,35 @@ def test_dummy_weights_from_a_preset_shape():
     assert float(jnp.std(model.model.layers[0].mlp.up_proj.weight[...])) == pytest.approx(0.02, rel=0.2)
     with pytest.raises(ModelConfigError, match="unknown preset"):
         ModelConfig.preset("gpt-17")
+
+
+def test_dummy_weights_are_initialised_like_the_modules_one_program_per_shape():
+    """Norm scales one, biases zero, every other tensor its own N(0, 0.02) draw; the same seed the
+    same weights. Made by one small program per distinct tensor shape, not one for the model."""
+    cfg = ModelConfig.from_hf_dict({**ModelConfig.preset("llama-100m").to_hf_dict(), "num_hidden_layers": 3,
+                                    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                    "attention_bias": True, "tie_word_embeddings": False})
+    loader._dummy_tensor.clear_cache()
+    model = build_model(cfg, seed=5)
+    programs = loader._dummy_tensor._cache_size()
+    flat = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model))}
+    norms = [n for n in flat if n.endswith("norm.weight")]
+    biases = [n for n in flat if n.endswith(".bias")]
+    assert len(norms) == 2 * 3 + 1 and len(biases) == 4 * 3  # q k v o biases
+    assert all((flat[n] == 1).all() for n in norms) and all((flat[n] == 0).all() for n in biases)
+    drawn = [n for n in flat if n not in norms and n not in biases]
+    assert len(drawn) == 7 * 3 + 2  # q k v o gate up down per layer, the embedding, the head
+    for n in drawn:
+        assert flat[n].std() == pytest.approx(0.02, rel=0.2), n
+    q0, q1 = flat["model.layers.0.self_attn.q_proj.weight"], flat["model.layers.1.self_attn.q_proj.weight"]
+    assert not np.allclose(q0, q1)  # same shape, separate draws
+    again = build_model(cfg, seed=5).model.layers[1].self_attn.q_proj.weight[...]
+    other = build_model(cfg, seed=6).model.layers[1].self_attn.q_proj.weight[...]
+    np.testing.assert_array_equal(np.asarray(again), q1)
+    assert not np.allclose(np.asarray(other), q1)
+    shapes = {(v.shape, v.dtype, "norm" if n in norms else "bias" if n in biases else "") for n, v in flat.items()}
+    assert programs == len(shapes) < len(flat)
 
 
 # ---- error paths: each names the file and the tensor ----

@@ -101,3 +101,18 @@ def test_disabled_prefix_cache_never_hits():
     alloc.free(pages)
     assert alloc.num_cached_pages == 0 and alloc.num_free_pages == 3
     assert alloc.lookup([1, 2, 3, 4], max_pages=2) == ([], [])
+
+
+def test_uncache_forgets_held_and_evictable_pages():
+    alloc = PageAllocator(num_pages=8, page_size=2)
+    tokens = [5, 6, 7, 8, 9, 10]
+    pages = alloc.allocate(3)
+    keys = register_all(alloc, pages, tokens)
+    assert alloc.cache_entries() == dict(zip(pages, keys))
+    alloc.free(pages[1:])  # two evictable, one still held
+    alloc.uncache([pages[0], pages[2], 99])  # an uncached page is ignored
+    assert alloc.cache_entries() == {pages[1]: keys[1]}
+    assert alloc.lookup(tokens, 3) == ([], [])  # the chain starts at the forgotten first page
+    assert not alloc.is_evictable(pages[2]) and alloc.num_free_pages == 6
+    alloc.free(pages[:1])  # the held one goes back plainly free
+    assert not alloc.is_evictable(pages[0]) and alloc.num_free_pages == 7 and alloc.num_cached_pages == 1

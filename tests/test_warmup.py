@@ -112,3 +112,36 @@ def jit_traces(engine: LLMEngine) -> int:
     again (and compiled again) when it is called with arguments placed differently from its first
     call, e.g. committed pages after uncommitted ones. (`_cache_size` is jax's own test hook.)"""
     return engine.runner._step._cache_size()
+
+
+@pytest.mark.parametrize("attention", ["auto", "jnp"])  # the packed layout (CPU kernel), the row layout
+def test_compile_ahead_plans_a_run_compiles_its_variants_and_leaves_no_trace(model, tokenizer, prompts, greedy_refs,
+                                                                             attention):
+    """compile_ahead steps a workload without the device, recording the variant of each step, then
+    compiles them all (several at once); the engine is left as it was found: the same workload run
+    for real then compiles nothing, and its tokens are transformers' (the planned steps' zero
+    tokens reached no page, and the prefix-cache entries the plan made are gone: reused, their
+    never-written pages would have given other tokens)."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4, attention=attention)
+    engine.runner.compile_after = 1  # every step in its own exact variant, as the benchmark runs
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    free = engine.allocator.num_free_pages
+
+    def workload():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        return drain(engine)
+
+    planned = engine.compile_ahead(workload)
+    variants = set(engine.runner.ready)
+    assert planned == len(variants) >= 2  # prefill (or mixed) and fused-decode steps at least
+    assert any(s.num_prefill for s, _ in variants) and any(s.decode_steps > 1 for s, _ in variants)
+    assert not engine.runner.compiled and engine.runner.planned is None
+    assert engine.allocator.num_cached_pages == 0 and engine.allocator.num_free_pages == free
+    assert engine.num_generated_tokens == 0 and not engine.has_unfinished()
+    traced = jit_traces(engine)  # the jitted step is shared by engines of one model (and this module's tests)
+    results = workload()
+    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+    assert not engine.runner.compiled and set(engine.runner.ready) == variants and jit_traces(engine) == traced
+    assert engine.allocator.num_cached_pages > 0  # the real run's own prompt pages are cached
+    assert_pages_returned(engine, free)

@@ -48,6 +48,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul", choices=["auto", "kernel", "xla"],
                    help="projections: compiled CPU kernel on packed float32 weights when available (auto), "
                         "required (kernel), or XLA's dot")
+    g.add_argument("--compile-threads", type=int,
+                   help="step variants warm-up compiles at once (default: the host's cores, at most 8)")
     g.add_argument("--sampler", choices=["auto", "kernel", "jnp"],
                    help="sampled rows' top-k/top-p cutoffs and draws: compiled CPU kernels when available (auto), "
                         "required (kernel), or jnp")
@@ -55,7 +57,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "enable_prefix_cache", "tensor_parallel",
-               "attention", "matmul", "sampler")
+               "attention", "matmul", "sampler", "compile_threads")
 
 
 def _decode_steps(value: str) -> int | None:

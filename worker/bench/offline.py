@@ -135,11 +135,13 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     t0 = time.perf_counter()
     engine.calibrate_decode_steps()  # as a worker's warm-up does
     t1 = time.perf_counter()
+    ahead = engine.compile_ahead(lambda: warmup(engine, work, cfg.vocab_size))  # its variants, compiled together
+    t2 = time.perf_counter()
     warmup(engine, work, cfg.vocab_size)
-    log.info("calibration %.1f s, warm-up %.1f s (%d step variants compiled)", t1 - t0, time.perf_counter() - t1,
-             len(engine.runner.compiled))
+    log.info("calibration %.1f s, compiles %.1f s (%d step variants planned and compiled), warm-up %.1f s",
+             t1 - t0, t2 - t1, ahead, time.perf_counter() - t2)
     freeze_startup_heap()  # as a worker does after its warm-up (and the baseline runs after it too)
-    compiled = len(engine.runner.compiled)
+    compiled = len(engine.runner.compiled) + len(engine.runner.ready)
     probe = StepProbe().install(engine)
     per_round: list[dict] = []
     first_trials: dict[int, float] = {}  # transformers output tokens/s by batch size, first round
@@ -173,7 +175,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),
-        "compiles_during_run": len(engine.runner.compiled) - compiled,
+        "compiles_during_run": len(engine.runner.compiled) + len(engine.runner.ready) - compiled,
     }
     kv_itemsize = engine.runner.kv.dtype.itemsize
     report["kv_cache_dtype"] = str(engine.runner.kv.dtype)

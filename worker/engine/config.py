@@ -42,6 +42,8 @@ class EngineConfig:
     matmul: str = "auto"  # the projections and LM head: "auto": the compiled CPU panel kernel (weights
     # packed at startup) for a float32 model on the CPU backend of an AVX-512 CPU if it builds, else
     # XLA's dot; "kernel": that kernel or an error; "xla": XLA's dot
+    compile_threads: int | None = None  # step variants warm-up compiles at once (LLMEngine.compile_ahead);
+    # None: the host's cores, at most 8; 1: one after another
     sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
     # on the CPU backend of one device if they build, else jnp (a sort of the vocabulary and Gumbel noise
     # over it: fast on accelerators, slow on XLA's CPU backend); "kernel": those or an error; "jnp"
@@ -59,6 +61,7 @@ class EngineConfig:
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
+            "compile_threads must be >= 1": self.compile_threads is None or self.compile_threads >= 1,
             "attention must be auto, kernel, pallas or jnp": self.attention in ("auto", "kernel", "pallas", "jnp"),
             "matmul must be auto, kernel or xla": self.matmul in ("auto", "kernel", "xla"),
             "sampler must be auto, kernel or jnp": self.sampler in ("auto", "kernel", "jnp"),

@@ -15,7 +15,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
-from worker.engine.runner import InFlight, ModelRunner, to_host
+from worker.engine.runner import COMPILE_THREADS, InFlight, ModelRunner, to_host
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -376,8 +376,9 @@ class LLMEngine:
         (`batch.envelopes`) that batches of new mixes borrow until their own shape is compiled in
         the background. The default: greedy, sampled, and sampled with top-p and logprobs, which
         any batch without penalties or logit bias can run in (`runner.serves`), so no sampling
-        field makes the worker stop to compile. Returns how many variants were compiled; counters
-        are restored afterwards."""
+        field makes the worker stop to compile. The variants are planned first and compiled
+        together (`compile_ahead`); the requests then run on them. Returns how many variants were
+        compiled; counters are restored afterwards."""
         if sampling is None:
             sampling = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
                         SamplingParams(temperature=1.0, top_p=0.5, logprobs=self.config.max_logprobs))
@@ -387,7 +388,8 @@ class LLMEngine:
         sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
-        with self._uncounted():
+
+        def drive():
             for k, params in enumerate(sampling):
                 params = dataclasses.replace(params, n=1, max_tokens=self.decode_steps + 2, ignore_eos=True,
                                              seed=k)
@@ -398,7 +400,41 @@ class LLMEngine:
                         self.step()
                 for shape in mixed:
                     runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
+
+        with self._uncounted():
+            self.compile_ahead(drive)
+            drive()
         return len(runner.compiled) + len(runner.ready) - before
+
+    def compile_ahead(self, drive: Callable[[], object]) -> int:
+        """Run `drive` (it adds requests and steps the engine until they finish) without the device:
+        the runner records the step variant of each step, and hands back zeros for its tokens. Then
+        compile the variants not compiled yet, several at once (`runner.compile_planned`), so that
+        running `drive` for real compiles nothing. A warm-up's dozen variants then take about the
+        time of its longest few instead of their sum, where the host has the cores (a GPU host's
+        16 against an H100's 25-60 s per 32-layer variant). The plan matches the real run where
+        request lengths do not depend on the tokens (ignore_eos, no stop strings: a warm-up's and a
+        benchmark's); a variant it misses is compiled when met, as without it. Prefix-cache entries
+        of the planned steps are dropped (their pages were never written). Returns how many
+        variants were compiled."""
+        if self.has_unfinished():
+            raise RuntimeError("compile_ahead needs an idle engine")
+        runner, cached, rows = self.runner, self.allocator.cache_entries(), self.runner.prev_rows
+        runner.planned = {}
+        t0 = time.perf_counter()
+        try:
+            with self._uncounted():
+                drive()
+            if self.has_unfinished():
+                raise RuntimeError("compile_ahead: drive() left requests unfinished")
+        except BaseException:
+            runner.planned = None
+            raise
+        finally:
+            self.allocator.uncache([p for p, key in self.allocator.cache_entries().items() if cached.get(p) != key])
+            runner.prev_rows = rows
+        log.info("planned %d step variants in %.1f s", len(runner.planned), time.perf_counter() - t0)
+        return runner.compile_planned(self.config.compile_threads or COMPILE_THREADS)
 
     def calibrate_decode_steps(self) -> int:
         """With decode_steps auto (None): time single greedy decode steps of throwaway requests at a

@@ -131,6 +131,21 @@ class PageAllocator:
         self._page_of[key] = page
         self._tokens_of[page] = tokens
 
+    def cache_entries(self) -> dict[int, int]:
+        """page -> key of every cached page (held or evictable)."""
+        return dict(self._key_of)
+
+    def uncache(self, pages) -> None:
+        """Forget the prefix-cache entries of `pages` (their contents are not what their keys say:
+        a planned step never wrote them). An evictable one becomes plainly free."""
+        for page in pages:
+            if page not in self._key_of:
+                continue
+            self._forget(page)
+            if page in self._evictable:
+                del self._evictable[page]
+                self._free.append(page)
+
     def _forget(self, page: int) -> None:
         key = self._key_of.pop(page)
         del self._page_of[key]

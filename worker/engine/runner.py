@@ -14,7 +14,10 @@ sampled tokens through `src`; the host never waits for it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import Any
@@ -36,6 +39,9 @@ COMPILE_AFTER = 3  # an uncompiled shape that a compiled one covers is compiled 
 # the third time a batch needs it...
 BORROW_TOLERANCE = 1.3  # ...unless the cheapest covering variant costs at most this much more: a
 # compile takes a core for seconds, a tenth of a step's padding is cheaper (2-core machines)
+# variants compiled at once by compile_planned (XLA compiles one on a thread, mostly; a GPU host's
+# cores then share a warm-up's dozen variants instead of taking them one by one)
+COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 @jax.tree_util.register_dataclass
@@ -86,6 +92,9 @@ class ModelRunner:
         self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
         self.compile_after = COMPILE_AFTER  # 1: always compile the exact shape at once (benchmarks)
         self._compile_next: tuple | None = None  # set by _choose_shape: compile this exact variant
+        # while planning (LLMEngine.compile_ahead): the variants dispatches and precompiles asked
+        # for, each with a batch of its shape; nothing runs on the device meanwhile
+        self.planned: dict[tuple, DeviceBatch] | None = None
         self.attention = attention  # jnp or the compiled CPU kernel (same contract)
         self.fixed_pages = fixed_pages  # page-table width of every step (None: bucketed to the batch)
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
@@ -96,24 +105,41 @@ class ModelRunner:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.param_def, self.params))
 
     def dispatch(self, batch: ScheduledBatch) -> InFlight:
-        """Build the device batch and launch the step; returns without waiting for it."""
+        """Build the device batch and launch the step; returns without waiting for it. While
+        planning, only record its variant: the step's outputs are zeros on the host."""
         args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
                 self.fixed_pages, self.attention.ragged is not None)
         db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
-        if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
-            key, self._compile_next = self._compile_next, None
-            self._compile_in_background(key, build_batch(*args)[0])
-        ready = self.ready.get((shape, flags))
-        if ready is not None:
-            self.kv, out, self.prev_tokens = ready(self.params, self.kv, db, self.prev_tokens)
+        key = (shape, flags)
+        if self.planned is not None:
+            self._compile_next = None
+            if not (flags.penalties or flags.bias):  # those are keyed without their widths: jit's to trace
+                self.planned.setdefault(key, db)
+            out = placeholder_output(shape, flags)
         else:
-            if (shape, flags) not in self.compiled:
-                self.compiled.add((shape, flags))
-                _log_variant("compiling", shape, flags)
-            self.kv, out, self.prev_tokens = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape,
-                                                        flags=flags)
+            if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
+                wanted, self._compile_next = self._compile_next, None
+                self._compile_in_background(wanted, build_batch(*args)[0])
+            out = self._run(key, db)
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, starts, shape, out)
+
+    def _run(self, key: tuple, db: DeviceBatch) -> StepOutput:
+        ready = self.ready.get(key)
+        if ready is not None:
+            self.kv, out, self.prev_tokens = ready(self.params, self.kv, db, self.prev_tokens)
+            return out
+        shape, flags = key
+        first = key not in self.compiled
+        if first:
+            self.compiled.add(key)
+            _log_variant("compiling", shape, flags)
+        t0 = time.perf_counter()
+        self.kv, out, self.prev_tokens = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape,
+                                                    flags=flags)
+        if first:  # the call returns once the variant is compiled and the step launched
+            log.info("step variant compiled and launched in %.1f s", time.perf_counter() - t0)
+        return out
 
     def _choose_shape(self, exact: StepShape, flags: SamplerFlags, num_decode: int, lengths: list[int],
                       pages: int) -> tuple[StepShape, SamplerFlags]:
@@ -126,9 +152,10 @@ class ModelRunner:
         the borrowed one pads more than BORROW_TOLERANCE or does sampler work the batch does not
         need; with nothing to borrow, the exact variant is compiled now."""
         key = (exact, flags)
-        if key in self.compiled or key in self.ready:
+        planned = self.planned or {}
+        if key in self.compiled or key in self.ready or key in planned:
             return key
-        covering = [(s, f) for s, f in (*self.compiled, *self.ready) if serves(f, flags)
+        covering = [(s, f) for s, f in (*self.compiled, *self.ready, *planned) if serves(f, flags)
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
                     and fits(s, num_decode, lengths, pages)]
         if not covering or self.compile_after <= 1:
@@ -147,13 +174,43 @@ class ModelRunner:
 
     def precompile(self, shape: StepShape, flags: SamplerFlags) -> bool:
         """Compile variant (shape, flags) now, ahead of any batch that needs it (warm-up of shapes a
-        real batch only borrows); false if it was already there."""
+        real batch only borrows; while planning, add it to the plan); false if it was already there."""
         key = (shape, flags)
-        if key in self.compiled or key in self.ready:
+        if key in self.compiled or key in self.ready or key in (self.planned or {}):
             return False
+        if self.planned is not None:
+            self.planned[key] = empty_batch(shape, flags)
+            return True
+        t0 = time.perf_counter()
         self.ready[key] = self._lower(key, empty_batch(shape, flags), self._specs()).compile()
-        _log_variant("precompiled", shape, flags)
+        _log_variant("precompiled", shape, flags, time.perf_counter() - t0)
         return True
+
+    def compile_planned(self, threads: int = COMPILE_THREADS) -> int:
+        """End planning: compile each planned variant not compiled yet, lowered on this thread one
+        after another and compiled on up to `threads` threads at once. Returns how many were
+        compiled; one that fails is logged and left to jit, which compiles it when a batch needs it."""
+        planned, self.planned = self.planned or {}, None
+        todo = {key: db for key, db in planned.items() if key not in self.compiled and key not in self.ready}
+        if not todo:
+            return 0
+        specs = self._specs()
+        t0 = time.perf_counter()
+        compiled = 0
+        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="redjax-compile") as pool:
+            jobs = {pool.submit(_timed_compile, self._lower(key, db, specs)): key for key, db in todo.items()}
+            for job in as_completed(jobs):
+                key = jobs[job]
+                try:
+                    self.ready[key], seconds = job.result()
+                except Exception:  # noqa: BLE001
+                    log.exception("compiling a planned step variant failed")
+                    continue
+                compiled += 1
+                _log_variant("compiled ahead", *key, seconds)
+        log.info("%d planned step variants compiled in %.1f s (%d at a time)", compiled, time.perf_counter() - t0,
+                 min(threads, len(todo)))
+        return compiled
 
     def _specs(self) -> tuple:
         """Shapes, dtypes and shardings of (params, kv, prev_tokens): what a compile needs of them
@@ -173,8 +230,8 @@ class ModelRunner:
 
         def work():
             try:
-                self.ready[key] = self._lower(key, db, specs).compile()
-                _log_variant("compiled in the background", *key)
+                self.ready[key], seconds = _timed_compile(self._lower(key, db, specs))
+                _log_variant("compiled in the background", *key, seconds)
             except Exception:  # the step still runs through jit when this shape comes up again
                 log.exception("background compile of a step variant failed")
             finally:
@@ -201,11 +258,25 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     return sharding
 
 
-def _log_variant(what: str, shape: StepShape, flags: SamplerFlags) -> None:
+def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: float | None = None) -> None:
     prefill = (f"{shape.num_prefill} packed in {shape.prefill_tokens} tokens" if shape.packed
                else f"{shape.num_prefill} x {shape.prefill_len}")
-    log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, greedy %s", what,
-             shape.num_decode, prefill, shape.pages, shape.decode_steps, flags.all_greedy)
+    took = "" if seconds is None else f" in {seconds:.1f} s"
+    log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, greedy %s%s", what,
+             shape.num_decode, prefill, shape.pages, shape.decode_steps, flags.all_greedy, took)
+
+
+def _timed_compile(lowered) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    return lowered.compile(), time.perf_counter() - t0
+
+
+def placeholder_output(shape: StepShape, flags: SamplerFlags) -> StepOutput:
+    """Host zeros shaped like a step's outputs: what a planned step, never run, reads back."""
+    k, r, n = shape.decode_steps, shape.max_rows, flags.num_logprobs
+    t = shape.num_tokens if shape.prompt_logprobs else 0
+    i32, f32 = (lambda *dims: np.zeros(dims, np.int32)), (lambda *dims: np.zeros(dims, np.float32))  # noqa: E731
+    return StepOutput(i32(k, r), f32(k, r), i32(k, r, n), f32(k, r, n), f32(t), i32(t, n), f32(t, n))
 
 
 @lru_cache(maxsize=8)

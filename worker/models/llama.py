@@ -24,12 +24,12 @@ from worker.models.rope import apply_rope, rope_table
 # attend(layer, q [..., H, D], k [..., KV, D], v [..., KV, D], cache) -> (out [..., H, D], new cache)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
-_init = nnx.initializers.normal(0.02)
+weight_init = nnx.initializers.normal(0.02)  # projections and embeddings (the loader's dummy weights too)
 
 
 class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, bias: bool, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs.params(), (d_in, d_out), param_dtype))  # [in, out]
+        self.weight = nnx.Param(weight_init(rngs.params(), (d_in, d_out), param_dtype))  # [in, out]
         self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if bias else None  # [out]
         self.dtype = dtype
 
@@ -45,7 +45,7 @@ class Linear(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, param_dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs.params(), (vocab, dim), param_dtype))  # [vocab, dim]
+        self.weight = nnx.Param(weight_init(rngs.params(), (vocab, dim), param_dtype))  # [vocab, dim]
 
 
 class RMSNorm(nnx.Module):

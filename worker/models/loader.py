@@ -10,6 +10,7 @@ the safetensors files, so host memory never holds two full copies of the weights
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.models.llama import LlamaForCausalLM, weight_init
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,15 +35,28 @@ class CheckpointError(ValueError):
 
 
 def build_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0) -> LlamaForCausalLM:
-    """Dummy weights: random init from the config alone (like `--load-format dummy`), made on device."""
+    """Dummy weights: random init from the config alone (like `--load-format dummy`), made on device
+    one tensor at a time. Each distinct shape gets one small jitted program: a single program for
+    the whole model took an H100 about two minutes to compile for llama3-8b's 291 tensors.
+    Projections and embeddings are N(0, 0.02), norm scales one, biases zero, as the modules'
+    own initialisers make them."""
     jdtype = DTYPES[dtype or cfg.dtype]
     graphdef, state = nnx.split(nnx.eval_shape(lambda: _new(cfg, jdtype, 0)))
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        name = ".".join(map(str, path))
+        fill = "ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias") else "normal"
+        var.set_value(_dummy_tensor(jax.random.fold_in(key, i), var.shape, jnp.dtype(var.dtype), fill))
+    return nnx.merge(graphdef, state)
 
-    @jax.jit
-    def init():
-        return nnx.state(_new(cfg, jdtype, seed))
 
-    return nnx.merge(graphdef, init())
+@partial(jax.jit, static_argnames=("shape", "dtype", "fill"))
+def _dummy_tensor(key: jax.Array, shape: tuple[int, ...], dtype, fill: str) -> jax.Array:
+    if fill == "ones":
+        return jnp.ones(shape, dtype)
+    if fill == "zeros":
+        return jnp.zeros(shape, dtype)
+    return weight_init(key, shape, dtype)
 
 
 def shard_model(model: LlamaForCausalLM, mesh) -> LlamaForCausalLM:
