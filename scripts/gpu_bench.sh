@@ -31,7 +31,8 @@
 #
 # Environment: PRESET (default llama3-8b), DTYPE (default bfloat16), ATTENTION (default pallas:
 # fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
-# the prompt and output lengths by it), PYTHON (default python3).
+# the prompt and output lengths by it), PYTHON (default python3), BENCH_FLAGS (more `bench offline`
+# flags for every run, e.g. "--compile-threads 1").
 set -uo pipefail
 
 runs=()
@@ -54,6 +55,7 @@ deadline=$((SECONDS + ${DEADLINE_S:-570}))
 [ -z "$cache_out" ] || deadline=$((deadline - 20))  # time to pack the cache within the call
 scale=${SIZE_SCALE:-1}
 python=${PYTHON:-python3}
+extra=${BENCH_FLAGS:-}  # word-split on purpose: several flags
 mkdir -p "$out"
 log="$out/gpu_bench.log"
 export PYTHONUNBUFFERED=1
@@ -81,7 +83,7 @@ bench() {
   local json="$out/$name.json" started=$SECONDS
   echo "=== $name: $n x $input/$output $*" >>"$log"
   timeout "$(left)" "$python" -m worker.cli bench offline --dummy "$preset" --dtype "$dtype" \
-    --num-prompts "$n" --input-len "$input" --output-len "$output" --json --log-level info "$@" >"$json" 2>>"$log"
+    --num-prompts "$n" --input-len "$input" --output-len "$output" --json --log-level info "$@" $extra >"$json" 2>>"$log"
   local rc=$?
   if [ $rc -ne 0 ]; then
     rm -f "$json"

@@ -244,11 +244,14 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
         assert report["attention"] == attention
         assert f"{report['output_tokens_per_s']:.0f} output tok/s" in line
     # the kernel on a machine without a GPU: that run fails with the engine's reason, the next goes on
-    done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas")
+    done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas",
+                  BENCH_FLAGS="--compile-threads 1 --max-num-seqs 32")  # more flags for every run
     assert done.returncode == 0
     assert done.stdout.startswith("1024-128: FAILED (exit 1") and "needs the GPU backend" in done.stdout
     assert "1024-1024-jnp: " in done.stdout and "output tok/s" in done.stdout
     assert not (tmp_path / "b" / "1024-128.json").exists()
+    engine = json.loads((tmp_path / "b" / "1024-1024-jnp.json").read_text())["engine"]
+    assert (engine["compile_threads"], engine["max_num_seqs"]) == (1, 32)
     # past the deadline: killed and reported
     done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
     assert done.returncode == 0

@@ -21,7 +21,8 @@ def test_auto_fuses_what_fits_in_the_window():
     assert EngineConfig(decode_window_ms=40).fused_steps_for(0.010) == 4
 
 
-@pytest.mark.parametrize("bad", [dict(decode_steps=0), dict(decode_window_ms=0), dict(decode_window_ms=-5)])
+@pytest.mark.parametrize("bad", [dict(decode_steps=0), dict(decode_window_ms=0), dict(decode_window_ms=-5),
+                                 dict(compile_threads=0)])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         EngineConfig(**bad)
@@ -50,3 +51,11 @@ def test_environment_takes_a_number_or_auto():
         decode_steps=12, decode_window_ms=50.0)
     with pytest.raises(ValueError):
         engine({"REDJAX_DECODE_STEPS": "many"})
+
+
+def test_compile_threads_from_the_cli_and_the_environment():
+    overrides = _engine_overrides(_worker_args("--compile-threads", "3"))
+    assert overrides["compile_threads"] == 3 and _engine_overrides(_worker_args(*engine_argv(overrides))) == overrides
+    env = {"REDJAX_COMPILE_THREADS": "2"}
+    assert WorkerConfig.from_env({"model_dir": "m"}, environ=env).engine.compile_threads == 2
+    assert EngineConfig().compile_threads is None  # the host's cores, at most 8

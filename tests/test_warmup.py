@@ -114,15 +114,16 @@ def jit_traces(engine: LLMEngine) -> int:
     return engine.runner._step._cache_size()
 
 
-@pytest.mark.parametrize("attention", ["auto", "jnp"])  # the packed layout (CPU kernel), the row layout
+# the packed layout (CPU kernel) and the row layout (jnp)
+@pytest.mark.parametrize("attention, threads", [("auto", 2), ("jnp", 1)])
 def test_compile_ahead_plans_a_run_compiles_its_variants_and_leaves_no_trace(model, tokenizer, prompts, greedy_refs,
-                                                                             attention):
+                                                                             attention, threads, caplog):
     """compile_ahead steps a workload without the device, recording the variant of each step, then
     compiles them all (several at once); the engine is left as it was found: the same workload run
     for real then compiles nothing, and its tokens are transformers' (the planned steps' zero
     tokens reached no page, and the prefix-cache entries the plan made are gone: reused, their
     never-written pages would have given other tokens)."""
-    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4, attention=attention)
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4, attention=attention, compile_threads=threads)
     engine.runner.compile_after = 1  # every step in its own exact variant, as the benchmark runs
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     free = engine.allocator.num_free_pages
@@ -132,7 +133,9 @@ def test_compile_ahead_plans_a_run_compiles_its_variants_and_leaves_no_trace(mod
             engine.add_request(f"p{i}", prompt, params)
         return drain(engine)
 
-    planned = engine.compile_ahead(workload)
+    with caplog.at_level("INFO", logger="worker.engine.runner"):
+        planned = engine.compile_ahead(workload)
+    assert f"{planned} planned step variants compiled in" in caplog.text and f"({threads} at a time)" in caplog.text
     variants = set(engine.runner.ready)
     assert planned == len(variants) >= 2  # prefill (or mixed) and fused-decode steps at least
     assert any(s.num_prefill for s, _ in variants) and any(s.decode_steps > 1 for s, _ in variants)
