@@ -35,15 +35,22 @@ for parallel in (1, tp):
     # whose draws are other tokens for a seed
     engine = LLMEngine(model, Ids(), EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=4,
                                                    num_pages=64, tensor_parallel=parallel, sampler="jnp"))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0.8, seed=i, max_tokens=12))
-    tokens = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            tokens[o.request_id] += o.token_ids
+
+    def run():
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True))
+        tokens = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens[o.request_id] += o.token_ids
+        return tokens
+
+    planned = engine.compile_ahead(run)  # its variants compiled ahead of time, with the mesh's shardings
+    tokens = run()
     shards = {len(s.device_set) for s in [engine.runner.kv.keys[0].sharding]}
     logits = np.asarray(model(jax.numpy.asarray([prompts[1]])))
-    out[parallel] = {"tokens": tokens, "kv_devices": shards.pop(), "logits": logits.tolist()}
+    out[parallel] = {"tokens": tokens, "kv_devices": shards.pop(), "logits": logits.tolist(), "planned": planned,
+                     "through_jit": len(engine.runner.compiled)}
 print(json.dumps(out))
 """
 
@@ -59,6 +66,8 @@ def test_tensor_parallel_engine_matches_single_device(tmp_path):
     single, sharded = out["1"], out["2"]
     assert sharded["kv_devices"] == 2 and single["kv_devices"] == 1
     assert sharded["tokens"] == single["tokens"]
+    for engine in (single, sharded):  # the real run used the variants compiled ahead, none through jit
+        assert engine["planned"] >= 2 and engine["through_jit"] == 0
     import numpy as np
 
     a, b = np.array(single["logits"]), np.array(sharded["logits"])
