@@ -148,3 +148,29 @@ def test_compile_ahead_plans_a_run_compiles_its_variants_and_leaves_no_trace(mod
     assert not engine.runner.compiled and set(engine.runner.ready) == variants and jit_traces(engine) == traced
     assert engine.allocator.num_cached_pages > 0  # the real run's own prompt pages are cached
     assert_pages_returned(engine, free)
+
+
+def test_compile_ahead_that_fails_midway_leaves_an_idle_engine(model, tokenizer, prompts, greedy_refs):
+    """A workload that raises while planned: its requests are aborted, the plan dropped, nothing
+    compiled, every page back and out of the prefix cache; the engine then runs as new."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    free = engine.allocator.num_free_pages
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+
+    def add_all():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+
+    def broken():
+        add_all()
+        for _ in range(3):
+            engine.step()
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.compile_ahead(broken)
+    assert engine.runner.planned is None and not engine.has_unfinished() and not engine.runner.ready
+    assert engine.allocator.num_free_pages == free and engine.allocator.num_cached_pages == 0
+    add_all()
+    results = drain(engine)
+    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs

@@ -419,7 +419,8 @@ class LLMEngine:
         variants were compiled."""
         if self.has_unfinished():
             raise RuntimeError("compile_ahead needs an idle engine")
-        runner, cached, rows = self.runner, self.allocator.cache_entries(), self.runner.prev_rows
+        runner, cached = self.runner, self.allocator.cache_entries()
+        rows, wanted = runner.prev_rows, dict(runner.wanted)
         runner.planned = {}
         t0 = time.perf_counter()
         try:
@@ -429,10 +430,13 @@ class LLMEngine:
                 raise RuntimeError("compile_ahead: drive() left requests unfinished")
         except BaseException:
             runner.planned = None
+            self._inflight = None  # a planned step's zeros: nothing to read back
+            for request_id in list(self._groups):  # the engine was idle: these are drive()'s
+                self.abort(request_id)
             raise
         finally:
             self.allocator.uncache([p for p, key in self.allocator.cache_entries().items() if cached.get(p) != key])
-            runner.prev_rows = rows
+            runner.prev_rows, runner.wanted = rows, wanted
         log.info("planned %d step variants in %.1f s", len(runner.planned), time.perf_counter() - t0)
         return runner.compile_planned(self.config.compile_threads or COMPILE_THREADS)
 
