@@ -58,4 +58,4 @@ def test_compile_threads_from_the_cli_and_the_environment():
     assert overrides["compile_threads"] == 3 and _engine_overrides(_worker_args(*engine_argv(overrides))) == overrides
     env = {"REDJAX_COMPILE_THREADS": "2"}
     assert WorkerConfig.from_env({"model_dir": "m"}, environ=env).engine.compile_threads == 2
-    assert EngineConfig().compile_threads is None  # the host's cores, at most 8
+    assert EngineConfig().compile_threads is None  # half the host's cores, at most 8

@@ -49,7 +49,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="projections: compiled CPU kernel on packed float32 weights when available (auto), "
                         "required (kernel), or XLA's dot")
     g.add_argument("--compile-threads", type=int,
-                   help="step variants warm-up compiles at once (default: the host's cores, at most 8)")
+                   help="step variants warm-up compiles at once (default: half the host's cores, at most 8)")
     g.add_argument("--sampler", choices=["auto", "kernel", "jnp"],
                    help="sampled rows' top-k/top-p cutoffs and draws: compiled CPU kernels when available (auto), "
                         "required (kernel), or jnp")

@@ -43,7 +43,7 @@ class EngineConfig:
     # packed at startup) for a float32 model on the CPU backend of an AVX-512 CPU if it builds, else
     # XLA's dot; "kernel": that kernel or an error; "xla": XLA's dot
     compile_threads: int | None = None  # step variants warm-up compiles at once (LLMEngine.compile_ahead);
-    # None: the host's cores, at most 8; 1: one after another
+    # None: half the host's cores, at most 8; 1: one after another
     sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
     # on the CPU backend of one device if they build, else jnp (a sort of the vocabulary and Gumbel noise
     # over it: fast on accelerators, slow on XLA's CPU backend); "kernel": those or an error; "jnp"

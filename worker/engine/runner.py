@@ -39,9 +39,10 @@ COMPILE_AFTER = 3  # an uncompiled shape that a compiled one covers is compiled 
 # the third time a batch needs it...
 BORROW_TOLERANCE = 1.3  # ...unless the cheapest covering variant costs at most this much more: a
 # compile takes a core for seconds, a tenth of a step's padding is cheaper (2-core machines)
-# variants compiled at once by compile_planned (XLA compiles one on a thread, mostly; a GPU host's
-# cores then share a warm-up's dozen variants instead of taking them one by one)
-COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+# variants compiled at once by compile_planned: half the host's cores, at most 8. One XLA CPU
+# compile already keeps two cores busy: on the 2-core VM two at a time took a worker's warm-up
+# from 30-33 s to 37.5 s, so there it is one at a time; a GPU host's 16 cores take 8
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 @jax.tree_util.register_dataclass
