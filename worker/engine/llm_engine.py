@@ -410,10 +410,10 @@ class LLMEngine:
         """Run `drive` (it adds requests and steps the engine until they finish) without the device:
         the runner records the step variant of each step, and hands back zeros for its tokens. Then
         compile the variants not compiled yet, several at once (`runner.compile_planned`), so that
-        running `drive` for real compiles nothing. A warm-up's dozen variants then take about the
-        time of its longest few instead of their sum, where the host has the cores (a GPU host's
-        16 against an H100's 25-60 s per 32-layer variant). The plan matches the real run where
-        request lengths do not depend on the tokens (ignore_eos, no stop strings: a warm-up's and a
+        running `drive` for real compiles nothing. On a host with cores to spare, a warm-up's dozen
+        variants then overlap instead of queueing (a GPU host has 16; an H100 took 25-60 s for
+        each 32-layer variant; the overlap there is not measured yet). The plan matches the real
+        run where request lengths do not depend on the tokens (ignore_eos, no stop strings: a warm-up's and a
         benchmark's); a variant it misses is compiled when met, as without it. Prefix-cache entries
         of the planned steps are dropped (their pages were never written). Returns how many
         variants were compiled."""
