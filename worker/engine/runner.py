@@ -116,7 +116,7 @@ class ModelRunner:
             self._compile_next = None
             if not (flags.penalties or flags.bias):  # those are keyed without their widths: jit's to trace
                 self.planned.setdefault(key, db)
-            out = placeholder_output(shape, flags)
+            out = planned_output(shape, flags)
         else:
             if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
                 wanted, self._compile_next = self._compile_next, None
@@ -272,7 +272,7 @@ def _timed_compile(lowered) -> tuple[Any, float]:
     return lowered.compile(), time.perf_counter() - t0
 
 
-def placeholder_output(shape: StepShape, flags: SamplerFlags) -> StepOutput:
+def planned_output(shape: StepShape, flags: SamplerFlags) -> StepOutput:
     """Host zeros shaped like a step's outputs: what a planned step, never run, reads back."""
     k, r, n = shape.decode_steps, shape.max_rows, flags.num_logprobs
     t = shape.num_tokens if shape.prompt_logprobs else 0
