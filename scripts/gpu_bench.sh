@@ -97,7 +97,8 @@ r = json.load(open(sys.argv[1]))
 line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, decode {r['decode_step_ms']:.2f} ms/step "
         f"at {r['decode_roofline_fraction']:.0%} of the roofline (batch {r['decode_mean_batch']:.0f}), "
         f"prefill {r['prefill_roofline_fraction']:.0%}, host {r['host_fraction']:.0%}; "
-        f"attention {r['attention']}, {r['compiles_during_run']} compiles during the run")
+        f"attention {r['attention']}, {r['compiles_during_run']} compiles during the run; "
+        f"{r['startup']['variants_compiled_ahead']} variants compiled ahead in {r['startup']['compile_ahead_s']:.0f} s")
 if "ratio" in r:
     line += f"; transformers {r['baseline_output_tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)"
 print(line + f" [{sys.argv[3]} s]")

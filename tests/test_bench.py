@@ -47,6 +47,10 @@ def test_offline_reports_throughput(tiny_model):
                 "matmul_gflops", "decode_roofline_fraction", "prefill_roofline_fraction", "decode_host_fraction"):
         assert report[key] > 0, key
     assert "ratio" not in report
+    # the warm-up's variants were planned and compiled ahead; the measured run compiled none
+    startup = report["startup"]
+    assert startup["variants_compiled_ahead"] >= 2 and startup["compile_ahead_s"] > 0 and startup["warmup_s"] > 0
+    assert report["compiles_during_run"] == 0
 
 
 def test_offline_compare_hf(tiny_model):
@@ -243,6 +247,7 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
         assert (report["input_len"], report["output_len"], report["num_prompts"]) == (16, 16, 64)
         assert report["attention"] == attention
         assert f"{report['output_tokens_per_s']:.0f} output tok/s" in line
+        assert f"{report['startup']['variants_compiled_ahead']} variants compiled ahead in " in line
     # the kernel on a machine without a GPU: that run fails with the engine's reason, the next goes on
     done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas",
                   BENCH_FLAGS="--compile-threads 1 --max-num-seqs 32")  # more flags for every run

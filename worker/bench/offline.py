@@ -138,8 +138,10 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     ahead = engine.compile_ahead(lambda: warmup(engine, work, cfg.vocab_size))  # its variants, compiled together
     t2 = time.perf_counter()
     warmup(engine, work, cfg.vocab_size)
+    startup = {"calibration_s": t1 - t0, "compile_ahead_s": t2 - t1, "variants_compiled_ahead": ahead,
+               "warmup_s": time.perf_counter() - t2}
     log.info("calibration %.1f s, compiles %.1f s (%d step variants planned and compiled), warm-up %.1f s",
-             t1 - t0, t2 - t1, ahead, time.perf_counter() - t2)
+             *startup.values())
     freeze_startup_heap()  # as a worker does after its warm-up (and the baseline runs after it too)
     compiled = len(engine.runner.compiled) + len(engine.runner.ready)
     probe = StepProbe().install(engine)
@@ -176,6 +178,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),
         "compiles_during_run": len(engine.runner.compiled) + len(engine.runner.ready) - compiled,
+        "startup": startup,  # before the measured run: seconds, and the variants compiled ahead
     }
     kv_itemsize = engine.runner.kv.dtype.itemsize
     report["kv_cache_dtype"] = str(engine.runner.kv.dtype)
