@@ -174,3 +174,24 @@ def test_compile_ahead_that_fails_midway_leaves_an_idle_engine(model, tokenizer,
     add_all()
     results = drain(engine)
     assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+
+
+def test_longer_contexts_after_warmup_borrow_a_wide_decode_variant(model, tokenizer, prompts, greedy_refs):
+    """Without one page-table width for every step (the jnp path; Pallas on a GPU), a decode
+    variant follows its longest context's page bucket, and warm-up's one-token requests meet only
+    the smallest. Warm-up also compiles full-batch decode variants at the widest table, so
+    requests whose contexts outgrow the warm-up's run in one at once (their own shape compiled in
+    the background later) instead of stopping the worker to compile: on a GPU, 25-60 s of every
+    stream for a 32-layer model."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4, attention="jnp")
+    assert engine.runner.fixed_pages is None
+    engine.warmup()
+    assert any(s.pages == engine.widest_pages and not s.num_prefill for s, _ in engine.runner.ready)
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # 41 tokens: 8 pages of 8 with its output
+    stopped_to_compile = set(engine.runner.compiled)
+    engine.add_request("long", prompts[longest], params)
+    results = drain(engine)
+    assert results[("long", 0)].token_ids == greedy_refs[longest]
+    decode_compiled = {k for k in set(engine.runner.compiled) - stopped_to_compile if not k[0].num_prefill}
+    assert not decode_compiled  # (its prefill shape, unlike decode, is not warm-up's to cover on this path)

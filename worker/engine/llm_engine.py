@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
-from worker.engine.batch import bucket, decode_rows, envelopes, sampler_flags
+from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_matmul, cpu_sampling
 from worker.engine.attention_choice import choose_attention
@@ -92,7 +92,7 @@ class LLMEngine:
                                      DTYPES[config.dtype or cfg.dtype], kv_dtype)
         # attention that reads only each row's own context lets every step use one page-table
         # width (the most any sequence can hold) whatever the contexts: fewer compiled variants
-        widest = bucket(config.pages_for(self.max_model_len))
+        widest = self.widest_pages = bucket(config.pages_for(self.max_model_len))
         # fused decode steps per call: the configured number, or with auto a default until the
         # warm-up times a step (calibrate_decode_steps)
         self.decode_steps = config.decode_steps or DEFAULT_DECODE_STEPS
@@ -388,6 +388,12 @@ class LLMEngine:
         sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
+        # without one page-table width for every step (jnp, Pallas), a decode variant follows its
+        # longest context's page bucket and the one-token requests below meet only the smallest:
+        # full-batch decode variants at the widest table let longer contexts borrow at once (their
+        # own shape then compiles in the background) instead of stopping the worker to compile
+        long = [StepShape(sizes[-1], 0, 0, self.widest_pages, k, False, self.config.page_size, runner.max_rows)
+                for k in sorted({1, self.decode_steps})] if runner.fixed_pages is None else []
 
         def drive():
             for k, params in enumerate(sampling):
@@ -398,7 +404,7 @@ class LLMEngine:
                         self.add_request(f"warmup-{k}-{size}-{i}", [0], params)
                     while self.has_unfinished():
                         self.step()
-                for shape in mixed:
+                for shape in mixed + long:
                     runner.precompile(shape, sampler_flags([params], self.config.max_logprobs))
 
         with self._uncounted():
