@@ -110,9 +110,10 @@ for run in "${runs[@]}"; do
   case "$run" in
     check)
       { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        echo "host: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)"
         "$python" -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
       } >>"$log" 2>&1
-      tail -2 "$log"
+      tail -3 "$log"
       timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py >>"$log" 2>&1
       say "check: GPU attention tests exit $? ($(tail -1 "$log"))"
       ;;
