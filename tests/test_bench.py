@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_mode
 def test_offline_text_summary(tiny_model):
     code, out = _bench("offline", "--model", str(tiny_model), *TINY[:-1], "--decode-steps", "1")
     assert code == 0 and "output tokens/s" in out and "host" in out
+    assert re.search(r"startup: calibration [\d.]+ s, \d+ step variants compiled ahead in [\d.]+ s", out), out
 
 
 @pytest.mark.parametrize("tied", [True, False])

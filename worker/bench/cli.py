@@ -69,6 +69,9 @@ def offline(argv: list[str]) -> int:
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")
     print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
+    up = r["startup"]
+    print(f"  startup: calibration {up['calibration_s']:.1f} s, {up['variants_compiled_ahead']} step variants "
+          f"compiled ahead in {up['compile_ahead_s']:.1f} s, warm-up {up['warmup_s']:.1f} s")
     if "decode_step_ms" in r:
         print(f"  decode: {r['decode_step_ms']:.2f} ms/step at batch {r['decode_mean_batch']:.1f} (ideal "
               f"{r['decode_ideal_step_ms']:.2f} ms = max of {r['decode_memory_step_ms']:.2f} ms memory, "
