@@ -107,7 +107,7 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     from types import SimpleNamespace
 
     from worker.engine.batch import StepShape
-    from worker.engine.runner import COMPILE_AFTER, ModelRunner
+    from worker.engine.runner import COMPILE_AFTER, ModelRunner, PromptsWait
     from worker.engine.sampler import SamplerFlags
 
     flags = SamplerFlags(all_greedy=True, needs_sort=False, penalties=False, bias=False, num_logprobs=0, logprobs=False)
@@ -115,7 +115,7 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     big, bigger = shape(16, 16, 64), shape(64, 32, 64)
     runner = SimpleNamespace(compiled={(big, flags), (shape(8, 4, 8), flags)}, ready={(bigger, flags): None},
                              compiling=set(), wanted={}, compile_after=COMPILE_AFTER, _compile_next=None,
-                             planned=None)
+                             planned=None, prompts_wait=True)
     exact = shape(8, 6, 32)
     lengths = [60, 30, 100, 20]  # 1 + 1 + 2 + 1 rows of 64 fit in 16
     for _ in range(COMPILE_AFTER - 1):
@@ -124,8 +124,18 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == (big, flags)
     assert runner._compile_next == (exact, flags)
     other = SamplerFlags(**{**vars(flags), "all_greedy": False})  # no compiled variant with these flags
+    # nothing covers: with decode rows running, the prompts wait for their variant (compiled in the
+    # background) instead of stopping the decode rows; with none, the batch compiles its own now
+    with pytest.raises(PromptsWait) as wait:
+        ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4)
+    assert wait.value.key == (exact, other)
+    assert ModelRunner._choose_shape(runner, exact, other, 0, lengths, 4) == (exact, other)
+    with pytest.raises(PromptsWait):
+        ModelRunner._choose_shape(runner, shape(8, 6, 32, pages=8), flags, 5, lengths, 8)
+    assert ModelRunner._choose_shape(runner, shape(0, 6, 32, pages=8), flags, 0, lengths, 8) == (shape(0, 6, 32, 8), flags)
+    runner.prompts_wait = False  # an offline engine: compiled at once, batches independent of compile times
     assert ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4) == (exact, other)
-    assert ModelRunner._choose_shape(runner, shape(8, 6, 32, pages=8), flags, 5, lengths, 8) == (shape(8, 6, 32, 8), flags)
+    runner.prompts_wait = True
     near = shape(8, 16, 64)  # big only pads 8 decode rows more: borrowed, never compiled
     runner._compile_next = None
     for _ in range(2 * COMPILE_AFTER):
@@ -163,3 +173,42 @@ def test_row_layout_mixed_steps_take_every_decode_row_and_keep_the_tokens(model,
     mixed = {s for s in shapes if s.num_prefill and s.num_decode}
     assert mixed and {s.num_decode for s in mixed} == {32}, shapes  # at most 8 were running
     assert min(s.num_decode for s in shapes if not s.num_prefill) < 32  # pure decode keeps its ladder
+
+
+def test_prompts_wait_for_their_variant_while_decode_rows_go_on(model, tokenizer, prompts, greedy_refs):
+    """On the row layout (jnp; Pallas on a GPU) a batch mixing running decodes with a prompt of a
+    shape nothing compiled covers used to compile its own variant at once, every running sequence
+    waiting (25-60 s for a 32-layer model on a GPU). Now the prompt chunks wait while their variant
+    compiles in the background, and the decode rows run without them; then the prompt joins.
+    Tokens stay transformers'."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4, attention="jnp")
+    engine.runner.prompts_wait = True  # as a serving worker sets it
+    engine.warmup()
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    dispatched: list[set[str]] = []  # request ids of each dispatched step's chunks
+    dispatch = engine.runner.dispatch
+
+    def spy(batch):
+        flight = dispatch(batch)
+        if flight is not None:
+            dispatched.append({c.seq.request_id for c in batch.chunks})
+        return flight
+
+    engine.runner.dispatch = spy
+    arrived: list[int] = []
+
+    def arrive(k):
+        if k == 0:
+            for i in range(4):
+                engine.add_request(f"p{i}", prompts[i], params)
+        elif k == 3:
+            engine.add_request("late", prompts[-1], params)  # 41 tokens: a prefill shape warm-up never met
+            arrived.append(len(dispatched))
+
+    results = drain(engine, arrive)
+    assert [results[(f"p{i}", 0)].token_ids for i in range(4)] == greedy_refs[:4]
+    assert results[("late", 0)].token_ids == greedy_refs[-1]
+    after = dispatched[arrived[0]:]
+    joined = next(i for i, ids in enumerate(after) if "late" in ids)
+    assert joined > 0 and all(ids and "late" not in ids for ids in after[:joined])  # decode rows went on meanwhile
+    assert not any(s.num_prefill and s.num_decode for s, _ in engine.runner.compiled)  # no mixed compile stopped them

@@ -30,7 +30,7 @@ from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.runner import COMPILE_THREADS, InFlight, ModelRunner, to_host
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from worker.engine.stop_checker import StopChecker
 from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
@@ -200,6 +200,9 @@ class LLMEngine:
             outputs += [self._finish_output(seq) for seq in batch.finished]
             if batch.chunks:
                 launched = self.runner.dispatch(batch)
+                if launched is None:  # the prompt chunks wait for their variant: the decode rows go on
+                    batch = ScheduledBatch([c for c in batch.chunks if c.num_tokens == 1], batch.finished)
+                    launched = self.runner.dispatch(batch)
                 self.scheduler.advance(batch)
                 self.num_steps += 1
                 self.num_step_seqs += len(batch.chunks)

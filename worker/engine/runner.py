@@ -45,6 +45,16 @@ BORROW_TOLERANCE = 1.3  # ...unless the cheapest covering variant costs at most 
 COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
+class PromptsWait(Exception):
+    """Raised through build_batch by _choose_shape: nothing compiled covers this mixed batch, so its
+    prompt chunks wait while their variant compiles in the background, and the decode rows run
+    without them (dispatch returns None; the engine dispatches the decode chunks alone)."""
+
+    def __init__(self, key: tuple):
+        super().__init__("prompt chunks wait for their step variant")
+        self.key = key
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
@@ -92,6 +102,10 @@ class ModelRunner:
         self.compiling: set[tuple] = set()  # background compiles under way
         self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
         self.compile_after = COMPILE_AFTER  # 1: always compile the exact shape at once (benchmarks)
+        # a serving worker sets this: a prompt whose mixed variant nothing covers waits for it to
+        # compile in the background while the decode rows go on (PromptsWait). Off, such a batch
+        # compiles its variant at once, and batches do not depend on how long compiles take
+        self.prompts_wait = False
         self._compile_next: tuple | None = None  # set by _choose_shape: compile this exact variant
         # while planning (LLMEngine.compile_ahead): the variants dispatches and precompiles asked
         # for, each with a batch of its shape; nothing runs on the device meanwhile
@@ -105,12 +119,20 @@ class ModelRunner:
         """The model module over the runner's weights (shared arrays, no copy)."""
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.param_def, self.params))
 
-    def dispatch(self, batch: ScheduledBatch) -> InFlight:
+    def dispatch(self, batch: ScheduledBatch) -> InFlight | None:
         """Build the device batch and launch the step; returns without waiting for it. While
-        planning, only record its variant: the step's outputs are zeros on the host."""
+        planning, only record its variant: the step's outputs are zeros on the host. None: the
+        batch's prompt chunks must wait for their variant, which is compiling in the background
+        (`PromptsWait`); dispatch its decode chunks alone."""
         args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
                 self.fixed_pages, self.attention.ragged is not None)
-        db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
+        try:
+            db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
+        except PromptsWait as wait:
+            if wait.key not in self.compiling:
+                log.info("prompt chunks wait for their step variant, compiling in the background; decode rows go on")
+                self._compile_in_background(wait.key, build_batch(*args)[0])
+            return None
         key = (shape, flags)
         if self.planned is not None:
             self._compile_next = None
@@ -151,7 +173,9 @@ class ModelRunner:
         a shape that arrival timing produced once costs more than padding a step. The exact variant
         is asked for (compiled in the background) once it has come up `compile_after` times, if
         the borrowed one pads more than BORROW_TOLERANCE or does sampler work the batch does not
-        need; with nothing to borrow, the exact variant is compiled now."""
+        need; with nothing to borrow, the exact variant is compiled now, unless the batch mixes decode
+        rows with prompt chunks and `prompts_wait` is on: then the prompts wait for their variant
+        (`PromptsWait`)."""
         key = (exact, flags)
         planned = self.planned or {}
         if key in self.compiled or key in self.ready or key in planned:
@@ -159,6 +183,11 @@ class ModelRunner:
         covering = [(s, f) for s, f in (*self.compiled, *self.ready, *planned) if serves(f, flags)
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
                     and fits(s, num_decode, lengths, pages)]
+        if not covering and lengths and num_decode and self.prompts_wait and self.planned is None \
+                and not (flags.penalties or flags.bias):
+            # running sequences would stop for the compile (on a GPU 25-60 s for a 32-layer model):
+            # the prompt chunks wait instead, and the decode rows run without them
+            raise PromptsWait(key)
         if not covering or self.compile_after <= 1:
             return key
         # the batch's own flags first: padding costs at most the envelope ladder's step, while a

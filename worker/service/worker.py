@@ -43,6 +43,9 @@ class Worker:
     def __init__(self, config: WorkerConfig, engine: LLMEngine, client: redis.Redis):
         self.config = config
         self.engine = engine
+        # streams are running: a prompt whose step variant is not compiled waits for it (compiled in
+        # the background) instead of every running sequence waiting (25-60 s on a GPU)
+        engine.runner.prompts_wait = True
         self.io = RedisIO(config, client)
         self.active: dict[str, Active] = {}
         self.state = WorkerState.STARTING
