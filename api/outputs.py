@@ -86,6 +86,7 @@ class OutputReader:
 
     async def run(self) -> None:
         """Read until closed or cancelled."""
+        retried = False
         while not self._closed:
             if not self._subs:
                 self._changed.clear()
@@ -97,13 +98,18 @@ class OutputReader:
                     request_ids, self._swept = set(self._subs), time.monotonic()
                 streams = {out_stream(rid): self._subs[rid].last_id for rid in request_ids if rid in self._subs}
                 replies = await self.client.xread(streams, count=BATCH) if streams else None
+                retried = False
             except (RedisError, OSError) as exc:
                 if self._closed:
                     return
+                if not retried:  # a connection a Redis restart left behind fails once; the retry reconnects
+                    retried = True
+                    continue
                 log.warning("output reader: redis error %s; failing %d requests", type(exc).__name__, self.active)
                 for sub in list(self._subs.values()):
                     sub.queue.put_nowait((sub.request_id, ReaderFailed(str(exc))))
                 self._subs.clear()
+                retried = False  # the next requests' first read gets its retry too
                 await asyncio.sleep(RETRY_S)
                 continue
             for name, entries in replies or []:

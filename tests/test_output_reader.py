@@ -62,3 +62,37 @@ def test_reads_only_notified_streams_and_sweeps_the_rest(redis_client, redis_url
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_connection_killed_under_the_reader_costs_a_retry_not_the_requests(redis_client, redis_url):
+    """A Redis restart leaves the reader's pooled connection dead; its next read fails once. The
+    reader retries on a new connection before it gives up on its requests (before: the first
+    request after a restart got a 503 while /ready already said 200). Redis truly down still
+    fails them: see test_api_errors."""
+    async def scenario():
+        client = Redis.from_url(redis_url, client_name="reader-under-test")
+        reader = OutputReader(client, NOTIFY)
+        queue: asyncio.Queue = asyncio.Queue()
+        reader.subscribe("k", queue)
+        task = asyncio.create_task(reader.run())
+        sync = redis.Redis.from_url(redis_url)
+        try:
+            await asyncio.sleep(0.2)  # the reader is blocked on the notify stream
+            killed = 0
+            for info in sync.client_list():
+                if info.get("name") == "reader-under-test":
+                    sync.client_kill_filter(_id=info["id"])
+                    killed += 1
+            assert killed >= 1
+            await asyncio.sleep(0.1)
+            sync.xadd(out_stream("k"), OutputDelta(seq=0, text="z", token_ids=[9]).encode())
+            contract.notify_outputs(sync, NOTIFY, ["k"])
+            rid, delta = await asyncio.wait_for(queue.get(), 10)
+            assert rid == "k" and isinstance(delta, OutputDelta) and delta.text == "z"
+        finally:
+            reader.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.aclose()
+
+    asyncio.run(scenario())
