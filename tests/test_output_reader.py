@@ -15,6 +15,13 @@ from worker.contract import OutputDelta, out_stream
 NOTIFY = contract.api_notify_stream("test-reader")
 
 
+async def stop(reader: OutputReader, task: asyncio.Task, client: Redis) -> None:
+    reader.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await client.aclose()
+
+
 def test_reads_only_notified_streams_and_sweeps_the_rest(redis_client, redis_url):
     async def scenario():
         client = Redis.from_url(redis_url)
@@ -56,10 +63,7 @@ def test_reads_only_notified_streams_and_sweeps_the_rest(redis_client, redis_url
             assert len(reads[since]) == 42  # found by the next read, a sweep
             assert queues["a"].empty()  # a's entry is not delivered twice
         finally:
-            reader.close()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await client.aclose()
+            await stop(reader, task, client)
 
     asyncio.run(scenario())
 
@@ -90,9 +94,6 @@ def test_a_connection_killed_under_the_reader_costs_a_retry_not_the_requests(red
             rid, delta = await asyncio.wait_for(queue.get(), 10)
             assert rid == "k" and isinstance(delta, OutputDelta) and delta.text == "z"
         finally:
-            reader.close()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await client.aclose()
+            await stop(reader, task, client)
 
     asyncio.run(scenario())

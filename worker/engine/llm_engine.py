@@ -417,15 +417,12 @@ class LLMEngine:
 
     def compile_ahead(self, drive: Callable[[], object]) -> int:
         """Run `drive` (it adds requests and steps the engine until they finish) without the device:
-        the runner records the step variant of each step, and hands back zeros for its tokens. Then
-        compile the variants not compiled yet, several at once (`runner.compile_planned`), so that
-        running `drive` for real compiles nothing. On a host with cores to spare, a warm-up's dozen
-        variants then overlap instead of queueing (a GPU host has 16; an H100 took 25-60 s for
-        each 32-layer variant; the overlap there is not measured yet). The plan matches the real
-        run where request lengths do not depend on the tokens (ignore_eos, no stop strings: a
-        warm-up's and a benchmark's); a variant it misses is compiled when met, as without it.
-        Prefix-cache entries of the planned steps are dropped (their pages were never written).
-        Returns how many variants were compiled."""
+        the runner records each step's variant and hands back zeros for its tokens. Then compile
+        the variants not compiled yet, several at once (`runner.compile_planned`: a GPU host's cores
+        overlap a warm-up's 25-60 s compiles), so that running `drive` for real compiles nothing.
+        The plan is exact where request lengths do not depend on the tokens (ignore_eos, no stop
+        strings); a variant it misses compiles when met. The planned steps' prefix-cache entries
+        are dropped (their pages were never written). Returns how many variants were compiled."""
         if self.has_unfinished():
             raise RuntimeError("compile_ahead needs an idle engine")
         runner, cached = self.runner, self.allocator.cache_entries()
