@@ -211,9 +211,8 @@ class ModelRunner:
         if self.planned is not None:
             self.planned[key] = empty_batch(shape, flags)
             return True
-        t0 = time.perf_counter()
-        self.ready[key] = self._lower(key, empty_batch(shape, flags), self._specs()).compile()
-        _log_variant("precompiled", shape, flags, time.perf_counter() - t0)
+        self.ready[key], seconds = _timed_compile(self._lower(key, empty_batch(shape, flags), self._specs()))
+        _log_variant("precompiled", shape, flags, seconds)
         return True
 
     def compile_planned(self, threads: int = COMPILE_THREADS) -> int:
