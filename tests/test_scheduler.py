@@ -454,3 +454,24 @@ def test_randomized_stress_no_starvation():
                         or sched.config.pages_for(seq.num_tokens) > sched.allocator.num_usable_pages
         assert sched.allocator.num_free_pages == start_free
         assert not sched.running and not sched.waiting and not sched._groups
+
+
+def test_each_sequence_keeps_its_pages_consecutive_after_churn():
+    """Pages scatter as requests come and go; each new sequence still gets one run of pages,
+    its prompt and the tokens it decodes, while no other run is in the way."""
+    sched, new = make(num_pages=97, page_size=4, max_num_seqs=6, max_tokens=64), Requests()
+    rng = random.Random(3)
+    seen = []
+
+    def record(before, batch):
+        for seq in sched.running:
+            seen.append(list(seq.page_table))
+
+    for wave in range(4):
+        for i in range(6):
+            new(sched, [rng.randrange(1, 500) for _ in range(rng.randrange(3, 20))],
+                max_tokens=rng.randrange(2, 40), ignore_eos=True)
+        drive(sched, depth=1, on_step=record)
+    assert sched.allocator.num_free_pages == 96 and sched.allocator.num_earmarked_pages == 0
+    pairs = [(a, b) for table in seen for a, b in zip(table, table[1:])]
+    assert pairs and all(b == a + 1 for a, b in pairs)

@@ -299,10 +299,13 @@ class Scheduler:
         return not self.allocator.can_allocate(self.config.pages_for(end) - len(seq.page_table))
 
     def _grow(self, seq: Sequence, end: int) -> None:
-        """Allocate pages so `seq` can hold tokens `[0, end)`."""
-        need = self.config.pages_for(end) - len(seq.page_table)
+        """Allocate pages so `seq` can hold tokens `[0, end)`: after its last page where it can,
+        with room earmarked for every token it may reach (`PageAllocator.allocate`)."""
+        table = seq.page_table
+        need = self.config.pages_for(end) - len(table)
         if need > 0:
-            seq.page_table.extend(self.allocator.allocate(need))
+            reserve = self.config.pages_for(seq.num_tokens + self.room(seq)) - len(table)
+            table.extend(self.allocator.allocate(need, after=table[-1] if table else None, reserve=reserve))
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the newest running sequence's pages; it recomputes from the waiting queue's front."""
