@@ -109,8 +109,29 @@ inline void key_scores(const float* qh, const E* kp, int64_t ps, int64_t keys, f
   }
 }
 
+// The pages of the work item a thread runs next, requested a page's worth for each page the
+// current decode item reads: an item streams only a few pages from memory, and on its own keeps
+// too few misses in flight to use the memory's bandwidth (demo model, 64 rows: 455 -> 335 us per
+// layer on cold caches; 7 % more decode throughput end to end, 0-1 % for llama-100m).
+struct Ahead {
+  std::vector<const char*> pages;  // the next item's key pages, then its value pages
+  int64_t page_bytes = 0;
+  size_t page = 0;
+  int64_t offset = 0;  // bytes of pages[page] requested so far
+
+  void reset(int64_t bytes) { pages.clear(), page_bytes = bytes, page = 0, offset = 0; }
+  // request the next `bytes` of the queue (whole 64-byte lines) into L2
+  void pump(int64_t bytes) {
+    for (; bytes > 0 && page < pages.size(); bytes -= 64) {
+      __builtin_prefetch(pages[page] + offset, 0, 2);
+      if ((offset += 64) >= page_bytes) ++page, offset = 0;
+    }
+  }
+};
+
 // Per-thread buffers, reused across work items.
 struct Scratch {
+  Ahead ahead;
   std::vector<float> probs;  // [G, n] scores, then probabilities; [G] inverse sums; [page_size] one page's scores
   std::vector<float> keys, values;  // bfloat16 pages of one work item widened to float32
 };
@@ -344,6 +365,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
   for (int64_t col = c0; col <= c1; ++col) {
     const E* kp = key_page(col);  // [D, ps]
     if (col < c1) prime(key_page(col + 1));
+    scratch.ahead.pump(scratch.ahead.page_bytes);
     float* out = scores + (col - c0) * ps;
     int64_t t = 0;
     for (; t + 4 * kLanes <= ps; t += 4 * kLanes) key_step32<DIM, G, 2>(qt, kp + t, ps, out + t, span);
@@ -369,6 +391,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
       for (int64_t col = c0; col <= c1; ++col) {
         const E* rows = value_page(col);  // [ps, D]
         if (h0 == 0 && col < c1) prime(value_page(col + 1));
+        if (h0 == 0) scratch.ahead.pump(scratch.ahead.page_bytes);
         const int64_t from = std::max(lo, col * ps) - col * ps, to = std::min(hi, col * ps + ps) - col * ps;
         const float* p = scores + h0 * span + (col - c0) * ps;  // this page's probabilities of head h0
         int64_t t = from;
@@ -406,6 +429,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
     for (int64_t col = c0; col <= c1; ++col) {
       const E* rows = value_page(col);  // [ps, D]
       if (h0 == 0 && col < c1) prime(value_page(col + 1));
+      if (h0 == 0) scratch.ahead.pump(scratch.ahead.page_bytes);
       const int64_t from = std::max(lo, col * ps) - col * ps, to = std::min(hi, col * ps + ps) - col * ps;
       const float* p = scores + h0 * span + (col - c0) * ps;  // this page's probabilities of head h0
       int64_t t = from;
@@ -437,6 +461,23 @@ inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t
     if (ahead != nullptr && i % (2 * kLanes) == 0) __builtin_prefetch(ahead + i);  // one 64-byte line
     store(to + i, load(from + i));
   }
+}
+
+// Queue the pages that decode item (block `nb`, KV head `nkvh`) will read into `ahead` (nothing for
+// a prefill block).
+template <typename T>
+void queue_pages(const Problem& pb, const Block& nb, int64_t nkvh, Ahead& ahead) {
+  const int64_t page_floats = pb.dim * pb.page_size;
+  ahead.reset(page_floats * static_cast<int64_t>(sizeof(T)));
+  if (nb.end - nb.begin != 1) return;
+  int64_t lo, hi;
+  visible(pb, nb.row, nb.begin, lo, hi);
+  if (hi <= lo) return;
+  const T* kbase = static_cast<const T*>(pb.k) + nkvh * pb.num_pages * page_floats;
+  const T* vbase = static_cast<const T*>(pb.v) + nkvh * pb.num_pages * page_floats;
+  for (const T* base : {kbase, vbase})
+    for (int64_t col = lo / pb.page_size; col <= (hi - 1) / pb.page_size; ++col)
+      ahead.pages.push_back(reinterpret_cast<const char*>(base + page_at(pb, nb.row, col) * page_floats));
 }
 
 // One work item: the queries of block `b` for KV head `kvh`. On the vector path, a single query (a
@@ -498,6 +539,7 @@ void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
 }
 
 using AttendFn = void (*)(const Problem&, const Block&, int64_t, Scratch&);
+using QueueFn = void (*)(const Problem&, const Block&, int64_t, Ahead&);
 
 template <typename T>
 AttendFn for_shape(int64_t dim, int64_t page_size) {
@@ -536,6 +578,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                    positions.typed_data(), context_lens.typed_data(), out->typed_data(),
                    qd[1], kd[0], qd[2], kd[1], kd[3], td[1], window};
   const AttendFn fn = bf16 ? for_shape<uint16_t>(qd[2], kd[3]) : for_shape<float>(qd[2], kd[3]);
+  const QueueFn queue = bf16 ? queue_pages<uint16_t> : queue_pages<float>;
   std::vector<Block> blocks;
   std::vector<char> covered(tokens, 0);
   for (int64_t r = 0; r < rows; ++r) {
@@ -550,8 +593,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   for (int64_t t = 0; t < tokens; ++t)  // padding tokens: zeros, like a query with no visible key
     if (!covered[t]) std::fill(out->typed_data() + t * token_floats, out->typed_data() + (t + 1) * token_floats, 0.0f);
   const int64_t items = static_cast<int64_t>(blocks.size()) * kd[0];  // (block, KV head) pairs
-  redjax::run_on_pool(pool, items, [pb, fn, blocks = std::move(blocks)](int64_t i) {
+  redjax::run_on_pool(pool, items, [pb, fn, queue, blocks = std::move(blocks)](int64_t i, int64_t next) {
     thread_local Scratch scratch;  // kept by the pool's threads across calls: no allocation per call
+    if (next >= 0)
+      queue(pb, blocks[next / pb.kv_heads], next % pb.kv_heads, scratch.ahead);
+    else
+      scratch.ahead.reset(0);
     fn(pb, blocks[i / pb.kv_heads], i % pb.kv_heads, scratch);
   });
   return ffi::Error::Success();
