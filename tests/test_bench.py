@@ -54,6 +54,16 @@ def test_offline_reports_throughput(tiny_model):
     assert report["compiles_during_run"] == 0
 
 
+def test_offline_plans_the_runs_tail_steps_too(tiny_model):
+    """Prompts admitted over 8 prefill steps finish their fused decode steps at different times;
+    the last rows' final steps take shapes the warm-up's shorter requests never meet. Planning the
+    run itself as well leaves nothing to compile during it (this shape compiled 3 variants)."""
+    code, out = _bench("offline", "--model", str(tiny_model), "--num-prompts", "16", "--input-len", "8",
+                       "--output-len", "20", "--max-num-batched-tokens", "16", "--max-num-seqs", "16",
+                       "--decode-steps", "3", "--json")
+    assert code == 0 and json.loads(out)["compiles_during_run"] == 0
+
+
 def test_offline_compare_hf(tiny_model):
     code, out = _bench("offline", "--model", str(tiny_model), *TINY, "--compare", "hf", "--hf-batch-size", "2")
     report = json.loads(out)
