@@ -463,21 +463,21 @@ inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t
   }
 }
 
-// Queue the pages that decode item (block `nb`, KV head `nkvh`) will read into `ahead` (nothing for
-// a prefill block).
-template <typename T>
-void queue_pages(const Problem& pb, const Block& nb, int64_t nkvh, Ahead& ahead) {
-  const int64_t page_floats = pb.dim * pb.page_size;
-  ahead.reset(page_floats * static_cast<int64_t>(sizeof(T)));
-  if (nb.end - nb.begin != 1) return;
+// Queue into `ahead` the pages that item `item` (a decode row's block for one KV head) will read;
+// nothing for a prefill block or no item (-1). `elem`: bytes per page element.
+inline void queue_pages(const Problem& pb, const std::vector<Block>& blocks, int64_t item, int64_t elem,
+                        Ahead& ahead) {
+  const int64_t page_bytes = pb.dim * pb.page_size * elem;
+  ahead.reset(page_bytes);
+  if (item < 0) return;
+  const Block& b = blocks[item / pb.kv_heads];
   int64_t lo, hi;
-  visible(pb, nb.row, nb.begin, lo, hi);
-  if (hi <= lo) return;
-  const T* kbase = static_cast<const T*>(pb.k) + nkvh * pb.num_pages * page_floats;
-  const T* vbase = static_cast<const T*>(pb.v) + nkvh * pb.num_pages * page_floats;
-  for (const T* base : {kbase, vbase})
-    for (int64_t col = lo / pb.page_size; col <= (hi - 1) / pb.page_size; ++col)
-      ahead.pages.push_back(reinterpret_cast<const char*>(base + page_at(pb, nb.row, col) * page_floats));
+  if (b.end - b.begin != 1) return;
+  visible(pb, b.row, b.begin, lo, hi);
+  const int64_t head_bytes = (item % pb.kv_heads) * pb.num_pages * page_bytes;
+  for (const void* base : {pb.k, pb.v})
+    for (int64_t col = lo / pb.page_size; hi > lo && col <= (hi - 1) / pb.page_size; ++col)
+      ahead.pages.push_back(static_cast<const char*>(base) + head_bytes + page_at(pb, b.row, col) * page_bytes);
 }
 
 // One work item: the queries of block `b` for KV head `kvh`. On the vector path, a single query (a
@@ -539,7 +539,6 @@ void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
 }
 
 using AttendFn = void (*)(const Problem&, const Block&, int64_t, Scratch&);
-using QueueFn = void (*)(const Problem&, const Block&, int64_t, Ahead&);
 
 template <typename T>
 AttendFn for_shape(int64_t dim, int64_t page_size) {
@@ -578,7 +577,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                    positions.typed_data(), context_lens.typed_data(), out->typed_data(),
                    qd[1], kd[0], qd[2], kd[1], kd[3], td[1], window};
   const AttendFn fn = bf16 ? for_shape<uint16_t>(qd[2], kd[3]) : for_shape<float>(qd[2], kd[3]);
-  const QueueFn queue = bf16 ? queue_pages<uint16_t> : queue_pages<float>;
+  const int64_t elem = bf16 ? 2 : 4;
   std::vector<Block> blocks;
   std::vector<char> covered(tokens, 0);
   for (int64_t r = 0; r < rows; ++r) {
@@ -593,12 +592,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   for (int64_t t = 0; t < tokens; ++t)  // padding tokens: zeros, like a query with no visible key
     if (!covered[t]) std::fill(out->typed_data() + t * token_floats, out->typed_data() + (t + 1) * token_floats, 0.0f);
   const int64_t items = static_cast<int64_t>(blocks.size()) * kd[0];  // (block, KV head) pairs
-  redjax::run_on_pool(pool, items, [pb, fn, queue, blocks = std::move(blocks)](int64_t i, int64_t next) {
+  redjax::run_on_pool(pool, items, [pb, fn, elem, blocks = std::move(blocks)](int64_t i, int64_t next) {
     thread_local Scratch scratch;  // kept by the pool's threads across calls: no allocation per call
-    if (next >= 0)
-      queue(pb, blocks[next / pb.kv_heads], next % pb.kv_heads, scratch.ahead);
-    else
-      scratch.ahead.reset(0);
+    queue_pages(pb, blocks, next, elem, scratch.ahead);
     fn(pb, blocks[i / pb.kv_heads], i % pb.kv_heads, scratch);
   });
   return ffi::Error::Success();
