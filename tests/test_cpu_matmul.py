@@ -21,10 +21,12 @@ def kernel():
     assert cpu_matmul.load(), "the CPU matmul kernel did not build (is a C++ compiler installed?)"
 
 
-# rows below, at and above the 12-row register tile; columns not a multiple of the 32-column panel;
-# 64 panels and more: x copied into k-major tiles first (kPackPanels)
+# rows below, at and above the 12-row register tile, with a short remainder merged into the last
+# full tile (13, 17, 25, 62, 64 rows) and not (18, 100); columns not a multiple of the 32-column
+# panel; 64 panels and more: x copied into k-major tiles first (kPackPanels)
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 100, 33), (12, 7, 1), (13, 64, 97), (64, 256, 512), (100, 48, 200),
-                                   (5, 16, 2048), (25, 33, 2081), (62, 40, 4096)])
+                                   (17, 30, 64), (18, 30, 64), (5, 16, 2048), (25, 33, 2081), (62, 40, 4096),
+                                   (64, 24, 2048)])
 def test_products_equal_float64_numpy(m, k, n):
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
