@@ -266,7 +266,10 @@ class ModelRunner:
             finally:
                 self.compiling.discard(key)
 
-        threading.Thread(target=work, name="redjax-compile", daemon=True).start()
+        # not a daemon: the interpreter waits for it at exit. A daemon thread inside XLA's compiler
+        # when the process exits (a worker stopped mid-compile) is unwound through C++ frames that
+        # do not allow it, and the process aborts ("FATAL: exception not rethrown", exit status 134)
+        threading.Thread(target=work, name="redjax-compile").start()
 
 
 def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
