@@ -118,6 +118,26 @@ def test_kernel_page_writes_equal_the_jnp_scatters_in_place(dtype):
     np.testing.assert_array_equal(np.asarray(again_k), np.asarray(want_k))
 
 
+def test_kernel_writes_a_long_prefill_chunk_like_the_jnp_scatter():
+    # 300 tokens x 3 KV heads: several work items of the kernel, each along one head's pages;
+    # the chunk starts mid-page and two padding tokens point at the reserved page
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU attention kernels did not build"
+    rng = np.random.default_rng(5)
+    kv, n, d, ps = 3, 24, 16, 16
+    k_pages = jnp.asarray(rng.standard_normal((kv, n, d, ps), np.float32))
+    v_pages = jnp.asarray(rng.standard_normal((kv, n, ps, d), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((302, kv, d), np.float32)) for _ in range(2))
+    slots = jnp.asarray(np.concatenate([np.arange(300) + 2 * ps + 5, [0, 0]]).astype(np.int32))
+    want_k, want_v = jax.jit(pa.write_pages)(k_pages, v_pages, k, v, slots)
+    got_k, got_v = jax.jit(cpu_attention.write_pages, donate_argnums=(0, 1))(jnp.array(k_pages), jnp.array(v_pages),
+                                                                              k, v, slots)
+    real = np.arange(n) > 0  # the reserved page 0 holds whichever padding write came last
+    np.testing.assert_array_equal(np.asarray(got_k)[:, real], np.asarray(want_k)[:, real])
+    np.testing.assert_array_equal(np.asarray(got_v)[:, real], np.asarray(want_v)[:, real])
+
+
 # ---- a paged forward of the real model, driven like the engine drives it ----
 
 CFG = ModelConfig(
