@@ -20,7 +20,9 @@ write_kv = jax.jit(pa.write_kv)
 write_keys = jax.jit(pa.write_keys)
 # page shapes the kernel tests run on: plain loops (page size not a multiple of 16, head_dim 8) and
 # the vector path (16-key runs; head_dim 32, and 80: an odd number of 16-lane vectors)
-KERNEL_SHAPES = {"loops": (4, 8), "vectors": (16, 32), "vectors-80": (16, 80)}
+# (page size, head dim): plain loops; vectors with 16-key runs; an odd head dim; 64-key runs (the
+# CPU default page size)
+KERNEL_SHAPES = {"loops": (4, 8), "vectors": (16, 32), "vectors-80": (16, 80), "pages-64": (64, 64)}
 paged_attention = jax.jit(pa.paged_attention, static_argnames="window")
 
 
@@ -326,19 +328,21 @@ def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype
     assert not out[4].any()  # a padding row sees no key: zeros
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (8, 2)], ids=["g2", "g3", "g4"])
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(window, dtype, shape):
+def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(window, dtype, shape, heads):
     """The ragged form the engine's packed steps use: decode rows and prefill chunks of different
     lengths (longer than the kernel's 16-query work blocks) packed back to back, padding rows and
     trailing padding tokens. Each row must equal the reference run on that row alone; tokens in no
-    row come back as zeros."""
+    row come back as zeros. Query heads per KV head 2, 3 and 4: a block's query rows (tokens x
+    heads) in full tiles and remainders of the kernel's row tiles."""
     from worker.engine import cpu_attention
 
     assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
     rng = np.random.default_rng(5)
-    h, kv, n, p = 4, 2, 64, 12
+    (h, kv), n, p = heads, 64, 12
     ps, d = KERNEL_SHAPES[shape]
     k_pages = jnp.asarray(rng.normal(size=(kv, n, d, ps)), dtype)
     v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
