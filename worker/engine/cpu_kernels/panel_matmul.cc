@@ -67,8 +67,6 @@ inline int64_t ahead_step(int64_t later_tiles) {
   return later_tiles >= 4 ? 32 : later_tiles >= 2 ? 64 : 128;
 }
 
-// y[m0 : m0 + R, n0 : n0 + kPanel] (clipped at n) = x[m0 : m0 + R, :] @ panel
-// `ahead`: where in the next panel this tile's requests start, `step` bytes further each k (0: none)
 // The row tiles of an m-row product: `full` tiles of kRows rows, then tiles of `a` and `b` rows
 // (0: none); rows in order.
 struct TilePlan {
@@ -85,6 +83,8 @@ TilePlan tile_plan(int64_t m) {
   return {full, rest, 0};
 }
 
+// y[m0 : m0 + R, n0 : n0 + kPanel] (clipped at n) = x[m0 : m0 + R, :] @ panel
+// `ahead`: where in the next panel this tile's requests start, `step` bytes further each k (0: none)
 template <int R, bool kFirst, bool kPacked>
 inline void tile(const Problem& pb, const float* panel, int64_t m0, int64_t n0, const char* ahead = nullptr,
                  int64_t step = 0) {
@@ -147,10 +147,10 @@ void panel_product(const Problem& pb, const TilePlan& plan, int64_t p, int64_t n
   }
 }
 
-// rows [R, K] of x -> to [K, R]
-void pack_tile(const float* rows, int64_t r_count, int64_t k, float* to) {
+// `count` rows [count, K] of x -> to [K, count]
+void pack_tile(const float* rows, int64_t count, int64_t k, float* to) {
   for (int64_t i = 0; i < k; ++i)
-    for (int64_t r = 0; r < r_count; ++r) to[i * r_count + r] = rows[r * k + i];
+    for (int64_t r = 0; r < count; ++r) to[i * count + r] = rows[r * k + i];
 }
 
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
