@@ -58,6 +58,18 @@ class RMSNorm(nnx.Module):
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
+    def add_norm(self, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The residual add and the norm after it: (x + y, norm(x + y)), one kernel on the CPU path."""
+        x = x + y
+        return x, self(x)
+
+
+class Rotary(nnx.Module):
+    """Rotary position embeddings on q or k (a module so that the CPU path can swap in its kernel)."""
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:  # [..., T, heads, D]
+        return apply_rope(x, rope)
+
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
@@ -70,6 +82,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.rotary = Rotary()
         self.cfg = cfg
 
     def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any,
@@ -85,7 +98,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)  # [..., T, KV, D]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope_q), apply_rope(k, rope)
+        q, k = self.rotary(q, rope_q), self.rotary(k, rope)
         out, cache = attend(layer, q, k, v, cache)  # [..., T|R, H, D]
         return self.o_proj(out.reshape(*xq.shape[:-1], cfg.num_heads * cfg.head_dim)), cache
 
@@ -108,11 +121,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, layer: int, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend, cache: Any,
-                 rows: jax.Array | None = None):
-        attn, cache = self.self_attn(layer, self.input_layernorm(x), rope, attend, cache, rows)
-        x = (x if rows is None else x[rows]) + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+    def __call__(self, layer: int, x: jax.Array, delta: jax.Array | None, rope: tuple[jax.Array, jax.Array],
+                 attend: Attend, cache: Any, rows: jax.Array | None = None):
+        """x: the residual stream [..., T, hidden]; delta: the last layer's MLP output, not yet added
+        (None before the first layer), so that the add and this layer's norm run as one ->
+        (residual stream, this layer's MLP output, cache); with rows, for those rows alone."""
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_norm(x, delta)
+        attn, cache = self.self_attn(layer, h, rope, attend, cache, rows)
+        x, h = self.post_attention_layernorm.add_norm(x if rows is None else x[rows], attn)
+        return x, self.mlp(h), cache
 
 
 class LlamaModel(nnx.Module):
@@ -158,10 +175,10 @@ class LlamaForCausalLM(nnx.Module):
         # the residual stream is float32 in every compute dtype
         x = jnp.take(self.model.embed_tokens.weight[...], tokens, axis=0).astype(jnp.float32)  # [..., T, hidden]
         rope = rope_table(positions, self.cfg)
-        last = len(self.model.layers) - 1
+        last, delta = len(self.model.layers) - 1, None
         for i, layer in enumerate(self.model.layers):
-            x, cache = layer(i, x, rope, attend, cache, out_rows if i == last else None)
-        return self.model.norm(x), cache
+            x, delta, cache = layer(i, x, delta, rope, attend, cache, out_rows if i == last else None)
+        return self.model.norm.add_norm(x, delta)[1], cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., hidden] -> logits f32[..., vocab]."""
