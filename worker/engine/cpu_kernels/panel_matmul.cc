@@ -93,6 +93,11 @@ inline void tile(const Problem& pb, const float* panel, int64_t m0, int64_t n0, 
   for (int r = 0; r < R; ++r) rows[r] = pb.x + (m0 + r) * pb.k;
   const float* xt = pb.x + m0 * pb.k;  // packed: this tile [K, R]
   if (ahead == nullptr) ahead = reinterpret_cast<const char*>(panel);  // requests for lines already here
+  // the tile's output lines, requested for writing now so that the stores at the end find them in
+  // cache instead of each waiting on a fresh line of y (1-4 % less time per product, in-process
+  // A/B at llama-100m's decode shapes and a 1024-row prefill product)
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVecs; ++c) __builtin_prefetch(pb.y + (m0 + r) * pb.n + n0 + c * kLanes, 1, 3);
   for (int64_t k = 0; k < pb.k; ++k, ahead += step) {
     const float* wk = panel + k * kPanel;
     // the first tile reads the panel from memory unless the last panel requested it: ask for
