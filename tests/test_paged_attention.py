@@ -223,14 +223,15 @@ def test_paged_forward_with_chunks_and_decodes_equals_plain_forward():
         np.testing.assert_allclose(paged, plain[: len(paged)], rtol=0, atol=1e-5 * scale, err_msg=f"sequence {s}")
 
 
-def decode_inputs(dtype, seed=7, ps=4, d=8, h=4, kv=2):
-    """6 sequences over 40 scattered pages of `ps` tokens; contexts on and off page boundaries and a full table."""
+def decode_inputs(dtype, seed=7, ps=4, d=8, h=4, kv=2, contexts=None):
+    """6 sequences over 40 scattered pages of `ps` tokens; contexts on and off page boundaries and a full
+    table (or the 6 `contexts` given)."""
     rng = np.random.default_rng(seed)
     s, n, p = 6, 40, 6
     k_pages = jnp.asarray(rng.normal(size=(kv, n, d, ps)), dtype)
     v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
     tables = jnp.asarray(rng.permutation(n)[: s * p].reshape(s, p), jnp.int32)
-    ctx = jnp.asarray([1, ps - 1, ps, 2 * ps + 1, 4 * ps + 1, 6 * ps], jnp.int32)
+    ctx = jnp.asarray(contexts or [1, ps - 1, ps, 2 * ps + 1, 4 * ps + 1, 6 * ps], jnp.int32)
     q = jnp.asarray(rng.normal(size=(s, h, d)), jnp.float32)
     return q, k_pages, v_pages, tables, ctx
 
@@ -271,6 +272,25 @@ def test_compiled_cpu_kernel_matches_the_reference(window, dtype, shape):
                           early[:, None], ctx, window)[:, 0]
     np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, early, ctx, window)), np.asarray(ref),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("used", [(15, 16, 17, 31, 32, 33), (1, 48, 63, 64, 2, 20)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cpu_kernel_reads_a_partly_filled_last_page_in_part(used, dtype):
+    """A decode row whose last 64-key page holds few visible keys scores only the first line of each
+    key row (16 float32 keys, 32 bfloat16 ones); the rest of the page is garbage it must not use.
+    Visible counts on both sides of those limits, with positions short of the context too."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    contexts = [64 * (i % 3) + u for i, u in enumerate(used)]
+    q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=11, ps=64, d=64, h=6, kv=2, contexts=contexts)
+    kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
+    for positions in (ctx - 1, jnp.maximum(ctx - 3, 0)):
+        want = paged_attention(q[:, None], k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), tables,
+                               positions[:, None], ctx, None)[:, 0]
+        np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, positions, ctx, None)),
+                                   np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2), (12, 2), (14, 2), (16, 2)],
