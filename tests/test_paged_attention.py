@@ -274,6 +274,19 @@ def test_compiled_cpu_kernel_matches_the_reference(window, dtype, shape):
                                atol=1e-5, rtol=1e-5)
 
 
+def assert_kernel_decode_matches(q, k_pages, v_pages, tables, ctx, window):
+    """The compiled kernel on decode rows against the reference, the query at the last position and
+    at one short of the context (a decode row whose later tokens are already written)."""
+    from worker.engine import cpu_attention
+
+    kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
+    for positions in (ctx - 1, jnp.maximum(ctx - 3, 0)):
+        want = paged_attention(q[:, None], k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), tables,
+                               positions[:, None], ctx, window)[:, 0]
+        np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, positions, ctx, window)),
+                                   np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("used", [(15, 16, 17, 31, 32, 33), (1, 48, 63, 64, 2, 20)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_compiled_cpu_kernel_reads_a_partly_filled_last_page_in_part(used, dtype):
@@ -285,12 +298,7 @@ def test_compiled_cpu_kernel_reads_a_partly_filled_last_page_in_part(used, dtype
     assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
     contexts = [64 * (i % 3) + u for i, u in enumerate(used)]
     q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=11, ps=64, d=64, h=6, kv=2, contexts=contexts)
-    kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
-    for positions in (ctx - 1, jnp.maximum(ctx - 3, 0)):
-        want = paged_attention(q[:, None], k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), tables,
-                               positions[:, None], ctx, None)[:, 0]
-        np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, positions, ctx, None)),
-                                   np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert_kernel_decode_matches(q, k_pages, v_pages, tables, ctx, None)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2), (12, 2), (14, 2), (16, 2)],
@@ -307,12 +315,7 @@ def test_compiled_cpu_kernel_decode_matches_the_reference_for_every_head_groupin
     assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
     # pages of 80 keys: a 64-key step (32 keys per load) and a 16-key step per page
     q, k_pages, v_pages, tables, ctx = decode_inputs(dtype, seed=5, ps=80, d=d, h=heads, kv=kv_heads)
-    kernel = jax.jit(cpu_attention.paged_decode_attention, static_argnames="window")
-    for positions in (ctx - 1, jnp.maximum(ctx - 3, 0)):
-        want = paged_attention(q[:, None], k_pages.astype(jnp.float32), v_pages.astype(jnp.float32), tables,
-                               positions[:, None], ctx, window)[:, 0]
-        np.testing.assert_allclose(np.asarray(kernel(q, k_pages, v_pages, tables, positions, ctx, window)),
-                                   np.asarray(want), atol=1e-5, rtol=1e-5)
+    assert_kernel_decode_matches(q, k_pages, v_pages, tables, ctx, window)
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
