@@ -3,8 +3,8 @@ the residual add before it (`cpu_kernels/rms_norm.cc`) and rotary embeddings
 (`cpu_kernels/rope.cc`).
 
 XLA runs each of these as several passes, each a task on its intra-op pool; at decode's few rows
-the tasks cost more than their arithmetic (about a fifth of the demo model's decode step went to
-them). `with_kernels` returns the model with its norms and rotations swapped for the kernels'; the
+the tasks cost more than their arithmetic (llama-100m decode: 2.3 % less time with the kernels,
+session 21; the demo model showed no change beyond the noise). `with_kernels` returns the model with its norms and rotations swapped for the kernels'; the
 arithmetic is the same (the sums of squares in another order), and tests hold both to the XLA
 modules.
 """

@@ -3,9 +3,9 @@
 //
 // XLA runs a norm as three passes over the rows (the sum of squares, the reciprocal root, the
 // scaling), and the residual add before it as a fourth, each its own task on the intra-op pool:
-// about 25-35 us per norm for llama-100m's 64 decode rows of 768, and ~20 % of the demo model's
-// decode step in such small operations. Here one pass per row block does the add, the sum of
-// squares and the scaling while the row is in L1.
+// about 25-35 us per norm for llama-100m's 64 decode rows of 768 in a profiler trace (which
+// overstates small operations). Here one pass per row block does the add, the sum of squares and
+// the scaling while the row is in L1 (with the rope kernel: llama-100m decode 2.3 % faster).
 //
 // Same arithmetic as Hugging Face's LlamaRMSNorm in float32: y = w * (x * (1 / sqrt(mean(x^2) +
 // eps))); the sum of squares is taken in a different order (vector lanes), so results can differ
