@@ -1,5 +1,6 @@
-"""The compiled panel-matmul kernel (worker/engine/cpu_matmul.py) against float64 numpy, and a model
-with packed projections against transformers' forward of the same checkpoint."""
+"""The compiled panel-matmul kernel (worker/engine/cpu_matmul.py) against float64 numpy (float32
+weights) and XLA's bfloat16 product (bfloat16 weights), and models with packed projections against
+transformers' forward of the same checkpoint and against their unpacked selves."""
 
 from __future__ import annotations
 
@@ -78,18 +79,73 @@ def test_packed_model_matches_transformers_and_leaves_the_original_alone(checkpo
 def test_choice_of_matmul(tmp_path, monkeypatch):
     make_hf_model("llama", tmp_path)
     # float32 on the CPU backend: the kernel where its register tile fits (AVX-512)
-    auto = "kernel" if cpu_matmul.has_avx512() else "xla"
+    auto = "kernel" if cpu_matmul.has_cpu_flag("avx512f") else "xla"
     assert cpu_matmul.choose_matmul("auto", 1, load_model(tmp_path)) == auto
-    monkeypatch.setattr(cpu_matmul, "has_avx512", lambda: False)
+    bf16 = load_model(tmp_path, "bfloat16")
+    # bfloat16: the kernel where the CPU multiplies bfloat16 pairs (AVX512-BF16), else XLA
+    assert cpu_matmul.choose_matmul("auto", 1, bf16) == ("kernel" if BF16_KERNEL else "xla")
+    if not BF16_KERNEL:
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            cpu_matmul.choose_matmul("kernel", 1, bf16)
+    mixed = load_model(tmp_path)
+    mixed.model.layers[0].mlp.down_proj.dtype = jnp.bfloat16  # float32 weights, one bfloat16 product
+    assert cpu_matmul.kernel_dtype(mixed) is None
+    with pytest.raises(ValueError, match="float32 or bfloat16 model"):
+        cpu_matmul.choose_matmul("kernel", 1, mixed)
+    monkeypatch.setattr(cpu_matmul, "has_cpu_flag", lambda flag: False)
     assert cpu_matmul.choose_matmul("auto", 1, load_model(tmp_path)) == "xla"
     assert cpu_matmul.choose_matmul("kernel", 1, load_model(tmp_path)) == "kernel"  # asked for: runs anyway
     assert cpu_matmul.choose_matmul("xla", 1, load_model(tmp_path)) == "xla"
-    bf16 = load_model(tmp_path, "bfloat16")
-    assert cpu_matmul.choose_matmul("auto", 1, bf16) == "xla"  # bfloat16 products stay with XLA
-    with pytest.raises(ValueError, match="float32 model"):
-        cpu_matmul.choose_matmul("kernel", 1, bf16)
     with pytest.raises(ValueError, match="matmul must be"):
         EngineConfig(matmul="onednn")
+
+
+BF16_KERNEL = cpu_matmul.has_cpu_flag("avx512_bf16")  # this CPU multiplies bfloat16 pairs
+
+
+def test_bfloat16_kernel_builds_exactly_where_the_cpu_has_the_instructions():
+    assert cpu_matmul.load(jnp.bfloat16) == BF16_KERNEL
+
+
+# odd K (a zero k pads the last pair), N not a multiple of the panel, rows around the tile
+@pytest.mark.parametrize("m,k,n", [(1, 40, 70), (5, 41, 33), (13, 257, 97), (64, 768, 256), (100, 48, 2081),
+                                   (0, 40, 70)])
+def test_bfloat16_products_equal_xlas(m, k, n):
+    if not BF16_KERNEL:  # no kernel to hold to XLA: the engine keeps XLA's products
+        assert not cpu_matmul.load(jnp.bfloat16)
+        return
+    assert cpu_matmul.load(jnp.bfloat16)
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    panels = cpu_matmul.pack(w)
+    assert panels.shape == (-(-n // cpu_matmul.PANEL), -(-k // 2), 2 * cpu_matmul.PANEL) and panels.dtype == w.dtype
+    got = np.asarray(jax.jit(lambda x, p: cpu_matmul.matmul(x, p, n))(x, panels))
+    # what Linear computes: x rounded to bfloat16, products summed in float32
+    ref = np.asarray(jnp.einsum("mk,kn->mn", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32))
+    exact = np.asarray(x.astype(jnp.bfloat16)).astype(np.float64) @ np.asarray(w).astype(np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    # rounding x is part of the product: the float32 x would give another answer
+    if m:
+        assert np.abs(got - np.asarray(x, np.float64) @ np.asarray(w).astype(np.float64)).max() > 1e-3
+
+
+def test_packed_bfloat16_model_matches_its_unpacked_self(checkpoint):
+    name, path, _ = checkpoint
+    model = load_model(path, "bfloat16")
+    if not BF16_KERNEL:
+        assert cpu_matmul.choose_matmul("auto", 1, model) == "xla"
+        return
+    assert cpu_matmul.load(jnp.bfloat16)
+    packed = cpu_matmul.pack_model(model)
+    assert isinstance(packed.model.layers[0].mlp.up_proj, cpu_matmul.PanelLinear)
+    assert packed.model.layers[0].mlp.up_proj.panels[...].dtype == jnp.bfloat16
+    assert isinstance(packed.lm_head, cpu_matmul.PanelLinear)
+    tokens = np.random.default_rng(4).integers(0, model.cfg.vocab_size, (2, 11)).astype(np.int32)
+    ours = np.asarray(jax.jit(lambda t: packed(t))(jnp.asarray(tokens)))
+    unpacked = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens)))
+    assert np.abs(ours - unpacked).max() <= 1e-4 * np.abs(unpacked).max(), name
 
 
 @pytest.mark.parametrize("n", [200, 2100])  # x used in place, and copied into tiles

@@ -56,17 +56,18 @@ def rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 class KernelRMSNorm(nnx.Module):
-    """A float32 RMSNorm (made from an `RMSNorm`, sharing its weight) that runs the kernels."""
+    """An RMSNorm over float32 activations (made from an `RMSNorm`, sharing its weight, float32 or
+    bfloat16: widened exactly, as `RMSNorm` does) that runs the kernels."""
 
     def __init__(self, norm: RMSNorm):
         self.weight = norm.weight  # [dim]
         self.eps = norm.eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...].astype(jnp.float32), self.eps)
 
     def add_norm(self, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return add_rms_norm(x, y, self.weight[...], self.eps)
+        return add_rms_norm(x, y, self.weight[...].astype(jnp.float32), self.eps)
 
 
 class KernelRotary(nnx.Module):
@@ -75,7 +76,7 @@ class KernelRotary(nnx.Module):
 
 
 def with_kernels(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """`model` (float32, on the CPU backend) with its norms and rotations on the kernels, in place;
+    """`model` (float32 activations, on the CPU backend) with its norms and rotations on the kernels, in place;
     unchanged if they cannot be built."""
     if not load():
         return model

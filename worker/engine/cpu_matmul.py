@@ -2,10 +2,13 @@
 (`cpu_kernels/panel_matmul.cc`), with the weights packed once when the engine starts.
 
 XLA's CPU matmuls repack the weight operand on every call; at decode's few rows that is about a
-third of each product. `pack_model` returns the model with every float32 projection (and the LM
-head, tied or not) holding its weight as column panels `[ceil(N / PANEL), K, PANEL]`, which the
-kernel streams once per product. Outputs match XLA's to float32 rounding (the sums run in a
-different order); tests hold the kernel to `x @ W` and the packed model to the unpacked one.
+third of each product. `pack_model` returns the model with every projection (and the LM head,
+tied or not) holding its weight as column panels, which the kernel streams once per product:
+float32 weights as `[ceil(N / PANEL), K, PANEL]`, bfloat16 weights (on a CPU with AVX512-BF16) as
+`[ceil(N / PANEL), ceil(K / 2), 2 * PANEL]`, each panel row the PANEL columns of two consecutive k.
+Outputs match XLA's to float32 rounding (the sums run in a different order; a bfloat16 product
+rounds x to bfloat16 first, as `Linear` does); tests hold the kernel to `x @ W` and the packed
+model to the unpacked one.
 """
 
 from __future__ import annotations
@@ -19,37 +22,49 @@ from flax import nnx
 from worker.engine import cpu_build
 from worker.models.llama import LlamaForCausalLM, Linear
 
-TARGET = "redjax_panel_matmul"
+TARGETS = {jnp.dtype(jnp.float32): "redjax_panel_matmul", jnp.dtype(jnp.bfloat16): "redjax_panel_matmul_bf16"}
 PANEL = 32  # columns per panel: kPanel in the kernel
 
 
-@lru_cache(maxsize=1)
-def load() -> bool:
-    """Build (once per source and flags) and register the kernel; False if it cannot be built."""
-    return cpu_build.register("panel_matmul.cc", "PanelMatmul", TARGET)
+@lru_cache(maxsize=2)
+def load(dtype=jnp.float32) -> bool:
+    """Build (once per source and flags) and register the kernel for `dtype` weights (float32, or
+    bfloat16 where the CPU has AVX512-BF16); False if it cannot be built."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return has_cpu_flag("avx512_bf16") and cpu_build.register("panel_matmul.cc", "PanelMatmulBf16",
+                                                                  TARGETS[jnp.dtype(dtype)])
+    return cpu_build.register("panel_matmul.cc", "PanelMatmul", TARGETS[jnp.dtype(jnp.float32)])
 
 
 def pack(weight: jax.Array) -> jax.Array:
-    """f32[K, N] -> the kernel's panels f32[ceil(N / PANEL), K, PANEL], zero-padded past N."""
+    """[K, N] -> the kernel's panels, zero-padded past N (and past K): float32 weights (or any
+    other dtype but bfloat16) as f32[ceil(N / PANEL), K, PANEL], bfloat16 ones as
+    bf16[ceil(N / PANEL), ceil(K / 2), 2 * PANEL] (a row: each column's k and k + 1 in turn)."""
     k, n = weight.shape
     panels = -(-n // PANEL)
+    if weight.dtype == jnp.bfloat16:
+        steps = -(-k // 2)
+        padded = jnp.pad(weight, ((0, 2 * steps - k), (0, panels * PANEL - n)))  # [2 * steps, P * PANEL]
+        pairs = padded.reshape(steps, 2, panels, PANEL).transpose(2, 0, 3, 1)  # [P, steps, PANEL, 2]
+        return pairs.reshape(panels, steps, 2 * PANEL)
     padded = jnp.pad(weight.astype(jnp.float32), ((0, 0), (0, panels * PANEL - n)))  # [K, P * PANEL]
     return padded.reshape(k, panels, PANEL).transpose(1, 0, 2)
 
 
 def matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    """x [..., K] @ the weight packed in `panels` -> f32[..., n]. Call `load()` first."""
+    """x [..., K] @ the weight packed in `panels` -> f32[..., n] (bfloat16 panels: x rounded to
+    bfloat16 first). Call `load(panels.dtype)` first."""
     *lead, k = x.shape
     rows = x.reshape(-1, k).astype(jnp.float32)  # [M, K]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
+    call = jax.ffi.ffi_call(TARGETS[jnp.dtype(panels.dtype)], jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))
     return call(rows, panels).reshape(*lead, n)
 
 
 class PanelLinear(nnx.Module):
-    """A float32 projection whose weight lives as the kernel's panels (made from a `Linear`)."""
+    """A projection whose weight lives as the kernel's panels (made from a `Linear`)."""
 
     def __init__(self, weight: jax.Array, bias: jax.Array | None):  # weight [in, out], bias [out]
-        self.panels = nnx.Param(pack(weight))  # f32[P, in, PANEL]
+        self.panels = nnx.Param(pack(weight))  # f32[P, in, PANEL] or bf16[P, in / 2, 2 * PANEL]
         self.bias = nnx.Param(bias.astype(jnp.float32)) if bias is not None else None
         self.d_out = weight.shape[1]
 
@@ -58,9 +73,13 @@ class PanelLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-def packable(model: LlamaForCausalLM) -> bool:
-    """True for a float32 model: bfloat16 products stay with XLA (AVX512-BF16 beats this kernel)."""
-    return all(jnp.dtype(v[...].dtype) == jnp.float32 for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+def kernel_dtype(model: LlamaForCausalLM):
+    """The dtype the kernel would run `model`'s products in: float32 or bfloat16, where every
+    parameter and every product (`Linear`, the tied head) is in that one dtype; else None (XLA)."""
+    params = {jnp.dtype(v[...].dtype) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    computes = {jnp.dtype(m.dtype) for _, m in nnx.iter_modules(model) if isinstance(m, Linear)}
+    dtypes = params | computes | {jnp.dtype(model.model.dtype)}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)} else None
 
 
 def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -77,24 +96,27 @@ def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return packed
 
 
-def has_avx512() -> bool:
-    """True on an x86 CPU with AVX-512F: the kernel's register tile (24 accumulators of 16 floats)
-    is sized for its 32 vector registers; with narrower vectors it would spill, and XLA is the
-    better choice."""
-    return any("avx512f" in part.split() for part in cpu_build.cpu_signature().split("|"))
+def has_cpu_flag(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` ("avx512f": the kernel's register tile, 24 accumulators
+    of 16 floats, is sized for AVX-512's 32 vector registers, and would spill with narrower ones;
+    "avx512_bf16": its bfloat16 products)."""
+    return any(flag in part.split() for part in cpu_build.cpu_signature().split("|"))
 
 
 def choose_matmul(mode: str, tensor_parallel: int, model: LlamaForCausalLM) -> str:
     """Which projections an engine runs for `EngineConfig.matmul`: "kernel", "xla", or "auto" (the
-    kernel for a float32 model on the CPU backend without tensor parallelism, on an AVX-512 CPU, if
-    it builds)."""
+    kernel for a float32 model, or a bfloat16 one on a CPU with AVX512-BF16, on the CPU backend
+    without tensor parallelism, on an AVX-512 CPU, if it builds)."""
     if mode == "xla":
         return "xla"
-    usable = jax.default_backend() == "cpu" and tensor_parallel == 1 and packable(model)
+    dtype = kernel_dtype(model)
+    usable = jax.default_backend() == "cpu" and tensor_parallel == 1 and dtype is not None
     if mode == "kernel":
         if not usable:
-            raise ValueError("matmul='kernel' needs a float32 model on the CPU backend and tensor_parallel 1")
-        if not load():
-            raise RuntimeError("the CPU matmul kernel could not be built (see the log)")
+            raise ValueError("matmul='kernel' needs a float32 or bfloat16 model on the CPU backend and "
+                             "tensor_parallel 1")
+        if not load(dtype):
+            raise RuntimeError(f"the CPU matmul kernel for {dtype} weights could not be built or this CPU "
+                               "lacks the instructions (see the log)")
         return "kernel"
-    return "kernel" if usable and has_avx512() and load() else "xla"
+    return "kernel" if usable and has_cpu_flag("avx512f") and load(dtype) else "xla"

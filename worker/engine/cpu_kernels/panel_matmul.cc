@@ -25,8 +25,17 @@
 // registers every step). The copy costs about as much as one or two panels, so it is made only
 // where there are many (kPackPanels).
 //
-// Shapes: x f32[M, K]; w f32[P, K, kPanel] (columns past N are zero padding); y f32[M, N] with
-// (P - 1) * kPanel < N <= P * kPanel.
+// bfloat16 weights (PanelMatmulBf16, built where the CPU has AVX512-BF16) are stored as pairs of
+// consecutive k: a panel row is [kPanel columns, 2] for k and k + 1, and one VDPBF16PS multiplies
+// 16 columns by both and adds them into the float32 accumulators, twice the k of a float32 FMA
+// per instruction at the same 128 bytes of panel per step. x is rounded to bfloat16 (to nearest
+// even, as XLA's astype) when it is copied into its row tiles; products are exact in float32, so
+// the result is XLA's bfloat16 x bfloat16 -> float32 product up to the order of the sums.
+//
+// Shapes: x f32[M, K]; w f32[P, K, kPanel], or bf16 [P, ceil(K / 2), 2 * kPanel] (columns past N
+// and a k past K are zero padding); y f32[M, N] with (P - 1) * kPanel < N <= P * kPanel.
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -52,11 +61,37 @@ constexpr int64_t kPrefetch = 128;  // panel rows (16 KB) ahead to request while
 // any K: 8-10 % faster at 96-256 panels, about even at 48, 10-20 % slower at 8-16)
 constexpr int64_t kPackPanels = 64;
 
+// How a step reads its x value and panel row, and multiplies them into the accumulators. A step
+// covers one k of float32 weights, two of bfloat16 (a panel row is 128 bytes either way).
+struct F32 {
+  using X = float;
+  using W = f32xN;
+  static constexpr int64_t kPerStep = 1;
+  static W weights(const void* p) { return load(static_cast<const float*>(p)); }
+  static f32xN madd(f32xN acc, X x, W w) { return acc + x * w; }
+};
+
+#ifdef __AVX512BF16__
+struct BF16 {
+  using X = uint32_t;  // x[k] (low half) and x[k + 1] as bfloat16
+  using W = __m512bh;  // 16 columns x (k, k + 1)
+  static constexpr int64_t kPerStep = 2;
+  static W weights(const void* p) { return reinterpret_cast<W>(_mm512_loadu_si512(p)); }
+  static f32xN madd(f32xN acc, X x, W w) {
+    return reinterpret_cast<f32xN>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
+                                                     reinterpret_cast<W>(_mm512_set1_epi32(x)), w));
+  }
+};
+#endif
+
+template <typename F>
 struct Problem {
-  const float* x;  // [M, K], or if packed each row tile [K, R] in turn (tile_plan)
-  const float* w;
+  const typename F::X* x;  // [M, K], or if packed each row tile [steps, R] in turn (tile_plan)
+  const char* w;           // panels of steps x 128 bytes
   float* y;
   int64_t m, k, n;
+  int64_t steps;  // panel rows: k / F::kPerStep, rounded up
+  int64_t panel_bytes() const { return steps * kPanel * int64_t{sizeof(float)}; }
 };
 
 // Bytes of the next panel a later tile requests per step of k: the later tiles of a panel share
@@ -85,32 +120,33 @@ TilePlan tile_plan(int64_t m) {
 
 // y[m0 : m0 + R, n0 : n0 + kPanel] (clipped at n) = x[m0 : m0 + R, :] @ panel
 // `ahead`: where in the next panel this tile's requests start, `step` bytes further each k (0: none)
-template <int R, bool kFirst, bool kPacked>
-inline void tile(const Problem& pb, const float* panel, int64_t m0, int64_t n0, const char* ahead = nullptr,
+template <typename F, int R, bool kFirst, bool kPacked>
+inline void tile(const Problem<F>& pb, const char* panel, int64_t m0, int64_t n0, const char* ahead = nullptr,
                  int64_t step = 0) {
+  constexpr int64_t kRowBytes = kPanel * sizeof(float);  // one step's panel row
   f32xN acc[R][kVecs] = {};
-  const float* rows[R];  // unpacked: x's rows
+  const typename F::X* rows[R];  // unpacked (float32 only): x's rows
   for (int r = 0; r < R; ++r) rows[r] = pb.x + (m0 + r) * pb.k;
-  const float* xt = pb.x + m0 * pb.k;  // packed: this tile [K, R]
-  if (ahead == nullptr) ahead = reinterpret_cast<const char*>(panel);  // requests for lines already here
+  const typename F::X* xt = pb.x + m0 * pb.steps;  // packed: this tile [steps, R]
+  if (ahead == nullptr) ahead = panel;  // requests for lines already here
   // the tile's output lines, requested for writing now so that the stores at the end find them in
   // cache instead of each waiting on a fresh line of y (1-4 % less time per product, in-process
   // A/B at llama-100m's decode shapes and a 1024-row prefill product)
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kVecs; ++c) __builtin_prefetch(pb.y + (m0 + r) * pb.n + n0 + c * kLanes, 1, 3);
-  for (int64_t k = 0; k < pb.k; ++k, ahead += step) {
-    const float* wk = panel + k * kPanel;
+  for (int64_t k = 0; k < pb.steps; ++k, ahead += step) {
+    const char* wk = panel + k * kRowBytes;
     // the first tile reads the panel from memory unless the last panel requested it: ask for
     // lines ahead (later tiles hit L2)
     if (kFirst)
-      for (int c = 0; c < kVecs; ++c) __builtin_prefetch(wk + kPrefetch * kPanel + c * kLanes, 0, 3);
+      for (int c = 0; c < kVecs; ++c) __builtin_prefetch(wk + kPrefetch * kRowBytes + c * 64, 0, 3);
     __builtin_prefetch(ahead, 0, 2);  // into L2; a step of 32 asks for each line twice
     __builtin_prefetch(ahead + step / 2, 0, 2);
-    f32xN wv[kVecs];
-    for (int c = 0; c < kVecs; ++c) wv[c] = load(wk + c * kLanes);
+    typename F::W wv[kVecs];
+    for (int c = 0; c < kVecs; ++c) wv[c] = F::weights(wk + c * 64);
     for (int r = 0; r < R; ++r) {
-      const float xv = kPacked ? xt[k * R + r] : rows[r][k];
-      for (int c = 0; c < kVecs; ++c) acc[r][c] += xv * wv[c];
+      const typename F::X xv = kPacked ? xt[k * R + r] : rows[r][k];
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = F::madd(acc[r][c], xv, wv[c]);
     }
   }
   const int64_t cols = std::min<int64_t>(kPanel, pb.n - n0);
@@ -127,28 +163,27 @@ inline void tile(const Problem& pb, const float* panel, int64_t m0, int64_t n0, 
 }
 
 // a tile of `rows` rows (1..kRows)
-template <bool kFirst, bool kPacked, int R = kRows>
-inline void any_tile(int64_t rows, const Problem& pb, const float* panel, int64_t m0, int64_t n0,
+template <typename F, bool kFirst, bool kPacked, int R = kRows>
+inline void any_tile(int64_t rows, const Problem<F>& pb, const char* panel, int64_t m0, int64_t n0,
                      const char* ahead = nullptr, int64_t step = 0) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R, kFirst, kPacked>(pb, panel, m0, n0, ahead, step);
-    any_tile<kFirst, kPacked, R - 1>(rows, pb, panel, m0, n0, ahead, step);
+    if (rows == R) return tile<F, R, kFirst, kPacked>(pb, panel, m0, n0, ahead, step);
+    any_tile<F, kFirst, kPacked, R - 1>(rows, pb, panel, m0, n0, ahead, step);
   }
 }
 
 // panel p; `next`: the panel this thread computes after it (-1: none)
-template <bool kPacked>
-void panel_product(const Problem& pb, const TilePlan& plan, int64_t p, int64_t next) {
-  const float* panel = pb.w + p * pb.k * kPanel;
-  const int64_t n0 = p * kPanel, tiles = plan.count();
-  const int64_t bytes = pb.k * kPanel * int64_t{sizeof(float)}, step = ahead_step(tiles - 1);
-  const char* next_panel = next < 0 ? nullptr : reinterpret_cast<const char*>(pb.w + next * pb.k * kPanel);
+template <typename F, bool kPacked>
+void panel_product(const Problem<F>& pb, const TilePlan& plan, int64_t p, int64_t next) {
+  const int64_t bytes = pb.panel_bytes(), n0 = p * kPanel, tiles = plan.count(), step = ahead_step(tiles - 1);
+  const char* panel = pb.w + p * bytes;
+  const char* next_panel = next < 0 ? nullptr : pb.w + next * bytes;
   int64_t covered = 0;  // bytes of the next panel requested so far
-  any_tile<true, kPacked>(plan.rows(0), pb, panel, 0, n0);
+  any_tile<F, true, kPacked>(plan.rows(0), pb, panel, 0, n0);
   for (int64_t t = 1; t < tiles; ++t) {  // each later tile requests the next stretch of the next panel
     const char* at = next_panel != nullptr && covered < bytes ? next_panel + covered : nullptr;
-    covered += pb.k * step;
-    any_tile<false, kPacked>(plan.rows(t), pb, panel, plan.start(t), n0, at, at ? step : 0);
+    covered += pb.steps * step;
+    any_tile<F, false, kPacked>(plan.rows(t), pb, panel, plan.start(t), n0, at, at ? step : 0);
   }
 }
 
@@ -158,19 +193,46 @@ void pack_tile(const float* rows, int64_t count, int64_t k, float* to) {
     for (int64_t r = 0; r < count; ++r) to[i * count + r] = rows[r * k + i];
 }
 
+// x rounded to bfloat16 as XLA rounds (to nearest, ties to even; NaN stays NaN)
+inline uint32_t bf16_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;  // quiet NaN
+  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+// `count` rows [count, K] of x -> to [ceil(K / 2), count] bfloat16 pairs (k in the low half; 0 past K)
+void pack_tile_bf16(const float* rows, int64_t count, int64_t k, uint32_t* to) {
+  for (int64_t i = 0; i < k; i += 2)
+    for (int64_t r = 0; r < count; ++r) {
+      const float* row = rows + r * k;
+      const uint32_t hi = i + 1 < k ? bf16_bits(row[i + 1]) : 0u;
+      to[(i / 2) * count + r] = bf16_bits(row[i]) | hi << 16;
+    }
+}
+
+// checks shapes: x [M, K], w [P, steps, width], y [M, N]
+ffi::Error check(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd,
+                 int64_t steps, int64_t width) {
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("panel_matmul: expected x [M,K], w [P,steps,width], y [M,N]");
+  const int64_t panels = wd[0], n = yd[1];
+  if (wd[1] != steps || wd[2] != width || yd[0] != xd[0] || n > panels * kPanel || n <= (panels - 1) * kPanel)
+    return ffi::Error::InvalidArgument("panel_matmul: inconsistent shapes");
+  return ffi::Error::Success();
+}
+
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("panel_matmul: expected x [M,K], w [P,K,32], y [M,N]");
-  const int64_t m = xd[0], k = xd[1], panels = wd[0], n = yd[1];
-  if (wd[1] != k || wd[2] != kPanel || yd[0] != m || n > panels * kPanel || n <= (panels - 1) * kPanel)
-    return ffi::Error::InvalidArgument("panel_matmul: inconsistent shapes");
+  const int64_t m = x.dimensions()[0], k = x.dimensions().back(), n = y->dimensions().back();
+  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), k, kPanel); e.failure()) return e;
   if (m == 0 || n == 0) return ffi::Error::Success();
   const TilePlan plan = tile_plan(m);
+  const int64_t panels = w.dimensions()[0];
+  const char* wd = reinterpret_cast<const char*>(w.typed_data());
   if (panels < kPackPanels) {
-    const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), m, k, n};
-    redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<false>(pb, plan, p, next); });
+    const Problem<F32> pb{x.typed_data(), wd, y->typed_data(), m, k, n, k};
+    redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<F32, false>(pb, plan, p, next); });
     return ffi::Error::Success();
   }
   thread_local std::vector<float> packed;  // the calling thread's, reused across calls
@@ -181,10 +243,35 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     const int64_t m0 = plan.start(t);
     pack_tile(xs + m0 * k, plan.rows(t), k, to + m0 * k);
   });
-  const Problem pb{packed.data(), w.typed_data(), y->typed_data(), m, k, n};
-  redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<true>(pb, plan, p, next); });
+  const Problem<F32> pb{packed.data(), wd, y->typed_data(), m, k, n, k};
+  redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<F32, true>(pb, plan, p, next); });
   return ffi::Error::Success();
 }
+
+#ifdef __AVX512BF16__
+// x f32[M, K] rounded to bfloat16 in its row tiles (always copied: the copy is the rounding)
+ffi::Error PanelMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                               ffi::ResultBuffer<ffi::F32> y) {
+  const int64_t m = x.dimensions()[0], k = x.dimensions().back(), n = y->dimensions().back(), steps = (k + 1) / 2;
+  if (w.element_type() != ffi::DataType::BF16 && w.element_type() != ffi::DataType::U16)
+    return ffi::Error::InvalidArgument("panel_matmul_bf16: w must be bfloat16");
+  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), steps, 2 * kPanel); e.failure()) return e;
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const TilePlan plan = tile_plan(m);
+  thread_local std::vector<uint32_t> packed;  // the calling thread's, reused across calls
+  packed.resize(m * steps);                   // each row tile [steps, R] in turn
+  const float* xs = x.typed_data();
+  uint32_t* to = packed.data();
+  redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
+    const int64_t m0 = plan.start(t);
+    pack_tile_bf16(xs + m0 * k, plan.rows(t), k, to + m0 * steps);
+  });
+  const Problem<BF16> pb{packed.data(), static_cast<const char*>(w.untyped_data()), y->typed_data(), m, k, n, steps};
+  redjax::run_on_pool(pool, w.dimensions()[0],
+                      [pb, plan](int64_t p, int64_t next) { panel_product<BF16, true>(pb, plan, p, next); });
+  return ffi::Error::Success();
+}
+#endif
 
 }  // namespace
 
@@ -194,3 +281,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#ifdef __AVX512BF16__
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulBf16, PanelMatmulBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#endif
