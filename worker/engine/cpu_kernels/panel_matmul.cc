@@ -86,11 +86,11 @@ struct BF16 {
 
 template <typename F>
 struct Problem {
-  const typename F::X* x;  // [M, K], or if packed each row tile [steps, R] in turn (tile_plan)
+  const typename F::X* x;  // [M, steps], or if packed each row tile [steps, R] in turn (tile_plan)
   const char* w;           // panels of steps x 128 bytes
   float* y;
-  int64_t m, k, n;
-  int64_t steps;  // panel rows: k / F::kPerStep, rounded up
+  int64_t m, n;
+  int64_t steps;  // panel rows: K / F::kPerStep, rounded up
   int64_t panel_bytes() const { return steps * kPanel * int64_t{sizeof(float)}; }
 };
 
@@ -125,8 +125,8 @@ inline void tile(const Problem<F>& pb, const char* panel, int64_t m0, int64_t n0
                  int64_t step = 0) {
   constexpr int64_t kRowBytes = kPanel * sizeof(float);  // one step's panel row
   f32xN acc[R][kVecs] = {};
-  const typename F::X* rows[R];  // unpacked (float32 only): x's rows
-  for (int r = 0; r < R; ++r) rows[r] = pb.x + (m0 + r) * pb.k;
+  const typename F::X* rows[R];  // unpacked: x's rows
+  for (int r = 0; r < R; ++r) rows[r] = pb.x + (m0 + r) * pb.steps;
   const typename F::X* xt = pb.x + m0 * pb.steps;  // packed: this tile [steps, R]
   if (ahead == nullptr) ahead = panel;  // requests for lines already here
   // the tile's output lines, requested for writing now so that the stores at the end find them in
@@ -187,29 +187,61 @@ void panel_product(const Problem<F>& pb, const TilePlan& plan, int64_t p, int64_
   }
 }
 
-// `count` rows [count, K] of x -> to [K, count]
-void pack_tile(const float* rows, int64_t count, int64_t k, float* to) {
-  for (int64_t i = 0; i < k; ++i)
-    for (int64_t r = 0; r < count; ++r) to[i * count + r] = rows[r * k + i];
+// `count` rows [count, steps] of x -> to [steps, count]
+template <typename T>
+void pack_tile(const T* rows, int64_t count, int64_t steps, T* to) {
+  for (int64_t i = 0; i < steps; ++i)
+    for (int64_t r = 0; r < count; ++r) to[i * count + r] = rows[r * steps + i];
 }
 
-// x rounded to bfloat16 as XLA rounds (to nearest, ties to even; NaN stays NaN)
-inline uint32_t bf16_bits(float x) {
+// A product's x in the row tiles of `plan`, packed [steps, R] each, or where there are fewer than
+// kPackPanels panels used in place (`prepared`, if given, is x in the step format already)
+template <typename F, typename Prepare>
+void run_product(ffi::ThreadPool& pool, const TilePlan& plan, Problem<F> pb, int64_t panels, Prepare prepare) {
+  thread_local std::vector<typename F::X> staged, packed;  // the calling thread's, reused across calls
+  const typename F::X* rows = prepare(staged);
+  if (panels < kPackPanels) {
+    pb.x = rows;
+    redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<F, false>(pb, plan, p, next); });
+    return;
+  }
+  packed.resize(pb.m * pb.steps);  // each row tile [steps, R] in turn
+  typename F::X* to = packed.data();
+  const int64_t steps = pb.steps;
+  redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
+    const int64_t m0 = plan.start(t);
+    pack_tile(rows + m0 * steps, plan.rows(t), steps, to + m0 * steps);
+  });
+  pb.x = packed.data();
+  redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<F, true>(pb, plan, p, next); });
+}
+
+#ifdef __AVX512BF16__
+// x rounded to bfloat16 as XLA rounds it (to nearest, ties to even; NaN stays NaN); the vector
+// conversion below rounds the same way and flushes float32 denormals to zero
+inline uint16_t bf16_bits(float x) {
   uint32_t b;
   std::memcpy(&b, &x, sizeof b);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u;  // quiet NaN
-  return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
-// `count` rows [count, K] of x -> to [ceil(K / 2), count] bfloat16 pairs (k in the low half; 0 past K)
-void pack_tile_bf16(const float* rows, int64_t count, int64_t k, uint32_t* to) {
-  for (int64_t i = 0; i < k; i += 2)
-    for (int64_t r = 0; r < count; ++r) {
-      const float* row = rows + r * k;
-      const uint32_t hi = i + 1 < k ? bf16_bits(row[i + 1]) : 0u;
-      to[(i / 2) * count + r] = bf16_bits(row[i]) | hi << 16;
+// rows f32[count, K] -> bfloat16 pairs [count, steps] (k in the low half; a zero past an odd K)
+void round_rows_bf16(const float* rows, int64_t count, int64_t k, uint32_t* to) {
+  const int64_t steps = (k + 1) / 2;
+  for (int64_t r = 0; r < count; ++r) {
+    const float* row = rows + r * k;
+    uint16_t* out = reinterpret_cast<uint16_t*>(to + r * steps);
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + i + 16), _mm512_loadu_ps(row + i));
+      _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(v));
     }
+    for (; i < k; ++i) out[i] = bf16_bits(row[i]);
+    if (k % 2) out[k] = 0;
+  }
 }
+#endif
 
 // checks shapes: x [M, K], w [P, steps, width], y [M, N]
 ffi::Error check(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd,
@@ -227,29 +259,13 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t m = x.dimensions()[0], k = x.dimensions().back(), n = y->dimensions().back();
   if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), k, kPanel); e.failure()) return e;
   if (m == 0 || n == 0) return ffi::Error::Success();
-  const TilePlan plan = tile_plan(m);
-  const int64_t panels = w.dimensions()[0];
-  const char* wd = reinterpret_cast<const char*>(w.typed_data());
-  if (panels < kPackPanels) {
-    const Problem<F32> pb{x.typed_data(), wd, y->typed_data(), m, k, n, k};
-    redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<F32, false>(pb, plan, p, next); });
-    return ffi::Error::Success();
-  }
-  thread_local std::vector<float> packed;  // the calling thread's, reused across calls
-  packed.resize(m * k);                    // each row tile [K, R] in turn
-  const float* xs = x.typed_data();
-  float* to = packed.data();
-  redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
-    const int64_t m0 = plan.start(t);
-    pack_tile(xs + m0 * k, plan.rows(t), k, to + m0 * k);
-  });
-  const Problem<F32> pb{packed.data(), wd, y->typed_data(), m, k, n, k};
-  redjax::run_on_pool(pool, panels, [pb, plan](int64_t p, int64_t next) { panel_product<F32, true>(pb, plan, p, next); });
+  const Problem<F32> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()), y->typed_data(), m, n, k};
+  run_product(pool, tile_plan(m), pb, w.dimensions()[0], [&](auto&) { return x.typed_data(); });
   return ffi::Error::Success();
 }
 
 #ifdef __AVX512BF16__
-// x f32[M, K] rounded to bfloat16 in its row tiles (always copied: the copy is the rounding)
+// x f32[M, K], rounded to bfloat16 pairs first (in parallel, by row tiles)
 ffi::Error PanelMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                                ffi::ResultBuffer<ffi::F32> y) {
   const int64_t m = x.dimensions()[0], k = x.dimensions().back(), n = y->dimensions().back(), steps = (k + 1) / 2;
@@ -258,17 +274,17 @@ ffi::Error PanelMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), steps, 2 * kPanel); e.failure()) return e;
   if (m == 0 || n == 0) return ffi::Error::Success();
   const TilePlan plan = tile_plan(m);
-  thread_local std::vector<uint32_t> packed;  // the calling thread's, reused across calls
-  packed.resize(m * steps);                   // each row tile [steps, R] in turn
+  const Problem<BF16> pb{nullptr, static_cast<const char*>(w.untyped_data()), y->typed_data(), m, n, steps};
   const float* xs = x.typed_data();
-  uint32_t* to = packed.data();
-  redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
-    const int64_t m0 = plan.start(t);
-    pack_tile_bf16(xs + m0 * k, plan.rows(t), k, to + m0 * steps);
+  run_product(pool, plan, pb, w.dimensions()[0], [&](std::vector<uint32_t>& staged) {
+    staged.resize(m * steps);
+    uint32_t* to = staged.data();
+    redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
+      const int64_t m0 = plan.start(t);
+      round_rows_bf16(xs + m0 * k, plan.rows(t), k, to + m0 * steps);
+    });
+    return static_cast<const uint32_t*>(staged.data());
   });
-  const Problem<BF16> pb{packed.data(), static_cast<const char*>(w.untyped_data()), y->typed_data(), m, k, n, steps};
-  redjax::run_on_pool(pool, w.dimensions()[0],
-                      [pb, plan](int64_t p, int64_t next) { panel_product<BF16, true>(pb, plan, p, next); });
   return ffi::Error::Success();
 }
 #endif
