@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from tests.hf_models import ARCHITECTURES, make_hf_model
 from worker.engine import cpu_layer_ops, cpu_matmul
@@ -109,3 +110,20 @@ def test_a_model_on_the_kernels_matches_transformers(checkpoint):
     scale = np.abs(ref).max()
     assert np.abs(ours - ref).max() <= 1e-4 * scale, name
     assert np.abs(ours - plain).max() <= 1e-5 * scale, name
+
+
+def test_a_bfloat16_model_on_the_kernels_matches_its_plain_self(checkpoint):
+    """bfloat16 norm weights are widened exactly (the activations stay float32), so the kernels
+    give the plain bfloat16 forward's answers; with bfloat16 products on the panel kernel where the
+    CPU has AVX512-BF16, else on XLA."""
+    name, path, _ = checkpoint
+    model = load_model(path, "bfloat16")
+    packed = cpu_matmul.pack_model(model) if cpu_matmul.load(jnp.bfloat16) else model
+    fast = cpu_layer_ops.with_kernels(nnx.merge(*nnx.split(packed)))  # a copy: `model` stays plain
+    assert isinstance(fast.model.layers[0].post_attention_layernorm, cpu_layer_ops.KernelRMSNorm)
+    assert fast.model.norm.weight[...].dtype == jnp.bfloat16
+    tokens = np.random.default_rng(6).integers(0, model.cfg.vocab_size, (2, 13)).astype(np.int32)
+    ours = np.asarray(jax.jit(lambda t: fast(t))(jnp.asarray(tokens)))
+    plain = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens)))
+    # a sum in another order can round an activation to the neighbouring bfloat16 at the next product
+    assert np.abs(ours - plain).max() <= 1e-2 * np.abs(plain).max(), name
