@@ -164,3 +164,12 @@ def test_a_row_comes_out_the_same_in_any_batch(n, dtype):
     for lo, hi in ((0, 1), (7, 8), (3, 11), (50, 63), (88, 100)):
         part = np.asarray(cpu_matmul.matmul(jnp.asarray(x[lo:hi]), panels, n))
         assert np.array_equal(part, full[lo:hi]), (lo, hi)
+
+
+def test_a_handler_missing_from_the_build_leaves_the_xla_path(caplog):
+    # PanelMatmulBf16 is compiled only where the compiler targets AVX512-BF16: asking for a handler
+    # the library lacks must say so and return False, not raise
+    from worker.engine import cpu_build
+
+    assert not cpu_build.register("panel_matmul.cc", "PanelMatmulNoSuchHandler", "redjax_missing_handler")
+    assert "PanelMatmulNoSuchHandler" in caplog.text

@@ -76,5 +76,10 @@ def register(source_name: str, symbol: str, target: str) -> bool:
     library = build(KERNELS / source_name)
     if library is None:
         return False
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(ctypes.CDLL(str(library)), symbol)), platform="cpu")
+    try:  # a handler compiled only for some instruction sets (bfloat16 products) may be absent
+        handler = getattr(ctypes.CDLL(str(library)), symbol)
+    except AttributeError:
+        log.warning("%s has no %s for this CPU and compiler: the XLA path is used", source_name, symbol)
+        return False
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return True
