@@ -124,6 +124,10 @@ struct Ahead {
   int64_t offset = 0;  // bytes of ranges[range] requested so far
 
   void reset(int64_t bytes) { ranges.clear(), page_bytes = bytes, range = 0, offset = 0; }
+  // decode reads request as many bytes of the queue as they read, step by step, rather than a
+  // page's worth before each page: a burst of 256 requests held back the page's own loads
+  // (llama-100m shape, 64 rows, 12 layers: 0.86-0.94 of the time, float32 and bfloat16 pages,
+  // consecutive and scattered)
   void add(const char* at, int64_t bytes) { ranges.push_back({at, bytes}); }
   // request the next `bytes` of the queue (whole 64-byte lines) into L2
   void pump(int64_t bytes) {
@@ -322,14 +326,17 @@ inline void store32(float* p, f32xN a, f32xN b) {
   }
 }
 
-// Scores as key_step16 computes them, over PAIRS * 32 keys loaded 32 at a time (load32).
+// Scores as key_step16 computes them, over PAIRS * 32 keys loaded 32 at a time (load32); each
+// dimension's read of PAIRS * 32 keys requests as many bytes of `ahead`'s queue.
 template <int DIM, int G, int PAIRS, typename E>
-inline void key_step32(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* out, int64_t stride) {
+inline void key_step32(const float (&qt)[DIM][G], const E* kp, int64_t ps, float* out, int64_t stride,
+                       Ahead& ahead) {
   constexpr int KD = sets_for(G * PAIRS * 2);
   static_assert(DIM % KD == 0);
   f32xN acc[KD][G][PAIRS][2] = {};
   for (int i = 0; i < DIM; i += KD)
-    for (int u = 0; u < KD; ++u)
+    for (int u = 0; u < KD; ++u) {
+      ahead.pump(PAIRS * 2 * kLanes * sizeof(E));
       for (int r = 0; r < PAIRS; ++r) {
         f32xN a, b;
         load32(kp + (i + u) * ps + r * 2 * kLanes, a, b);
@@ -338,6 +345,7 @@ inline void key_step32(const float (&qt)[DIM][G], const E* kp, int64_t ps, float
           acc[u][h][r][1] += qt[i + u][h] * b;
         }
       }
+    }
   for (int h = 0; h < G; ++h)
     for (int r = 0; r < PAIRS; ++r) {
       f32xN a = acc[0][h][r][0], b = acc[0][h][r][1];
@@ -379,13 +387,15 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
   for (int64_t col = c0; col <= c1; ++col) {
     const E* kp = key_page(col);  // [D, ps]
     if (col < c1) prime(key_page(col + 1));
-    scratch.ahead.pump(scratch.ahead.page_bytes);
     float* out = scores + (col - c0) * ps;
     // the last page only up to the row's last key (in runs of 16): a partly filled page is read
     // in part
     const int64_t keys = col < c1 ? ps : last_page_keys(hi - col * ps, ps, sizeof(E));
+    // a page's worth of the queue in all: what the 64-key steps below do not request, now
+    scratch.ahead.pump(scratch.ahead.page_bytes - keys / (4 * kLanes) * (4 * kLanes) * DIM * int64_t{sizeof(E)});
     int64_t t = 0;
-    for (; t + 4 * kLanes <= keys; t += 4 * kLanes) key_step32<DIM, G, 2>(qt, kp + t, ps, out + t, span);
+    for (; t + 4 * kLanes <= keys; t += 4 * kLanes)
+      key_step32<DIM, G, 2>(qt, kp + t, ps, out + t, span, scratch.ahead);
     for (; t < keys; t += kLanes) key_step16<DIM, G>(qt, kp + t, ps, out + t, span);
   }
   const int64_t first = lo - c0 * ps;  // scores [first, first + n) of each head are visible
@@ -408,12 +418,16 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
       for (int64_t col = c0; col <= c1; ++col) {
         const E* rows = value_page(col);  // [ps, D]
         if (h0 == 0 && col < c1) prime(value_page(col + 1));
-        if (h0 == 0) scratch.ahead.pump(scratch.ahead.page_bytes);
         const int64_t from = std::max(lo, col * ps) - col * ps, to = std::min(hi, col * ps + ps) - col * ps;
+        // the first pass over the page requests a value row's bytes of the queue per row it reads
+        // (what its rows in steps of KS do not cover, now)
+        const int64_t row_bytes = h0 == 0 ? DIM * int64_t{sizeof(E)} : 0;
+        if (h0 == 0) scratch.ahead.pump(scratch.ahead.page_bytes - (to - from) / KS * KS * row_bytes);
         const float* p = scores + h0 * span + (col - c0) * ps;  // this page's probabilities of head h0
         int64_t t = from;
         for (; t + KS <= to; t += KS)
-          for (int u = 0; u < KS; ++u)
+          for (int u = 0; u < KS; ++u) {
+            scratch.ahead.pump(row_bytes);
             for (int c = 0; c < NP; ++c) {
               f32xN a, b;
               load32(rows + (t + u) * DIM + c * 2 * kLanes, a, b);
@@ -422,6 +436,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
                 acc[u][h][c][1] += p[h * span + t + u] * b;
               }
             }
+          }
         for (; t < to; ++t)
           for (int c = 0; c < NP; ++c) {
             f32xN a, b;
