@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine_support import drain, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import ARCHITECTURES, make_hf_model
 from worker.engine import cpu_matmul
 from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
 from worker.models.llama import Linear
 from worker.models.loader import load_model
 
@@ -173,3 +176,30 @@ def test_a_handler_missing_from_the_build_leaves_the_xla_path(caplog):
 
     assert not cpu_build.register("panel_matmul.cc", "PanelMatmulNoSuchHandler", "redjax_missing_handler")
     assert "PanelMatmulNoSuchHandler" in caplog.text
+
+
+def test_bfloat16_model_runs_its_products_on_the_kernel_where_the_cpu_has_it(tmp_path, tokenizer):
+    """A bfloat16 model's products run on the packed bfloat16 kernel where the CPU multiplies
+    bfloat16 pairs (AVX512-BF16), and give XLA's bfloat16 products' answers: the same greedy tokens,
+    and logprobs within bfloat16 rounding (sums in another order can round an activation to the
+    next bfloat16 at a later product), batched and fused."""
+    make_hf_model("qwen2", tmp_path, vocab_size=len(tokenizer))
+    bf16 = load_model(tmp_path, "bfloat16")
+    sizes = dict(max_num_seqs=8, page_size=4, num_pages=20, max_num_batched_tokens=16, decode_steps=4)
+    kernel = LLMEngine(bf16, tokenizer, EngineConfig(**sizes))
+    xla = LLMEngine(bf16, tokenizer, EngineConfig(**sizes, matmul="xla"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (1, 3, 6, 11, 17, 24, 30, 41)]
+    assert kernel.matmul == ("kernel" if cpu_matmul.has_cpu_flag("avx512_bf16") else "xla") and xla.matmul == "xla"
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    results = []
+    for engine in (kernel, xla):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        results.append(drain(engine))
+    assert kernel.allocator.num_free_pages == xla.allocator.num_free_pages
+    for key, got in results[0].items():
+        ref = results[1][key]
+        assert got.token_ids == ref.token_ids, key
+        np.testing.assert_allclose([e["logprob"] for e in got.logprobs], [e["logprob"] for e in ref.logprobs],
+                                   atol=1e-2)

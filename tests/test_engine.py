@@ -485,27 +485,3 @@ def test_bfloat16_kv_cache_halves_page_memory_and_stays_close_to_the_float32_for
     for k, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
         assert entry["logprob"] == pytest.approx(ref[len(prompt) - 1 + k][token], abs=3e-2), k
         assert ref[len(prompt) - 1 + k][token] >= ref[len(prompt) - 1 + k].max() - 3e-2  # greedy up to rounding
-
-
-
-def test_bfloat16_model_runs_its_products_on_the_kernel_where_the_cpu_has_it(random_ckpt, tokenizer, prompts):
-    """A bfloat16 model's products run on the packed bfloat16 kernel where the CPU multiplies
-    bfloat16 pairs (AVX512-BF16), and give XLA's bfloat16 products' answers: the same greedy tokens,
-    and logprobs within bfloat16 rounding (sums in another order can round an activation to the
-    next bfloat16 at a later product), batched and fused."""
-    bf16 = load_model(random_ckpt[0], "bfloat16")
-    kernel = make_engine(bf16, tokenizer, TIGHT)
-    xla = make_engine(bf16, tokenizer, TIGHT, matmul="xla")
-    assert kernel.matmul == ("kernel" if cpu_matmul.has_cpu_flag("avx512_bf16") else "xla") and xla.matmul == "xla"
-    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True, logprobs=0)
-    results = []
-    for engine in (kernel, xla):
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params)
-        results.append(drain(engine))
-    assert kernel.allocator.num_free_pages == xla.allocator.num_free_pages
-    for key, got in results[0].items():
-        ref = results[1][key]
-        assert got.token_ids == ref.token_ids, key
-        np.testing.assert_allclose([e["logprob"] for e in got.logprobs], [e["logprob"] for e in ref.logprobs],
-                                   atol=1e-2)
