@@ -203,3 +203,20 @@ def test_bfloat16_model_runs_its_products_on_the_kernel_where_the_cpu_has_it(tmp
         assert got.token_ids == ref.token_ids, key
         np.testing.assert_allclose([e["logprob"] for e in got.logprobs], [e["logprob"] for e in ref.logprobs],
                                    atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_the_kernel_refuses_inconsistent_shapes(dtype):
+    if not cpu_matmul.load(dtype):  # bfloat16 weights without AVX512-BF16: no kernel to call
+        assert dtype == jnp.bfloat16 and not BF16_KERNEL
+        return
+    target = cpu_matmul.TARGETS[jnp.dtype(dtype)]
+    panels = cpu_matmul.pack(jnp.ones((40, 70), dtype))
+    call = lambda x, w, n: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)  # noqa: E731
+    assert call(jnp.ones((3, 40)), panels, 70).shape == (3, 70)
+    with pytest.raises(Exception, match="inconsistent shapes"):
+        call(jnp.ones((3, 41 if dtype == jnp.float32 else 42)), panels, 70).block_until_ready()  # another K
+    with pytest.raises(Exception, match="inconsistent shapes"):
+        call(jnp.ones((3, 40)), panels, 100).block_until_ready()  # more columns than the panels hold
+    with pytest.raises(Exception, match="expected x"):
+        call(jnp.ones((3, 4, 40)), panels, 70).block_until_ready()

@@ -28,9 +28,10 @@
 // bfloat16 weights (PanelMatmulBf16, built where the CPU has AVX512-BF16) are stored as pairs of
 // consecutive k: a panel row is [kPanel columns, 2] for k and k + 1, and one VDPBF16PS multiplies
 // 16 columns by both and adds them into the float32 accumulators, twice the k of a float32 FMA
-// per instruction at the same 128 bytes of panel per step. x is rounded to bfloat16 (to nearest
-// even, as XLA's astype) when it is copied into its row tiles; products are exact in float32, so
-// the result is XLA's bfloat16 x bfloat16 -> float32 product up to the order of the sums.
+// per instruction at the same 128 bytes of panel per step. x is first rounded to bfloat16 pairs
+// [M, ceil(K / 2)] (to nearest even, as XLA's astype), then read in place or copied into row tiles
+// as float32 x is; products are exact in float32, so the result is XLA's bfloat16 x bfloat16 ->
+// float32 product up to the order of the sums.
 //
 // Shapes: x f32[M, K]; w f32[P, K, kPanel], or bf16 [P, ceil(K / 2), 2 * kPanel] (columns past N
 // and a k past K are zero padding); y f32[M, N] with (P - 1) * kPanel < N <= P * kPanel.
@@ -66,7 +67,6 @@ constexpr int64_t kPackPanels = 64;
 struct F32 {
   using X = float;
   using W = f32xN;
-  static constexpr int64_t kPerStep = 1;
   static W weights(const void* p) { return load(static_cast<const float*>(p)); }
   static f32xN madd(f32xN acc, X x, W w) { return acc + x * w; }
 };
@@ -75,7 +75,6 @@ struct F32 {
 struct BF16 {
   using X = uint32_t;  // x[k] (low half) and x[k + 1] as bfloat16
   using W = __m512bh;  // 16 columns x (k, k + 1)
-  static constexpr int64_t kPerStep = 2;
   static W weights(const void* p) { return reinterpret_cast<W>(_mm512_loadu_si512(p)); }
   static f32xN madd(f32xN acc, X x, W w) {
     return reinterpret_cast<f32xN>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
@@ -90,7 +89,7 @@ struct Problem {
   const char* w;           // panels of steps x 128 bytes
   float* y;
   int64_t m, n;
-  int64_t steps;  // panel rows: K / F::kPerStep, rounded up
+  int64_t steps;  // panel rows: K for float32 weights, ceil(K / 2) for bfloat16
   int64_t panel_bytes() const { return steps * kPanel * int64_t{sizeof(float)}; }
 };
 
@@ -194,8 +193,9 @@ void pack_tile(const T* rows, int64_t count, int64_t steps, T* to) {
     for (int64_t r = 0; r < count; ++r) to[i * count + r] = rows[r * steps + i];
 }
 
-// A product's x in the row tiles of `plan`, packed [steps, R] each, or where there are fewer than
-// kPackPanels panels used in place (`prepared`, if given, is x in the step format already)
+// A product over `panels` panels. `prepare(staged)` gives x in the step format [M, steps] (the
+// input itself, or written into `staged`); over kPackPanels panels or more it is copied into the
+// row tiles of `plan` ([steps, R] each) first, under that read in place.
 template <typename F, typename Prepare>
 void run_product(ffi::ThreadPool& pool, const TilePlan& plan, Problem<F> pb, int64_t panels, Prepare prepare) {
   thread_local std::vector<typename F::X> staged, packed;  // the calling thread's, reused across calls
@@ -243,21 +243,22 @@ void round_rows_bf16(const float* rows, int64_t count, int64_t k, uint32_t* to) 
 }
 #endif
 
-// checks shapes: x [M, K], w [P, steps, width], y [M, N]
+// checks shapes: x [M, K], w [P, ceil(K / per_step), per_step * kPanel], y [M, N]
 ffi::Error check(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd,
-                 int64_t steps, int64_t width) {
+                 int64_t per_step) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument("panel_matmul: expected x [M,K], w [P,steps,width], y [M,N]");
-  const int64_t panels = wd[0], n = yd[1];
-  if (wd[1] != steps || wd[2] != width || yd[0] != xd[0] || n > panels * kPanel || n <= (panels - 1) * kPanel)
+  const int64_t panels = wd[0], n = yd[1], steps = (xd[1] + per_step - 1) / per_step;
+  if (wd[1] != steps || wd[2] != per_step * kPanel || yd[0] != xd[0] || n > panels * kPanel ||
+      n <= (panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("panel_matmul: inconsistent shapes");
   return ffi::Error::Success();
 }
 
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::ResultBuffer<ffi::F32> y) {
-  const int64_t m = x.dimensions()[0], k = x.dimensions().back(), n = y->dimensions().back();
-  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), k, kPanel); e.failure()) return e;
+  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), 1); e.failure()) return e;
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = y->dimensions()[1];
   if (m == 0 || n == 0) return ffi::Error::Success();
   const Problem<F32> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()), y->typed_data(), m, n, k};
   run_product(pool, tile_plan(m), pb, w.dimensions()[0], [&](auto&) { return x.typed_data(); });
@@ -268,10 +269,10 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 // x f32[M, K], rounded to bfloat16 pairs first (in parallel, by row tiles)
 ffi::Error PanelMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                                ffi::ResultBuffer<ffi::F32> y) {
-  const int64_t m = x.dimensions()[0], k = x.dimensions().back(), n = y->dimensions().back(), steps = (k + 1) / 2;
   if (w.element_type() != ffi::DataType::BF16 && w.element_type() != ffi::DataType::U16)
     return ffi::Error::InvalidArgument("panel_matmul_bf16: w must be bfloat16");
-  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), steps, 2 * kPanel); e.failure()) return e;
+  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), 2); e.failure()) return e;
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = y->dimensions()[1], steps = (k + 1) / 2;
   if (m == 0 || n == 0) return ffi::Error::Success();
   const TilePlan plan = tile_plan(m);
   const Problem<BF16> pb{nullptr, static_cast<const char*>(w.untyped_data()), y->typed_data(), m, n, steps};
