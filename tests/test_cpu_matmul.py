@@ -212,7 +212,9 @@ def test_the_kernel_refuses_inconsistent_shapes(dtype):
         return
     target = cpu_matmul.TARGETS[jnp.dtype(dtype)]
     panels = cpu_matmul.pack(jnp.ones((40, 70), dtype))
-    call = lambda x, w, n: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)  # noqa: E731
+    def call(x, w, n):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)
+
     assert call(jnp.ones((3, 40)), panels, 70).shape == (3, 70)
     with pytest.raises(Exception, match="inconsistent shapes"):
         call(jnp.ones((3, 41 if dtype == jnp.float32 else 42)), panels, 70).block_until_ready()  # another K

@@ -26,13 +26,17 @@ TARGETS = {jnp.dtype(jnp.float32): "redjax_panel_matmul", jnp.dtype(jnp.bfloat16
 PANEL = 32  # columns per panel: kPanel in the kernel
 
 
-@lru_cache(maxsize=2)
 def load(dtype=jnp.float32) -> bool:
     """Build (once per source and flags) and register the kernel for `dtype` weights (float32, or
     bfloat16 where the CPU has AVX512-BF16); False if it cannot be built."""
-    if jnp.dtype(dtype) == jnp.bfloat16:
+    return _load(jnp.dtype(dtype).name)
+
+
+@lru_cache(maxsize=None)
+def _load(dtype: str) -> bool:  # once per dtype, however it is spelled
+    if dtype == "bfloat16":
         return has_cpu_flag("avx512_bf16") and cpu_build.register("panel_matmul.cc", "PanelMatmulBf16",
-                                                                  TARGETS[jnp.dtype(dtype)])
+                                                                  TARGETS[jnp.dtype(jnp.bfloat16)])
     return cpu_build.register("panel_matmul.cc", "PanelMatmul", TARGETS[jnp.dtype(jnp.float32)])
 
 
@@ -79,7 +83,7 @@ def kernel_dtype(model: LlamaForCausalLM):
     params = {jnp.dtype(v[...].dtype) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     computes = {jnp.dtype(m.dtype) for _, m in nnx.iter_modules(model) if isinstance(m, Linear)}
     dtypes = params | computes | {jnp.dtype(model.model.dtype)}
-    return dtypes.pop() if len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)} else None
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= set(TARGETS) else None
 
 
 def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
