@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -75,3 +76,10 @@ def make_hf_model(name: str, out_dir: Path, seed: int = 0, dtype=torch.float32, 
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    """(architecture, directory, its transformers model) for every test architecture, once per module."""
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, make_hf_model(request.param, path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.hf_models import ARCHITECTURES, make_hf_model
+from tests.hf_models import checkpoint  # noqa: F401 (a fixture)
 from worker.engine import cpu_layer_ops, cpu_matmul
 from worker.models.config import ModelConfig
 from worker.models.llama import RMSNorm, Rotary
@@ -82,12 +82,6 @@ def test_bad_shapes_are_refused():
     with pytest.raises(Exception, match="rope"):
         jax.ffi.ffi_call(cpu_layer_ops.ROPE, jax.ShapeDtypeStruct((2, 1, 4), jnp.float32))(
             jnp.ones((2, 1, 4)), jnp.ones((3, 4)), jnp.ones((3, 4))).block_until_ready()
-
-
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def checkpoint(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, path, make_hf_model(request.param, path)
 
 
 def test_a_model_on_the_kernels_matches_transformers(checkpoint):

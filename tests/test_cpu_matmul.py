@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.engine_support import drain, tokenizer  # noqa: F401 (a fixture)
-from tests.hf_models import ARCHITECTURES, make_hf_model
+from tests.hf_models import checkpoint, make_hf_model  # noqa: F401 (a fixture)
 from worker.engine import cpu_matmul
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
@@ -51,12 +51,6 @@ def test_leading_dimensions_and_an_empty_batch():
     assert got.shape == (2, 3, 70)
     np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
     assert cpu_matmul.matmul(jnp.zeros((0, 40)), panels, 70).shape == (0, 70)
-
-
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def checkpoint(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, path, make_hf_model(request.param, path)
 
 
 def test_packed_model_matches_transformers_and_leaves_the_original_alone(checkpoint):
