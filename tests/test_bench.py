@@ -197,6 +197,15 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
     for p in report["pairs"]:
         assert p["serve_failed"] == 0
         assert p["ratio"] == pytest.approx(p["serve_output_tokens_per_s"] / p["offline_output_tokens_per_s"])
+        # where the CPU went: the worker's XLA compute threads apart from its others, the API, this
+        # process (the load generator); offline, the engine's own process
+        # (a run this short may take under one clock tick of some threads' CPU)
+        serve, offline = p["serve_cpu"]["by_thread_group"], p["offline_cpu"]["by_thread_group"]
+        assert set(serve) == {"API", "worker compute", "worker other", "load generator"}
+        assert set(offline) == {"engine compute", "engine other"}
+        assert min(serve.values()) >= 0 and min(offline.values()) >= 0
+        for usage in (p["serve_cpu"], p["offline_cpu"]):
+            assert usage["idle_core_s"] >= 0 and usage["rest_core_s"] >= 0 and usage["cores"] == os.cpu_count()
     assert report["median_ratio"] == pytest.approx(statistics.median(p["ratio"] for p in report["pairs"]))
     assert report["engine_flags"] == ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--page-size", "8",
                                       "--num-pages", "128"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from worker.bench import cpu_usage
 from worker.cli import _engine_flags, _engine_overrides, engine_argv, log_to_stderr, resolve_model
 
 
@@ -80,6 +81,8 @@ def offline(argv: list[str]) -> int:
     if "prefill_token_us" in r:
         print(f"  prefill: {r['prefill_token_us']:.1f} us/token (ideal {r['prefill_ideal_token_us']:.1f} us): "
               f"roofline {r['prefill_roofline_fraction']:.1%}, host {r['prefill_host_fraction']:.1%}")
+    if r["cpu"] is not None:
+        print(f"  CPU of the first round, {cpu_usage.describe(r['cpu'])}")
     if "ratio" in r:
         same = (f" (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts)"
                 if "greedy_match_fraction" in r else "")

@@ -8,6 +8,7 @@ through Hugging Face transformers (`hf_baseline.py`) on the same weights.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.bench import roofline
+from worker.bench import cpu_usage, roofline
 from worker.bench.probe import StepProbe
 from worker.bench.tokenizer import IdTokenizer
 from worker.engine.config import EngineConfig
@@ -154,11 +155,13 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     first_trials: dict[int, float] = {}  # transformers output tokens/s by batch size, first round
     for r in range(rounds):
         prompts = work.prompts(cfg.vocab_size, seed=work.seed + 1000 * r)  # round 0: the workload's own seed
+        before = cpu_usage.take({"engine": [os.getpid()]})
         seconds, outputs = run_engine(engine, prompts, work.output_len, probe, work=work)
+        cpu = cpu_usage.between(before, cpu_usage.take({"engine": [os.getpid()]}))
         out_tokens = sum(len(o) for o in outputs)
         log.info("round %d: %d output tokens in %.2f s", r, out_tokens, seconds)
         fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
-               "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds}
+               "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds, "cpu": cpu}
         if compare_hf:
             sizes = [hf_batch_size] if hf_batch_size else auto_batch_sizes(work.num_prompts)
             hf_seconds, hf_outputs, hf_batch_size, trials = _fastest_baseline(weights_dir, prompts, work, dtype, sizes)
@@ -184,6 +187,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "total_tokens_per_s": median("total_tokens_per_s"),
         "compiles_during_run": len(engine.runner.compiled) + len(engine.runner.ready) - compiled,
         "startup": startup,  # before the measured run: seconds, and the variants compiled ahead
+        "cpu": per_round[0]["cpu"],  # the first round's core-seconds by thread group, and idle
     }
     kv_itemsize = engine.runner.kv.dtype.itemsize
     report["kv_cache_dtype"] = str(engine.runner.kv.dtype)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from worker.bench import cpu_usage
+
 WARMUP_PROMPTS = 64  # the first serving load of a fresh stack, at most this many requests
 WARMUP_OUTPUT_LEN = 16
 READY_TIMEOUT_S = 900.0  # the worker compiles its step shapes before it joins
@@ -57,7 +59,7 @@ def bench_stack(run: StackRun, log=print) -> dict:
             print(f"pair {i + 1}/{run.pairs}: {'serving through redjax serve' if half == 'serve' else 'offline engine'}",
                   file=sys.stderr, flush=True)
             if half == "serve":
-                report = _serve_once(run, seed)
+                report, pair["serve_cpu"] = _serve_once(run, seed)
                 prompt_tokens = prompt_tokens or max(1, round(report["prompt_tokens"] / max(1, report["completed"])))
                 pair["serve_output_tokens_per_s"] = report["output_token_throughput"]
                 pair["serve_failed"] = report["failed"]
@@ -65,10 +67,13 @@ def bench_stack(run: StackRun, log=print) -> dict:
             else:
                 offline = _offline_once(run, prompt_tokens, seed + 1)
                 pair["offline_output_tokens_per_s"] = offline["output_tokens_per_s"]
+                pair["offline_cpu"] = offline["cpu"]
         pair["ratio"] = pair["serve_output_tokens_per_s"] / pair["offline_output_tokens_per_s"]
         pairs.append(pair)
         log(f"pair {i + 1}/{run.pairs} ({order[0]} first): serving {pair['serve_output_tokens_per_s']:.1f}, "
             f"offline {pair['offline_output_tokens_per_s']:.1f} output tok/s -> {pair['ratio']:.3f}x")
+        log(f"  serving CPU, {cpu_usage.describe(pair['serve_cpu'])}")
+        log(f"  offline CPU, {cpu_usage.describe(pair['offline_cpu'])}")
     serve = [p["serve_output_tokens_per_s"] for p in pairs]
     offline = [p["offline_output_tokens_per_s"] for p in pairs]
     return {
@@ -83,7 +88,8 @@ def bench_stack(run: StackRun, log=print) -> dict:
     }
 
 
-def _serve_once(run: StackRun, seed: int) -> dict:
+def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
+    """The measured run's report, and where the machine's CPU went during it."""
     from worker.bench.serve import Load, bench_serve, random_prompts
 
     port = _free_port()
@@ -99,8 +105,11 @@ def _serve_once(run: StackRun, seed: int) -> dict:
             warm = min(run.num_prompts, WARMUP_PROMPTS)
             bench_serve(url, None, random_prompts(warm, run.input_len, seed + 7),
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
-            return bench_serve(url, None, random_prompts(run.num_prompts, run.input_len, seed),
-                               Load(run.num_prompts, output_len=run.output_len, seed=seed))
+            prompts = random_prompts(run.num_prompts, run.input_len, seed)
+            roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid), "load generator": [os.getpid()]}
+            before = cpu_usage.take(roles)  # redis-server (its own daemon) is in the rest
+            report = bench_serve(url, None, prompts, Load(run.num_prompts, output_len=run.output_len, seed=seed))
+            return report, cpu_usage.between(before, cpu_usage.take(roles))
         finally:
             _stop(proc)
 
