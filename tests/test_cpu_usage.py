@@ -87,6 +87,8 @@ def test_children_and_missing_inputs():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         assert child.pid in cpu_usage.children(os.getpid())
+        assert child.pid in cpu_usage.children(os.getpid(), "-c")  # its arguments: python -c CODE
+        assert child.pid not in cpu_usage.children(os.getpid(), "worker")
         assert cpu_usage.take({"gone": [2**22 + 12345]}).cpu_s == {}  # a process that is gone: no threads
     finally:
         child.kill()

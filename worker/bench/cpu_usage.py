@@ -56,23 +56,25 @@ def between(before: Snapshot | None, after: Snapshot | None) -> dict | None:
 
 
 def describe(usage: dict | None) -> str:
-    """One line: the largest shares first."""
+    """One line: the thread groups, largest first, then the rest and the idle time."""
     if usage is None:
         return "CPU breakdown not available on this system"
-    parts = sorted(usage["by_thread_group"].items(), key=lambda kv: -kv[1])
+    parts = [kv for kv in sorted(usage["by_thread_group"].items(), key=lambda kv: -kv[1]) if kv[1] >= 0.005]
     parts += [("rest", usage["rest_core_s"]), ("idle", usage["idle_core_s"])]
     total = usage["wall_s"] * usage["cores"]
     return (f"core-s of {total:.2f} ({usage['cores']} cores x {usage['wall_s']:.2f} s): "
-            + ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts if seconds >= 0.005))
+            + ", ".join(f"{name} {seconds:.2f}" for name, seconds in parts))
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
+def children(pid: int, argument: str | None = None) -> list[int]:
+    """The processes whose parent is `pid` (and, if given, with `argument` among their arguments)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                    continue
+                if argument is None or argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
                     found.append(int(entry.name))
             except (OSError, ValueError, IndexError):
                 continue  # gone meanwhile

@@ -106,7 +106,7 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
             bench_serve(url, None, random_prompts(warm, run.input_len, seed + 7),
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
             prompts = random_prompts(run.num_prompts, run.input_len, seed)
-            roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid), "load generator": [os.getpid()]}
+            roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid, "worker"), "load generator": [os.getpid()]}
             before = cpu_usage.take(roles)  # redis-server (its own daemon) is in the rest
             report = bench_serve(url, None, prompts, Load(run.num_prompts, output_len=run.output_len, seed=seed))
             return report, cpu_usage.between(before, cpu_usage.take(roles))
