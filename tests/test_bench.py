@@ -201,7 +201,10 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
         # process (the load generator); offline, the engine's own process
         # (a run this short may take under one clock tick of some threads' CPU)
         serve, offline = p["serve_cpu"]["by_thread_group"], p["offline_cpu"]["by_thread_group"]
-        assert set(serve) == {"API", "worker compute", "worker other", "load generator"}
+        # (the load generator is this process: split into compute and other where a test imported jax)
+        assert {"API", "worker compute", "worker other"} <= set(serve)
+        assert {k for k in serve if k.startswith("load generator")} in ({"load generator"},
+                                                                       {"load generator compute", "load generator other"})
         assert set(offline) == {"engine compute", "engine other"}
         assert min(serve.values()) >= 0 and min(offline.values()) >= 0
         for usage in (p["serve_cpu"], p["offline_cpu"]):
