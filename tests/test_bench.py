@@ -198,10 +198,9 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
         assert p["serve_failed"] == 0
         assert p["ratio"] == pytest.approx(p["serve_output_tokens_per_s"] / p["offline_output_tokens_per_s"])
         # where the CPU went: the worker's XLA compute threads apart from its others, the API, this
-        # process (the load generator); offline, the engine's own process
-        # (a run this short may take under one clock tick of some threads' CPU)
+        # process (the load generator, split into compute and other where a test imported jax);
+        # offline, the engine's own process. A run this short may take under one clock tick of a thread.
         serve, offline = p["serve_cpu"]["by_thread_group"], p["offline_cpu"]["by_thread_group"]
-        # (the load generator is this process: split into compute and other where a test imported jax)
         assert {"API", "worker compute", "worker other"} <= set(serve)
         assert {k for k in serve if k.startswith("load generator")} in ({"load generator"},
                                                                        {"load generator compute", "load generator other"})
