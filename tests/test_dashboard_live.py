@@ -68,12 +68,15 @@ def make_event(request_id: str, *, ttft_s: float = 0.2, tpot_s: float = 0.02, ou
 
 
 def seed_events(client: redis.Redis, events: list[RequestEvent]) -> None:
-    """Record finished requests exactly as a worker does (event + counters + histograms)."""
+    """Record finished requests exactly as a worker does (event + counters + histograms, the
+    counters summed over the batch)."""
     pipe = client.pipeline()
+    totals = contract.TotalsDelta()
     for event in events:
-        contract.record_finished(pipe, event)
-        pipe.hincrby(contract.TOTALS, contract.TOTAL_PROMPT_TOKENS, event.prompt_tokens)
-        pipe.hincrby(contract.TOTALS, contract.TOTAL_GENERATION_TOKENS, event.output_tokens)
+        contract.record_finished(pipe, event, totals)
+        totals.count(contract.TOTAL_PROMPT_TOKENS, event.prompt_tokens)
+        totals.count(contract.TOTAL_GENERATION_TOKENS, event.output_tokens)
+    totals.write(pipe)
     pipe.execute()
 
 

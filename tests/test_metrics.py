@@ -102,3 +102,30 @@ def test_scrapes_leave_the_global_registry_alone(redis_client, redis_url):
     scrape(redis_url)
     scrape(redis_url)
     assert set(prometheus_client.REGISTRY._names_to_collectors) == before
+
+
+def test_counters_summed_over_a_batch_equal_one_increment_per_request(redis_client):
+    """A worker writes the counters of a batch of finished requests as one increment per field;
+    TOTALS must end up exactly as with every request's increments written one by one."""
+    events = [make_event(f"r{i}", ttft_s=0.01 * (i % 7) + 0.002, tpot_s=0.003 * i, output_tokens=1 + i % 3,
+                         finish_reason="stop" if i % 4 else "length") for i in range(40)]
+    pipe = redis_client.pipeline()
+    for event in events:
+        contract.record_finished(pipe, event)
+    pipe.execute()
+    one_by_one = redis_client.hgetall(contract.TOTALS)
+    redis_client.delete(contract.TOTALS)
+
+    totals = contract.TotalsDelta()
+    pipe = redis_client.pipeline()
+    for event in events:
+        contract.record_finished(pipe, event, totals)
+    totals.write(pipe)
+    commands = len(pipe.command_stack)
+    pipe.execute()
+    batched = redis_client.hgetall(contract.TOTALS)
+
+    assert batched.keys() == one_by_one.keys()
+    for field in one_by_one:
+        assert float(batched[field]) == pytest.approx(float(one_by_one[field])), field
+    assert commands < 40 + 40  # the events, then far fewer than 14 counter increments per request

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -174,7 +174,7 @@ class WorkerStats:
     max_num_seqs: int
 
     def encode(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
+        return {k: str(v) for k, v in vars(self).items()}
 
     @classmethod
     def decode(cls, fields: dict) -> "WorkerStats":
@@ -204,7 +204,7 @@ class RequestEvent:
     finished_at: float
 
     def encode(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
+        return {k: str(v) for k, v in vars(self).items()}
 
     @classmethod
     def decode(cls, fields: dict) -> "RequestEvent":
@@ -213,25 +213,51 @@ class RequestEvent:
         return cls(**{name: conv[f.type](raw[name]) for name, f in cls.__dataclass_fields__.items()})
 
 
-def record_finished(pipe, event: RequestEvent) -> None:
-    """Append the event and move every fleet counter it touches (call inside a pipeline)."""
+class TotalsDelta:
+    """Increments to TOTALS fields, summed over a batch of finished requests and written as one
+    HINCRBY (HINCRBYFLOAT for sums) per field: 64 requests finishing in one step move ~25 fields,
+    where a command per increment took 15 per request (most of a worker's Redis CPU)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.sums: dict[str, float] = {}
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def add(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def write(self, pipe) -> None:
+        for name, n in self.counts.items():
+            pipe.hincrby(TOTALS, name, n)
+        for name, value in self.sums.items():
+            pipe.hincrbyfloat(TOTALS, name, value)
+
+
+def record_finished(pipe, event: RequestEvent, totals: TotalsDelta | None = None) -> None:
+    """Append the event to EVENTS and count it in every fleet counter it touches: in `totals`, for
+    the caller to write once for its whole batch, else now (call inside a pipeline)."""
     pipe.xadd(EVENTS, event.encode(), maxlen=EVENTS_MAXLEN, approximate=True)
-    pipe.hincrby(TOTALS, f"finished:{event.finish_reason}", 1)
+    batch = totals if totals is not None else TotalsDelta()
+    batch.count(f"finished:{event.finish_reason}")
     observations = {"ttft_s": event.ttft_s, "e2e_s": event.e2e_s, "queue_s": event.queue_s}
     if event.output_tokens > 1:
         observations["tpot_s"] = event.tpot_s
     for name, value in observations.items():
-        observe(pipe, name, value)
+        observe(batch, name, value)
+    if totals is None:
+        batch.write(pipe)
 
 
-def observe(pipe, name: str, value: float) -> None:
+def observe(totals: TotalsDelta, name: str, value: float) -> None:
     """Add one observation to the histogram `name` in TOTALS: its bucket (the first bound >= value;
     readers add the buckets up into Prometheus' cumulative ones), the sum and the count. One
     increment per observation, where cumulative fields took up to one per bound."""
     bound = next((b for b in LATENCY_BUCKETS_S if value <= b), LATENCY_BUCKETS_S[-1])
-    pipe.hincrby(TOTALS, bucket_field(name, bound), 1)
-    pipe.hincrbyfloat(TOTALS, f"{name}:sum", value)
-    pipe.hincrby(TOTALS, f"{name}:count", 1)
+    totals.count(bucket_field(name, bound))
+    totals.add(f"{name}:sum", value)
+    totals.count(f"{name}:count")
 
 
 def bucket_field(name: str, bound: float) -> str:

@@ -306,6 +306,8 @@ class RedisIO:
         pipe = self.client.pipeline(transaction=False)
         generated = 0
         touched: dict[str, list[str]] = {}  # notify stream -> requests with new entries
+        totals = contract.TotalsDelta()  # the batch's counters, one increment per field
+        settled: list[str] = []  # request entries finished or re-enqueued: acknowledged and deleted at once
         for item in items:
             if isinstance(item, tuple):
                 request_id, deltas = item
@@ -315,32 +317,34 @@ class RedisIO:
                 if notify := self._pulled.get(request_id, ("", ""))[1]:
                     touched.setdefault(notify, []).append(request_id)
             elif isinstance(item, Finished):
-                self._close(pipe, item)
+                self._close(pipe, item, totals, settled)
             else:
-                self._requeue(pipe, item)
+                self._requeue(pipe, item, settled)
         for notify, request_ids in touched.items():  # after the entries they announce
             contract.notify_outputs(pipe, notify, request_ids)
         if generated:
-            pipe.hincrby(contract.TOTALS, contract.TOTAL_GENERATION_TOKENS, generated)
+            totals.count(contract.TOTAL_GENERATION_TOKENS, generated)
+        totals.write(pipe)
+        if settled:  # after their outputs and replacements, in the same round trip
+            pipe.xack(contract.REQUESTS, contract.WORKERS_GROUP, *settled)
+            pipe.xdel(contract.REQUESTS, *settled)
         pipe.execute()
 
-    def _close(self, pipe, done: Finished) -> None:
+    def _close(self, pipe, done: Finished, totals: contract.TotalsDelta, settled: list[str]) -> None:
         entry_id = self._pulled.pop(done.request_id, (None, ""))[0]
         if not done.handed_back:
             pipe.expire(contract.out_stream(done.request_id), contract.OUTPUT_TTL_S)
-            contract.record_finished(pipe, done.event)
-            pipe.hincrby(contract.TOTALS, contract.TOTAL_PROMPT_TOKENS, done.usage.get("prompt_tokens", 0))
+            contract.record_finished(pipe, done.event, totals)
+            totals.count(contract.TOTAL_PROMPT_TOKENS, done.usage.get("prompt_tokens", 0))
         if entry_id is not None:
-            pipe.xack(contract.REQUESTS, contract.WORKERS_GROUP, entry_id)
-            pipe.xdel(contract.REQUESTS, entry_id)
+            settled.append(entry_id)
 
-    def _requeue(self, pipe, message: RequestMessage) -> None:
+    def _requeue(self, pipe, message: RequestMessage, settled: list[str]) -> None:
         entry_id = self._pulled.pop(message.id, (None, ""))[0]
         message.attempt += 1
         pipe.xadd(contract.REQUESTS, message.encode())
         if entry_id is not None:
-            pipe.xack(contract.REQUESTS, contract.WORKERS_GROUP, entry_id)
-            pipe.xdel(contract.REQUESTS, entry_id)
+            settled.append(entry_id)
 
 
 def _s(value: Any) -> str:
