@@ -28,10 +28,10 @@ from worker.service.worker import Worker
 SEQS, BACKLOG = 4, 3
 
 
-def _worker(model_dir, redis_url) -> Worker:  # noqa: F811
+def _worker(model_dir, redis_url, stream_interval_ms: float = 50.0) -> Worker:  # noqa: F811
     engine_config = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=64, page_size=8, num_pages=64)
     config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-backlog", backlog=BACKLOG,
-                          warmup=False, engine=engine_config)
+                          warmup=False, stream_interval_ms=stream_interval_ms, engine=engine_config)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     return Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
@@ -165,3 +165,24 @@ def test_output_made_while_redis_is_away_is_written_when_it_is_back(model_dir, t
             assert OutputDelta.decode(client.xrange(contract.out_stream("req-7"))[0][1]).text == "late"
         finally:
             worker.io.stop()
+
+
+def test_stream_interval_merges_a_streams_middle_deltas_and_keeps_its_tokens(model_dir, redis_url):  # noqa: F811
+    """The same greedy request through a worker publishing every step and one holding tokens back
+    for longer than the request runs: the second publishes its first text at once, then only the
+    finish, with the same tokens and text in the same order."""
+    def deltas(interval_ms: float) -> list[OutputDelta]:
+        worker = _worker(model_dir, redis_url, stream_interval_ms=interval_ms)
+        worker._start(Incoming("0-1", _message(0)))
+        while worker.engine.has_unfinished():
+            worker._publish(worker.engine.step())
+        return [d for item in worker.io._pending if isinstance(item, tuple) for d in item[1]]
+
+    every_step, held = deltas(0.0), deltas(60_000.0)
+    tokens = lambda ds: [t for d in ds for t in d.token_ids]  # noqa: E731
+    assert tokens(held) == tokens(every_step) and len(tokens(held)) == 40
+    assert "".join(d.text for d in held) == "".join(d.text for d in every_step)
+    assert len(every_step) > 5  # one per step (fused decode steps run several tokens at once)
+    first_text = next(i for i, d in enumerate(held) if d.text)
+    assert len(held) == first_text + 3  # the first text at once, the rest with the finish, the done marker
+    assert held[-2].finish_reason == "length" and held[-1].done

@@ -114,6 +114,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name")
     p.add_argument("--drain-timeout", type=float, dest="drain_timeout_s")
     p.add_argument("--backlog", type=int, help="requests held beyond --max-num-seqs, queued in the engine (default 16)")
+    p.add_argument("--stream-interval-ms", type=float,
+                   help="least time between two deltas of a stream, its first and last excepted (default 50; 0: every step)")
     _engine_flags(p)
 
     p = sub.add_parser("dashboard", help="the dashboard alone")
@@ -194,7 +196,7 @@ def cmd_worker(args) -> int:
 
     overrides = {"model_dir": args.model and resolve_model(args.model), "redis_url": args.redis, "name": args.name,
                  "served_model_name": args.served_model_name, "drain_timeout_s": args.drain_timeout_s,
-                 "backlog": args.backlog,
+                 "backlog": args.backlog, "stream_interval_ms": args.stream_interval_ms,
                  "engine": _engine_overrides(args)}
     import os
 

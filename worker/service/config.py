@@ -21,6 +21,7 @@ ENV_NAMES = {
     "compile_cache_dir": "REDJAX_COMPILE_CACHE_DIR",
     "warmup": "REDJAX_WARMUP",
     "backlog": "REDJAX_BACKLOG",
+    "stream_interval_ms": "REDJAX_STREAM_INTERVAL_MS",
 }
 ENGINE_ENV_PREFIX = "REDJAX_"  # each EngineConfig field: REDJAX_<FIELD> (e.g. REDJAX_MAX_NUM_SEQS)
 
@@ -40,6 +41,9 @@ class WorkerConfig:
     # requests held beyond max_num_seqs, waiting in the engine: slots freed by finishing sequences
     # refill in the same step instead of a step later, after a round trip through Redis
     backlog: int = 16
+    # a stream's tokens are held until this long after its last delta (its first and last go out at
+    # once): steps that admit prompts give every running stream a token each, ~20 ms apart on a CPU
+    stream_interval_ms: float = 50.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -51,6 +55,8 @@ class WorkerConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         if self.backlog < 0:
             raise ValueError("backlog must be >= 0")
+        if self.stream_interval_ms < 0:
+            raise ValueError("stream_interval_ms must be >= 0")
 
     @property
     def model_name(self) -> str:

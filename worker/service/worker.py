@@ -21,6 +21,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.heap import freeze_startup_heap
 from worker.service.config import WorkerConfig
 from worker.service.redis_io import Finished, Incoming, RedisIO
+from worker.service.stream_interval import StreamInterval
 
 log = logging.getLogger("redjax.worker")
 STATS_WINDOW_S = 5.0
@@ -47,6 +48,7 @@ class Worker:
         # the background) instead of every running sequence waiting (25-60 s on a GPU)
         engine.runner.prompts_wait = True
         self.io = RedisIO(config, client)
+        self.stream = StreamInterval(config.stream_interval_ms / 1000.0)
         self.active: dict[str, Active] = {}
         self.state = WorkerState.STARTING
         self.started_at = time.time()
@@ -159,6 +161,7 @@ class Worker:
     # ---- work out ----
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        outputs = self.stream.take(outputs, time.monotonic())
         by_request: dict[str, list[OutputDelta]] = {}
         done: list[Active] = []
         now = time.time()
@@ -218,6 +221,7 @@ class Worker:
         for request_id, active in list(self.active.items()):
             if active.next_seq == active.incoming.next_seq and self.engine.not_started(request_id):
                 self.engine.abort(request_id)
+                self.stream.forget(request_id)
                 self.io.hand_back(active.incoming.message)
                 del self.active[request_id]
                 log.info("handed back queued request %s", request_id)
@@ -226,6 +230,7 @@ class Worker:
         """Whatever is still unfinished goes back on the queue for another worker to resume."""
         for request_id, active in list(self.active.items()):
             self.engine.abort(request_id)
+            self.stream.forget(request_id)  # outputs held back were never published: regenerated on resume
             self.io.hand_back(active.incoming.message)
             log.info("handed back request %s", request_id)
         self.active.clear()
