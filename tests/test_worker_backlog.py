@@ -183,6 +183,7 @@ def test_stream_interval_merges_a_streams_middle_deltas_and_keeps_its_tokens(mod
     assert tokens(held) == tokens(every_step) and len(tokens(held)) == 40
     assert "".join(d.text for d in held) == "".join(d.text for d in every_step)
     assert len(every_step) > 5  # one per step (fused decode steps run several tokens at once)
+    assert every_step[-1].finish_reason == "length" and every_step[-1].done  # no separate done marker
     first_text = next(i for i, d in enumerate(held) if d.text)
-    assert len(held) == first_text + 3  # the first text at once, the rest with the finish, the done marker
-    assert held[-2].finish_reason == "length" and held[-1].done
+    assert len(held) == first_text + 2  # the first text at once, then the rest with the finish
+    assert held[-1].finish_reason == "length" and held[-1].done and held[-1].usage["completion_tokens"] == 40

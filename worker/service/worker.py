@@ -182,7 +182,11 @@ class Worker:
         for active in done:
             rid = active.incoming.message.id
             usage = _usage(len(active.incoming.message.prompt_token_ids), sum(active.completion_tokens.values()))
-            by_request.setdefault(rid, []).append(OutputDelta(seq=self._next_seq(active), done=True, usage=usage))
+            deltas = by_request.setdefault(rid, [])
+            if deltas and deltas[-1].finish_reason:  # the request's last choice ended here: its delta ends it all
+                deltas[-1].done, deltas[-1].usage = True, usage
+            else:
+                deltas.append(OutputDelta(seq=self._next_seq(active), done=True, usage=usage))
         for rid, deltas in by_request.items():
             self.io.publish(rid, deltas)
         for active in done:
