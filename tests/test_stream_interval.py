@@ -72,6 +72,16 @@ def test_forget_drops_a_handed_back_request():
     assert s.take([out("a", [3])], now=1.0)[0].token_ids == [3]  # resumed here later: first output again
 
 
+def test_the_interval_shrinks_with_the_share_of_slots_in_use():
+    s = StreamInterval(0.05)
+    s.take([out("a", [1])], now=0.0, load=0.25)
+    assert s.take([out("a", [2])], now=0.01, load=0.25) == []  # 12.5 ms at a quarter of the slots
+    assert s.take([out("a", [3])], now=0.013, load=0.25)[0].token_ids == [2, 3]
+    s.take([out("b", [1])], now=0.0, load=1 / 64)
+    assert s.take([out("b", [2])], now=0.001, load=1 / 64)[0].token_ids == [2]  # a lone stream: ~every step
+    assert s.take([out("b", [3])], now=0.0015, load=2.0) == []  # more than a full batch: 50 ms
+
+
 def test_zero_interval_passes_every_output():
     s = StreamInterval(0.0)
     outputs = [out("a", [1]), out("a", [2]), out("b", [3])]

@@ -42,7 +42,8 @@ class WorkerConfig:
     # refill in the same step instead of a step later, after a round trip through Redis
     backlog: int = 16
     # a stream's tokens are held until this long after its last delta (its first and last go out at
-    # once): steps that admit prompts give every running stream a token each, ~20 ms apart on a CPU
+    # once) while the worker runs max_num_seqs streams, in proportion less with fewer: steps that
+    # admit prompts give every running stream a token each, ~20 ms apart on a CPU
     stream_interval_ms: float = 50.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 

@@ -4,8 +4,10 @@ Each delta costs the whole serving path a round of work: a Redis entry, the API'
 SSE write, the client's read. Fused decode calls already produce a choice's tokens in runs, but
 steps that mix prefill chunks with decode rows produce one token per running sequence every step
 (every ~20 ms on the 2-core CPU while a wave of prompts is admitted). Holding a choice's tokens
-until `interval_s` has passed since its last publish halves those deltas there, and leaves the
-rest alone:
+until an interval has passed since its last publish halves those deltas there, and leaves the
+rest alone. The interval is `interval_s` while the worker runs a full batch and shrinks in
+proportion with fewer streams: per-delta costs matter when the machine is saturated, and a lone
+stream gets its tokens as they are made.
 
 - a choice's outputs go out at once until one carrying text has (time to first token, as a
   client sees it, is unchanged);
@@ -29,10 +31,11 @@ class StreamInterval:
         self._held: dict[tuple[str, int], RequestOutput] = {}  # (request id, choice) -> merged, not yet out
         self._last: dict[tuple[str, int], float] = {}  # (request id, choice) -> when its text last went out
 
-    def take(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+    def take(self, outputs: list[RequestOutput], now: float, load: float = 1.0) -> list[RequestOutput]:
         """The outputs to publish now, in order: merged with what was held for their choice, then
-        any held ones that have come due."""
-        if self.interval_s <= 0 and not self._held:
+        any held ones that have come due. `load`: the share of the worker's sequence slots in use."""
+        interval = self.interval_s * min(1.0, max(0.0, load))
+        if interval <= 0 and not self._held:
             return outputs
         ready: list[RequestOutput] = []
         for out in outputs:
@@ -41,7 +44,7 @@ class StreamInterval:
             if held is not None:
                 out = _merge(held, out)
             last = self._last.get(key)
-            if last is None or out.finish_reason or out.request_finished or now - last >= self.interval_s:
+            if last is None or out.finish_reason or out.request_finished or now - last >= interval:
                 ready.append(out)
                 if out.text or last is not None:
                     self._last[key] = now
@@ -49,7 +52,7 @@ class StreamInterval:
                 self._held[key] = out
             if out.finish_reason or out.request_finished:
                 self._last.pop(key, None)
-        for key in [k for k in self._held if now - self._last[k] >= self.interval_s]:
+        for key in [k for k in self._held if now - self._last[k] >= interval]:
             ready.append(self._held.pop(key))
             self._last[key] = now
         return ready

@@ -161,7 +161,7 @@ class Worker:
     # ---- work out ----
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        outputs = self.stream.take(outputs, time.monotonic())
+        outputs = self.stream.take(outputs, time.monotonic(), len(self.active) / self.engine.config.max_num_seqs)
         by_request: dict[str, list[OutputDelta]] = {}
         done: list[Active] = []
         now = time.time()
