@@ -34,9 +34,9 @@ class StreamInterval:
     def take(self, outputs: list[RequestOutput], now: float, load: float = 1.0) -> list[RequestOutput]:
         """The outputs to publish now, in order: merged with what was held for their choice, then
         any held ones that have come due. `load`: the share of the worker's sequence slots in use."""
-        interval = self.interval_s * min(1.0, max(0.0, load))
-        if interval <= 0 and not self._held:
+        if self.interval_s <= 0:  # off: nothing is ever held
             return outputs
+        interval = self.interval_s * min(1.0, max(0.0, load))
         ready: list[RequestOutput] = []
         for out in outputs:
             key = (out.request_id, out.index)
