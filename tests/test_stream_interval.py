@@ -53,6 +53,21 @@ def test_finish_flushes_what_was_held_in_one_output():
     assert s.take([out("a", [9])], now=0.03)[0].token_ids == [9]  # a new request with the same id starts afresh
 
 
+def test_tokens_ending_inside_a_character_are_not_merged_behind_text():
+    """A delta with text must carry the text of all its tokens: a worker resuming the request
+    counts the tokens after the last delta with text as not yet turned into text."""
+    s = StreamInterval(0.05)
+    s.take([out("a", [1])], now=0.0)
+    assert s.take([out("a", [2])], now=0.01) == []
+    partial = RequestOutput("a", 0, [3], "")  # the first bytes of a character
+    (sent,) = s.take([partial], now=0.02)
+    assert (sent.token_ids, sent.text) == ([2], " t2")  # what was held goes out alone
+    completed = RequestOutput("a", 0, [4], "é")
+    assert s.take([completed], now=0.03) == []
+    (merged,) = s.take([], now=0.071)
+    assert (merged.token_ids, merged.text) == ([3, 4], "é")
+
+
 def test_choices_are_held_apart():
     s = StreamInterval(0.05)
     s.take([out("a", [1], index=0), out("a", [5], index=1)], now=0.0)

@@ -22,7 +22,8 @@ from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.service.config import WorkerConfig
-from worker.service.redis_io import PULL_BLOCK_S, Incoming
+from worker.service.redis_io import PULL_BLOCK_S, Incoming, RedisIO
+from worker.service.stream_interval import StreamInterval
 from worker.service.worker import Worker
 
 SEQS, BACKLOG = 4, 3
@@ -187,3 +188,43 @@ def test_stream_interval_merges_a_streams_middle_deltas_and_keeps_its_tokens(mod
     first_text = next(i for i, d in enumerate(held) if d.text)
     assert len(held) == first_text + 2  # the first text at once, then the rest with the finish
     assert held[-1].finish_reason == "length" and held[-1].done and held[-1].usage["completion_tokens"] == 40
+
+
+def test_a_request_resumed_after_any_published_delta_ends_with_the_same_text(model_dir, redis_url):  # noqa: F811
+    """Deltas merged by the stream interval (a step every 10 ms, deltas 50 ms apart), the worker
+    gone after each of them in turn: another worker resumes from what Redis holds, and the text
+    the client got before plus the resumed text is the text of an uninterrupted run. The tiny model
+    emits many tokens that end inside a character, whose text must not be counted as sent."""
+    engine_config = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=64, page_size=8, num_pages=64,
+                                 decode_steps=1)
+    engine = LLMEngine.from_path(str(model_dir), engine_config)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, seed=1)
+    # "the answer is forty two": greedy, its text comes with some tokens and not with others
+    message = RequestMessage("req-resume", "tinyllama", [307, 275, 305, 264, 273, 276, 306, 258, 310], params.to_dict())
+    stream = StreamInterval(0.05)
+    published: list[OutputDelta] = []
+    engine.add_request(message.id, message.prompt_token_ids, params)
+    clock = 0.0
+    while engine.has_unfinished():
+        clock += 0.01
+        for out in stream.take(engine.step(), clock):
+            published.append(OutputDelta(seq=len(published), token_ids=out.token_ids, text=out.text,
+                                         finish_reason=out.finish_reason))
+    full = "".join(d.text for d in published)
+    assert sum(not d.text for d in published if d.token_ids) > 0  # some deltas end inside a character
+
+    client = redis.Redis.from_url(redis_url)
+    io = RedisIO(WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, warmup=False), client)
+    for cut in range(1, len(published) - 1):
+        client.flushdb()
+        for delta in published[:cut]:
+            client.xadd(contract.out_stream(message.id), delta.encode())
+        incoming = Incoming("0-1", message)
+        io._read_emitted(incoming)
+        resumed = LLMEngine.from_path(str(model_dir), engine_config) if cut == 1 else resumed  # noqa: F821
+        resumed.resume_request(message.id, message.prompt_token_ids, params, incoming.emitted,
+                               incoming.finished, held=incoming.held)
+        text = "".join(d.text for d in published[:cut])
+        while resumed.has_unfinished():
+            text += "".join(o.text for o in resumed.step())
+        assert text == full, cut

@@ -127,6 +127,8 @@ class OutputDelta:
 
     A delta belongs to choice `index` (0..n-1). `finish_reason` set means that choice ended.
     The last entry of a request has `done=True` and `usage`; an `error` entry is also final.
+    A delta with `text` carries the text of all its `token_ids` (and of any before it); tokens in
+    deltas without text ended inside a character, and a worker resuming the request holds them.
     """
 
     seq: int

@@ -12,7 +12,9 @@ stream gets its tokens as they are made.
 - a choice's outputs go out at once until one carrying text has (time to first token, as a
   client sees it, is unchanged);
 - an output that finishes a choice goes out at once, with everything held before it;
-- held outputs go out once they are due, at the worker loop's next turn.
+- held outputs go out once they are due, at the worker loop's next turn;
+- a delta that carries text carries the text of all its tokens (a resumed request counts on it),
+  so tokens that end inside a character are never merged behind text.
 
 A worker that stops with outputs held loses nothing: they were never published, so whoever
 resumes the request generates those tokens again from the last published ones.
@@ -41,7 +43,13 @@ class StreamInterval:
         for out in outputs:
             key = (out.request_id, out.index)
             held = self._held.pop(key, None)
-            if held is not None:
+            if held is not None and held.text and not out.text and not (out.finish_reason or out.request_finished):
+                # `out`'s tokens end inside a character (their text comes with a later token): a delta
+                # with text says the text of all its tokens was sent, which a resumed request relies
+                # on, so what was held goes out alone and `out` is held from now
+                ready.append(held)
+                self._last[key] = now
+            elif held is not None:
                 out = _merge(held, out)
             last = self._last.get(key)
             if last is None or out.finish_reason or out.request_finished or now - last >= interval:
