@@ -225,7 +225,6 @@ class Worker:
         for request_id, active in list(self.active.items()):
             if active.next_seq == active.incoming.next_seq and self.engine.not_started(request_id):
                 self.engine.abort(request_id)
-                self.stream.forget(request_id)
                 self.io.hand_back(active.incoming.message)
                 del self.active[request_id]
                 log.info("handed back queued request %s", request_id)
