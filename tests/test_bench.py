@@ -217,6 +217,21 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
     assert report["prompt_tokens_per_request"] == round(sum(counts) / len(counts))
 
 
+def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
+    """`bench stack --dummy PRESET` writes random weights and a word tokenizer to a temporary
+    directory and serves them like any model: every serving prompt word is one token, so the
+    offline half gets exactly --input-len prompt tokens."""
+    code, out = _bench("stack", "--dummy", "llama-tiny", "--pairs", "1", "--num-prompts", "4", "--input-len", "6",
+                       "--output-len", "8", "--json", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+                       "--page-size", "8", "--num-pages", "128")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["model"] == "dummy:llama-tiny"
+    assert report["prompt_tokens_per_request"] == 6
+    assert report["pairs"][0]["serve_failed"] == 0 and report["pairs"][0]["offline_output_tokens_per_s"] > 0
+    _check_report(report["last_serve_report"], 4)
+
+
 def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
     """The load generator parses SSE per network read: lines cut between reads, CRLF endings and
     comment lines must not change what it counts."""

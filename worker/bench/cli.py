@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 
 from worker.bench import cpu_usage
 from worker.cli import _engine_flags, _engine_overrides, engine_argv, log_to_stderr, resolve_model
@@ -155,7 +156,10 @@ def stack_parser() -> argparse.ArgumentParser:
         prog="redjax bench stack",
         description="serving through Redis and the API (redjax serve, saturated) against the engine alone "
                     "(bench offline), in alternating pairs on this machine; prints the ratio")
-    p.add_argument("--model", help="local Hugging Face model directory (default: the demo model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="local Hugging Face model directory (default: the demo model)")
+    src.add_argument("--dummy", metavar="PRESET", help="random weights of a preset shape (llama-100m, ...) with a "
+                     "word-level tokenizer, written to a temporary directory and served like any model")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=100, help="words per random serving prompt; the offline "
                    "run gets as many prompt tokens as the API counted for them")
@@ -174,9 +178,21 @@ def stack(argv: list[str]) -> int:
         parser.error("--pairs, --num-prompts, --input-len and --output-len must be >= 1")
     from worker.bench.stack import StackRun, bench_stack
 
-    run = StackRun(resolve_model(args.model), args.num_prompts, args.input_len, args.output_len, args.pairs,
-                   args.seed, tuple(engine_argv(_engine_overrides(args))))
-    report = bench_stack(run, log=(lambda *a: None) if args.json else print)
+    overrides = _engine_overrides(args)
+    with tempfile.TemporaryDirectory(prefix="redjax-dummy-") as tmp:
+        if args.dummy:
+            from worker.models.config import ModelConfigError
+            from worker.models.dummy_model import write_dummy_model
+
+            try:
+                write_dummy_model(args.dummy, tmp, overrides.get("dtype"))
+            except ModelConfigError as exc:
+                parser.error(str(exc))
+        run = StackRun(tmp if args.dummy else resolve_model(args.model), args.num_prompts, args.input_len,
+                       args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)))
+        report = bench_stack(run, log=(lambda *a: None) if args.json else print)
+    if args.dummy:
+        report["model"] = f"dummy:{args.dummy}"
     if args.json:
         print(json.dumps(report))
     else:
