@@ -19,7 +19,7 @@ from worker.models.loader import load_model, load_tokenizer
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return write_dummy_model("llama-tiny", tmp_path_factory.mktemp("dummy"))
+    return write_dummy_model("llama-tiny", tmp_path_factory.mktemp("dummy"), list(WORDS))
 
 
 def test_word_vocab_gives_every_id_one_token():

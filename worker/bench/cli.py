@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 
@@ -179,16 +180,17 @@ def stack(argv: list[str]) -> int:
     from worker.bench.stack import StackRun, bench_stack
 
     overrides = _engine_overrides(args)
-    with tempfile.TemporaryDirectory(prefix="redjax-dummy-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="redjax-dummy-") if args.dummy else contextlib.nullcontext() as tmp:
         if args.dummy:
+            from worker.bench.serve import WORDS
             from worker.models.config import ModelConfigError
             from worker.models.dummy_model import write_dummy_model
 
             try:
-                write_dummy_model(args.dummy, tmp, overrides.get("dtype"))
+                write_dummy_model(args.dummy, tmp, list(WORDS), overrides.get("dtype"))
             except ModelConfigError as exc:
                 parser.error(str(exc))
-        run = StackRun(tmp if args.dummy else resolve_model(args.model), args.num_prompts, args.input_len,
+        run = StackRun(tmp or resolve_model(args.model), args.num_prompts, args.input_len,
                        args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)))
         report = bench_stack(run, log=(lambda *a: None) if args.json else print)
     if args.dummy:

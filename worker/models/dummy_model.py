@@ -4,10 +4,10 @@
 takes text, so serving a preset shape (`bench stack --dummy`) needs a model directory like any
 other: `config.json`, `model.safetensors` and tokenizer files that transformers loads. The
 tokenizer here is one word per token over the whole vocabulary: the special tokens at the
-preset's ids, then the load generator's words (`bench serve`'s random prompts are one token per
-word), then `t<i>` for every id left. Words are split on spaces and joined with spaces again
-(the sentencepiece convention: a token carries its leading "▁"), so outputs read as
-" t8123 river t17" and stream like any Llama tokenizer's.
+preset's ids, then the words given (`bench stack` gives the load generator's, so its random
+prompts are one token per word), then `t<i>` for every id left. Words are split on spaces and
+joined with spaces again (the sentencepiece convention: a token carries its leading "▁"), so
+outputs read as " t8123 river t17" and stream like any Llama tokenizer's.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ def word_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None, word
         tokenizer_object=tok, unk_token=UNK, **{key: token for key, (i, token) in names.items() if i is not None})
 
 
-def write_dummy_model(preset: str, out_dir: str | Path, dtype: str | None = None, seed: int = 0) -> Path:
-    """Random weights of `preset` (in `dtype`, default the preset's) and a word tokenizer, in `out_dir`."""
-    from worker.bench.serve import WORDS
-
+def write_dummy_model(preset: str, out_dir: str | Path, words: list[str], dtype: str | None = None,
+                      seed: int = 0) -> Path:
+    """Random weights of `preset` (in `dtype`, default the preset's) and a word tokenizer whose
+    first words are `words`, in `out_dir`."""
     cfg = ModelConfig.preset(preset)
     out = Path(out_dir)
     save_checkpoint(build_model(cfg, dtype, seed=seed), out, dtype)
     eos_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
-    word_tokenizer(cfg.vocab_size, cfg.bos_token_id, eos_id, list(WORDS)).save_pretrained(str(out))
+    word_tokenizer(cfg.vocab_size, cfg.bos_token_id, eos_id, words).save_pretrained(str(out))
     return out
