@@ -7,7 +7,7 @@ left. The first `reserved_pages` ids are never handed out (page 0: padding write
 
 Placement keeps each sequence's pages consecutive where it can, because the CPU attention
 kernel streams a row's pages from memory and scattered pages cost it bandwidth: random 16 KiB
-pages read at about half the speed of one run (docs/benchmarks.md, session 19). A sequence's
+pages read at about half the speed of one run (docs/benchmark-log.md, session 19). A sequence's
 first pages open a *run*: the start of a stretch of available pages long enough for all the
 tokens it may reach; the rest of the stretch is earmarked for it, and its later pages take the
 next page of its run. Other sequences open runs only on pages nobody earmarked. Earmarks are
