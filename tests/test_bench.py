@@ -232,6 +232,13 @@ def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
     _check_report(report["last_serve_report"], 4)
 
 
+def test_stack_refuses_an_unknown_preset_before_starting_anything(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _bench("stack", "--dummy", "no-such-preset", "--pairs", "1")
+    assert exit_.value.code == 2
+    assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
+
+
 def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
     """The load generator parses SSE per network read: lines cut between reads, CRLF endings and
     comment lines must not change what it counts."""
