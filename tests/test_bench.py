@@ -3,9 +3,11 @@ and serve against the real stack (API + worker subprocesses, real Redis). No wal
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import os
 import re
@@ -177,6 +179,125 @@ def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
     assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
 
 
+def test_serve_chat_endpoint_with_poisson_arrivals_under_a_concurrency_cap(stack, tmp_path):
+    """--endpoint chat sends each prompt as one user message to /v1/chat/completions and times the
+    deltas' content; a rate and a concurrency together: arrivals wait for a free slot, so no more
+    than the cap are ever in flight."""
+    out = tmp_path / "report.json"
+    code, text = _bench("serve", "--url", stack, "--endpoint", "chat", "--num-prompts", "6", "--request-rate", "200",
+                        "--burstiness", "0.5", "--concurrency", "2", "--input-len", "5", "--output-len", "8",
+                        "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    _check_report(report, 6)
+    assert (report["endpoint"], report["request_rate"], report["burstiness"], report["concurrency"]) == \
+        ("chat", 200.0, 0.5, 2)
+    assert report["prompt_tokens"] > 6 * 5  # the chat template's tokens come on top of the words
+    assert "rate 200/s, concurrency 2" in text
+
+
+def test_serve_cap_holds_requests_in_flight_to_the_concurrency(stack):
+    from worker.bench.prompts import Prompt
+    from worker.bench.serve import Load, run_load, served_model
+
+    load = Load(8, request_rate=1000.0, concurrency=2, output_len=8)
+    _, results = asyncio.run(run_load(stack, served_model(stack), [Prompt(f"word {i}") for i in range(8)], load))
+    assert all(r.ok for r in results), [r.error for r in results]
+    events = sorted([(r.start, 1) for r in results] + [(r.start + r.e2e, -1) for r in results])
+    in_flight = list(itertools.accumulate(step for _, step in events))
+    assert max(in_flight) == 2  # the 8 arrive within ~10 ms; each takes far longer than that to stream 8 tokens
+
+
+def test_serve_per_prompt_output_lengths_from_a_jsonl_file_and_random_ranges(stack, tmp_path):
+    """JSON lines may give each prompt its own max_tokens; --range-ratio draws random lengths. With
+    ignore_eos every request runs to its own length, counted from usage."""
+    from worker.bench.prompts import random_prompts, random_workload
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the river", "max_tokens": 3}\n\n{"prompt": "a stone"}\n'
+                       '{"prompt": "light", "max_tokens": 11}\n')
+    out = tmp_path / "report.json"
+    code, text = _bench("serve", "--url", stack, "--prompts-file", str(prompts), "--num-prompts", "4",
+                        "--output-len", "5", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["output_tokens"] == 3 + 5 + 11 + 3  # cycled to 4 prompts
+
+    drawn = random_workload(6, 10, 8, range_ratio=0.5, seed=4)
+    assert {p.output_len for p in drawn} != {8} and all(4 <= p.output_len <= 12 for p in drawn)
+    assert all(5 <= len(p.text.split()) <= 15 for p in drawn)
+    assert [p.text for p in random_workload(3, 7, 8, seed=2)] == random_prompts(3, 7, seed=2)  # ratio 0: fixed
+    code, text = _bench("serve", "--url", stack, "--num-prompts", "6", "--input-len", "10", "--output-len", "8",
+                        "--range-ratio", "0.5", "--seed", "4", "--json-out", str(out))
+    assert code == 0, text
+    assert json.loads(out.read_text())["output_tokens"] == sum(p.output_len for p in drawn)
+
+
+def test_serve_without_ignore_eos_sends_only_standard_fields(stack, tmp_path):
+    from worker.bench.prompts import Prompt
+    from worker.bench.serve import Load
+
+    load = Load(1, output_len=8, ignore_eos=False, endpoint="chat")
+    body = load.body("m", Prompt("hello", 4))
+    assert body == {"model": "m", "max_tokens": 4, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "hello"}]}
+    out = tmp_path / "report.json"
+    code, text = _bench("serve", "--url", stack, "--no-ignore-eos", "--num-prompts", "3", "--input-len", "4",
+                        "--output-len", "8", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert report["completed"] == 3 and 3 <= report["output_tokens"] <= 3 * 8 and report["ignore_eos"] is False
+
+
+def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
+    from worker.bench.prompts import Prompt, file_prompts
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "What is a river?"},
+                                      {"from": "gpt", "value": "Water that flows."},
+                                      {"from": "human", "value": "And a lake?"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+        {"id": "c", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "user", "value": "Hi"}]},
+    ]))
+    assert file_prompts(str(path), 3) == [Prompt("What is a river?"), Prompt("Hi"), Prompt("What is a river?")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sweep", "1,fast"], "--sweep takes comma-separated request rates"),
+    (["--request-rate", "0"], "request rates must be > 0"),
+    (["--burstiness", "0"], "--burstiness must be > 0"),
+    (["--range-ratio", "1"], "--range-ratio must be in [0, 1)"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--prompts-file", "/no/such/file"], "--prompts-file: [Errno 2]"),
+    (["--prompts-file", "BAD_JSONL"], "'max_tokens' must be a positive integer"),
+])
+def test_serve_refuses_bad_flags_before_sending_anything(argv, message, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "max_tokens": 0}\n')
+    argv = [str(bad) if a == "BAD_JSONL" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        _bench("serve", "--url", "http://127.0.0.1:9", *argv)  # nothing listens there: no request may be sent
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gamma_arrivals_keep_the_mean_rate_and_set_the_spread():
+    import random
+    import statistics
+
+    from worker.bench.serve import Load
+
+    for burstiness in (0.25, 1.0, 4.0):
+        load = Load(1, request_rate=10.0, burstiness=burstiness)
+        rng = random.Random(0)
+        gaps = [load.gap(rng) for _ in range(40000)]
+        assert statistics.fmean(gaps) == pytest.approx(0.1, rel=0.03)
+        # gamma(k, 1 / (rate k)): variance 1 / (rate^2 k); burstier arrivals spread more
+        assert statistics.pvariance(gaps) == pytest.approx(0.01 / burstiness, rel=0.08)
+    assert Load(1).gap(random.Random(0)) == 0.0  # infinite rate: all at once
+
+
 def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
     """`bench stack` runs `redjax serve` (embedded Redis, API, worker) and `bench offline` in
     alternating pairs. The offline run gets as many prompt tokens as the model's own tokenizer
@@ -185,7 +306,7 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
 
     import transformers
 
-    from worker.bench.serve import random_prompts
+    from worker.bench.prompts import random_prompts
 
     model = make_served_model(tmp_path / "served")
     code, out = _bench("stack", "--model", str(model), "--pairs", "2", "--num-prompts", "4", "--input-len", "6",

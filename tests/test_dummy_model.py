@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from worker.bench.serve import WORDS, random_prompts
+from worker.bench.prompts import WORDS, random_prompts
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.models.config import ModelConfig
 from worker.models.dummy_model import SPACE, word_vocab, write_dummy_model

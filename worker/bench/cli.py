@@ -106,13 +106,24 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
     p.add_argument("--api-key")
     p.add_argument("--num-prompts", type=int, default=100)
-    load = p.add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals/s (default: all at once)")
-    load.add_argument("--concurrency", type=int, help="requests in flight at most")
-    load.add_argument("--sweep", help="comma-separated request rates, one run each")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="/v1/completions (default) or /v1/chat/completions (each prompt as one user message)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--request-rate", type=float, default=float("inf"), help="arrivals/s (default: all at once)")
+    rate.add_argument("--sweep", help="comma-separated request rates, one run each")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier, > 1 steadier")
+    p.add_argument("--concurrency", type=int, help="requests in flight at most (with a rate too: arrivals wait "
+                   "for a free slot)")
     p.add_argument("--input-len", type=int, default=128, help="words per random prompt")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--prompts-file", help="one prompt per line (or JSON lines with a 'prompt' field)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens (of file prompts without their own)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random prompts: input and output lengths "
+                   "uniform in [len * (1 - R), len * (1 + R)] (default 0: fixed)")
+    p.add_argument("--prompts-file", help="one prompt per line, JSON lines with 'prompt' (and optionally "
+                   "'max_tokens'), or a ShareGPT JSON file (each conversation's first human turn)")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests end at EOS (without it every request sends the ignore_eos extension and "
+                        "runs to max_tokens)")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2e)")
     p.add_argument("--seed", type=int, default=0)
@@ -124,7 +135,8 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve(argv: list[str]) -> int:
     parser = serve_parser()
     args = parser.parse_args(argv)
-    from worker.bench.serve import Load, bench_serve, file_prompts, random_prompts
+    from worker.bench.prompts import file_prompts, random_workload
+    from worker.bench.serve import Load, bench_serve
 
     try:
         slo = {k: float(v) for k, v in (item.split(":", 1) for item in args.goodput)}
@@ -134,12 +146,29 @@ def serve(argv: list[str]) -> int:
         parser.error("--goodput keys are ttft, tpot and e2e")
     if args.plot and not args.sweep:
         parser.error("--plot needs --sweep")
-    prompts = (file_prompts(args.prompts_file, args.num_prompts) if args.prompts_file
-               else random_prompts(args.num_prompts, args.input_len, args.seed))
-    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        parser.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
+    if not args.burstiness > 0:
+        parser.error("--burstiness must be > 0")
+    if not 0 <= args.range_ratio < 1:
+        parser.error("--range-ratio must be in [0, 1)")
+    try:
+        prompts = (file_prompts(args.prompts_file, args.num_prompts) if args.prompts_file
+                   else random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed))
+    except (OSError, ValueError) as exc:
+        parser.error(f"--prompts-file: {exc}")
+    try:
+        rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    except ValueError:
+        parser.error("--sweep takes comma-separated request rates, e.g. 1,2,4,inf")
+    if not all(rate > 0 for rate in rates):
+        parser.error("request rates must be > 0")
     reports = []
     for rate in rates:
-        load = Load(args.num_prompts, rate, args.concurrency, args.output_len, args.seed)
+        load = Load(args.num_prompts, rate, args.concurrency, args.output_len, args.seed, args.burstiness,
+                    args.endpoint, args.ignore_eos)
         reports.append(bench_serve(args.url, args.model, prompts, load, args.api_key, slo))
         print(_summary(reports[-1]))
     if args.json_out:
@@ -182,7 +211,7 @@ def stack(argv: list[str]) -> int:
     overrides = _engine_overrides(args)
     with tempfile.TemporaryDirectory(prefix="redjax-dummy-") if args.dummy else contextlib.nullcontext() as tmp:
         if args.dummy:
-            from worker.bench.serve import WORDS
+            from worker.bench.prompts import WORDS
             from worker.models.config import ModelConfigError
             from worker.models.dummy_model import write_dummy_model
 
@@ -207,8 +236,9 @@ def stack(argv: list[str]) -> int:
 
 
 def _summary(r: dict) -> str:
-    load = f"concurrency {r['concurrency']}" if r["concurrency"] else f"rate {r['request_rate'] or 'inf'}/s"
-    lines = [f"{load}: {r['completed']}/{r['num_requests']} ok in {r['duration_s']:.2f} s, "
+    from worker.bench.serve import describe_load
+
+    lines = [f"{describe_load(r['request_rate'], r['concurrency'])}: {r['completed']}/{r['num_requests']} ok in {r['duration_s']:.2f} s, "
              f"{r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s, "
              f"goodput {r['goodput']:.2f} req/s"]
     for key in ("ttft", "tpot", "itl", "e2e"):

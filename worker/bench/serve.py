@@ -1,9 +1,9 @@
-"""`redjax bench serve`: an async load generator for any OpenAI-compatible /v1/completions endpoint.
+"""`redjax bench serve`: an async load generator for any OpenAI-compatible completions or chat endpoint.
 
-Requests stream (`stream_options.include_usage`), arrive as a Poisson process at a rate or are
-held at a fixed concurrency, and each records its time to first token, the gaps between content
-chunks and its end. Output tokens are counted from `usage`, not from chunks (a chunk may carry
-several tokens, or none).
+Requests stream (`stream_options.include_usage`) and arrive as a Poisson process at a rate (gamma
+with `burstiness`) or all at once, optionally capped at a concurrency; each records its time to
+first token, the gaps between content chunks and its end. Output tokens are counted from `usage`,
+not from chunks (a chunk may carry several tokens, or none).
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import httpx
 
-WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this had not but "
-         "river stone light city garden winter music paper window engine market signal forest harbor letter "
-         "silver morning valley bridge planet story number system network station").split()
-
+from worker.bench.prompts import Prompt
 
 @dataclass
 class Result:
@@ -43,25 +40,28 @@ class Result:
 @dataclass(frozen=True)
 class Load:
     num_prompts: int
-    request_rate: float = float("inf")  # Poisson arrivals per second; inf: all at once
+    request_rate: float = float("inf")  # arrivals per second; inf: all at once
     concurrency: int | None = None  # requests in flight at most
-    output_len: int = 128
+    output_len: int = 128  # max_tokens of prompts without their own
     seed: int = 0
+    burstiness: float = 1.0  # shape of the gamma-distributed gaps: 1 Poisson, < 1 burstier, > 1 steadier
+    endpoint: str = "completions"  # or "chat": /v1/chat/completions with the prompt as one user message
+    ignore_eos: bool = True  # False: requests may end before max_tokens (and servers without the extension work)
 
+    def gap(self, rng: random.Random) -> float:
+        """Seconds until the next arrival: gamma with mean 1 / request_rate (0 at an infinite rate)."""
+        if self.request_rate == float("inf"):
+            return 0.0
+        return rng.gammavariate(self.burstiness, 1.0 / (self.request_rate * self.burstiness))
 
-def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
-    """`input_len` random common words each (about one token per word with most tokenizers)."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
-
-
-def file_prompts(path: str, n: int) -> list[str]:
-    """One prompt per line, or JSON lines with a "prompt" field; cycled to `n`."""
-    lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
-    prompts = [json.loads(line)["prompt"] if line.lstrip().startswith("{") else line for line in lines]
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return [prompts[i % len(prompts)] for i in range(n)]
+    def body(self, model: str, prompt: Prompt) -> dict:
+        body = {"model": model, "max_tokens": prompt.output_len or self.output_len, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.endpoint == "chat":
+            return {**body, "messages": [{"role": "user", "content": prompt.text}]}
+        return {**body, "prompt": prompt.text}
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> Result:
@@ -100,7 +100,7 @@ async def _read_stream(content: aiohttp.StreamReader, r: Result) -> None:
                 return
             chunk = json.loads(payload)
             now = time.perf_counter()
-            if any(c.get("text") for c in chunk.get("choices") or []):
+            if any(_content(c) for c in chunk.get("choices") or []):
                 if r.ttft == 0.0:
                     r.ttft = now - r.start
                 else:
@@ -111,7 +111,15 @@ async def _read_stream(content: aiohttp.StreamReader, r: Result) -> None:
                 r.output_tokens = chunk["usage"].get("completion_tokens", 0)
 
 
-async def run_load(base_url: str, model: str, prompts: list[str], load: Load, api_key: str | None = None,
+def _content(choice: dict) -> str:
+    """A completions choice's text, or a chat delta's content (or reasoning, where a server splits it off)."""
+    if "text" in choice:
+        return choice["text"] or ""
+    delta = choice.get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or ""
+
+
+async def run_load(base_url: str, model: str, prompts: list[Prompt], load: Load, api_key: str | None = None,
                    progress=None) -> tuple[float, list[Result]]:
     """-> (seconds from the first send to the last finish, one Result per prompt in order).
 
@@ -120,16 +128,14 @@ async def run_load(base_url: str, model: str, prompts: list[str], load: Load, ap
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(load.seed)
     gate = asyncio.Semaphore(load.concurrency or len(prompts) or 1)
-    url = base_url.rstrip("/") + "/v1/completions"
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions")
     connector = aiohttp.TCPConnector(limit=load.concurrency or len(prompts) or 1)
     # SSE lines can exceed aiohttp's 64 KiB default line limit (long logprob chunks)
     async with aiohttp.ClientSession(headers=headers, connector=connector, read_bufsize=2**20,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
-        async def send(prompt: str) -> Result:
-            body = {"model": model, "prompt": prompt, "max_tokens": load.output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        async def send(prompt: Prompt) -> Result:
             async with gate:
-                result = await one_request(session, url, body)
+                result = await one_request(session, url, load.body(model, prompt))
             if progress:
                 progress()
             return result
@@ -140,7 +146,7 @@ async def run_load(base_url: str, model: str, prompts: list[str], load: Load, ap
             tasks.append(asyncio.create_task(send(prompt)))
             # at an infinite rate each request still goes out as soon as it is built: without the
             # yield the server sat idle until all were built (~80 ms for 256 on 2 cores)
-            await asyncio.sleep(rng.expovariate(load.request_rate) if load.request_rate != float("inf") else 0)
+            await asyncio.sleep(load.gap(rng))
         results = await asyncio.gather(*tasks)
         return time.perf_counter() - t0, list(results)
 
@@ -162,7 +168,7 @@ def _runner() -> asyncio.Runner:
     return asyncio.Runner(loop_factory=uvloop.new_event_loop)
 
 
-def bench_serve(base_url: str, model: str | None, prompts: list[str], load: Load, api_key: str | None = None,
+def bench_serve(base_url: str, model: str | None, prompts: list[Prompt], load: Load, api_key: str | None = None,
                 slo: dict[str, float] | None = None) -> dict:
     from tqdm import tqdm
 
@@ -170,12 +176,19 @@ def bench_serve(base_url: str, model: str | None, prompts: list[str], load: Load
     from worker.heap import freeze_startup_heap
 
     model = model or served_model(base_url, api_key)
-    bar = tqdm(total=len(prompts), desc=f"rate {load.request_rate:g}" if load.concurrency is None
-               else f"concurrency {load.concurrency}", unit="req", file=sys.stderr)
+    bar = tqdm(total=len(prompts), desc=describe_load(load.request_rate, load.concurrency), unit="req",
+               file=sys.stderr)
     freeze_startup_heap()  # the load generator shares the cores with the server: no walks of its imports
     with _runner() as runner:
         seconds, results = runner.run(run_load(base_url, model, prompts, load, api_key, lambda: bar.update(1)))
     bar.close()
     rate = None if load.request_rate == float("inf") else load.request_rate
-    return {"model": model, "request_rate": rate, "concurrency": load.concurrency,
+    return {"model": model, "endpoint": load.endpoint, "request_rate": rate, "burstiness": load.burstiness,
+            "concurrency": load.concurrency, "ignore_eos": load.ignore_eos,
             **summarize(results, seconds, slo or {})}
+
+
+def describe_load(request_rate: float | None, concurrency: int | None) -> str:
+    """"rate 2/s", "rate inf/s, concurrency 8": how the requests arrived."""
+    rate = "inf" if request_rate is None or request_rate == float("inf") else f"{request_rate:g}"
+    return f"rate {rate}/s" + (f", concurrency {concurrency}" if concurrency else "")

@@ -90,7 +90,8 @@ def bench_stack(run: StackRun, log=print) -> dict:
 
 def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
     """The measured run's report, and where the machine's CPU went during it."""
-    from worker.bench.serve import Load, bench_serve, random_prompts
+    from worker.bench.prompts import Prompt, random_prompts
+    from worker.bench.serve import Load, bench_serve
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -103,9 +104,9 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
         try:
             _wait_ready(proc, url, out)
             warm = min(run.num_prompts, WARMUP_PROMPTS)
-            bench_serve(url, None, random_prompts(warm, run.input_len, seed + 7),
+            bench_serve(url, None, [Prompt(p) for p in random_prompts(warm, run.input_len, seed + 7)],
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
-            prompts = random_prompts(run.num_prompts, run.input_len, seed)
+            prompts = [Prompt(p) for p in random_prompts(run.num_prompts, run.input_len, seed)]
             roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid, "worker"), "load generator": [os.getpid()]}
             before = cpu_usage.take(roles)  # redis-server (its own daemon) is in the rest
             report = bench_serve(url, None, prompts, Load(run.num_prompts, output_len=run.output_len, seed=seed))

@@ -1,0 +1,89 @@
+"""Prompts for `redjax bench serve`: random words, or a file (text lines, JSON lines, ShareGPT).
+
+Each prompt may carry its own output length; `None` leaves it to `--output-len`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+WORDS = ("the of and to in is was for on that with as by at from his her an which or be are this had not but "
+         "river stone light city garden winter music paper window engine market signal forest harbor letter "
+         "silver morning valley bridge planet story number system network station").split()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    output_len: int | None = None  # max_tokens for this request; None: the run's --output-len
+
+
+def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
+    """`input_len` random common words each (about one token per word with most tokenizers)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
+
+
+def random_workload(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    seed: int = 0) -> list[Prompt]:
+    """Random prompts whose input (words) and output lengths are drawn uniformly from
+    [len * (1 - range_ratio), len * (1 + range_ratio)], at least 1; range_ratio 0: fixed lengths."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError("range ratio must be in [0, 1)")
+    lengths_rng, words_rng = random.Random(f"lengths-{seed}"), random.Random(seed)
+
+    def draw(length: int) -> int:
+        low, high = round(length * (1 - range_ratio)), round(length * (1 + range_ratio))
+        return max(1, lengths_rng.randint(low, high) if high > low else length)
+
+    # the words are drawn as random_prompts draws them: fixed lengths give its prompts exactly
+    out = []
+    for _ in range(n):
+        k, m = draw(input_len), draw(output_len)
+        out.append(Prompt(" ".join(words_rng.choice(WORDS) for _ in range(k)), m))
+    return out
+
+
+def file_prompts(path: str, n: int) -> list[Prompt]:
+    """Prompts from `path`, cycled to `n`:
+
+    - a ShareGPT-style JSON file (a list of {"conversations": [{"from": "human", "value": ...}, ...]}):
+      each conversation's first human turn;
+    - JSON lines: {"prompt": ...}, optionally with "max_tokens" (that request's output length);
+    - otherwise one prompt per non-empty line.
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        prompts = _sharegpt(json.loads(text), path)
+    else:
+        lines = [line for line in text.splitlines() if line.strip()]
+        prompts = [_json_line(line, path, i + 1) if line.lstrip().startswith("{") else Prompt(line)
+                   for i, line in enumerate(lines)]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def _json_line(line: str, path: str, lineno: int) -> Prompt:
+    item = json.loads(line)
+    if not isinstance(item.get("prompt"), str):
+        raise ValueError(f"{path}:{lineno}: a JSON line needs a string 'prompt'")
+    max_tokens = item.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise ValueError(f"{path}:{lineno}: 'max_tokens' must be a positive integer")
+    return Prompt(item["prompt"], max_tokens)
+
+
+def _sharegpt(items: list, path: str) -> list[Prompt]:
+    prompts = []
+    for item in items:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list):
+            raise ValueError(f"{path}: expected a ShareGPT list of objects with 'conversations'")
+        first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+        if isinstance(first, str) and first.strip():
+            prompts.append(Prompt(first))
+    return prompts
