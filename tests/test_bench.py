@@ -159,12 +159,15 @@ def test_serve_concurrency(stack, tmp_path):
 def test_serve_sweep_plot(stack, tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     code, text = _bench("serve", "--url", stack, "--num-prompts", "4", "--sweep", "2,inf", "--input-len", "6",
-                        "--output-len", "8", "--json-out", str(out), "--plot", str(png))
+                        "--output-len", "8", "--json-out", str(out), "--plot", str(png), "--percentiles", "99.9,50,99,90")
     assert code == 0, text
     reports = json.loads(out.read_text())
     assert [r["request_rate"] for r in reports] == [2.0, None]
     for r in reports:
         _check_report(r, 4)
+        assert list(r["e2e"]) == ["mean_ms", "p50_ms", "p90_ms", "p99_ms", "p99.9_ms"]
+        assert r["e2e"]["p99_ms"] <= r["e2e"]["p99.9_ms"]
+    assert "p99.9" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -269,6 +272,7 @@ def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
     (["--burstiness", "0"], "--burstiness must be > 0"),
     (["--range-ratio", "1"], "--range-ratio must be in [0, 1)"),
     (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--percentiles", "50,100"], "--percentiles takes comma-separated numbers in (0, 100)"),
     (["--prompts-file", "/no/such/file"], "--prompts-file: [Errno 2]"),
     (["--prompts-file", "BAD_JSONL"], "'max_tokens' must be a positive integer"),
 ])

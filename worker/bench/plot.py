@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 
 def plot_sweep(reports: list[dict], path: str) -> None:
     import matplotlib
@@ -13,10 +15,11 @@ def plot_sweep(reports: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, metric, title in zip(axes, ("ttft", "tpot", "e2e"), ("time to first token", "time per output token",
                                                                   "end-to-end latency")):
-        for stat, style in (("p50_ms", "o-"), ("p90_ms", "s--"), ("p99_ms", "^:")):
+        stats = [k for k in reports[0][metric] if k != "mean_ms"]  # the run's percentiles, lowest first
+        for stat, style in zip(stats, itertools.cycle(("o-", "s--", "^:", "d-."))):
             ax.plot(x, [r[metric][stat] for r in reports], style, label=stat.replace("_ms", ""))
         for r, xi in zip(reports, x):
-            ax.annotate(f"{r['request_rate'] if r['request_rate'] is not None else 'inf'}", (xi, r[metric]["p50_ms"]),
+            ax.annotate(f"{r['request_rate'] if r['request_rate'] is not None else 'inf'}", (xi, r[metric][stats[0]]),
                         fontsize=7, textcoords="offset points", xytext=(3, 3))
         ax.set(title=title, xlabel="achieved requests/s (labels: offered rate)", ylabel="ms")
         ax.grid(alpha=0.3)

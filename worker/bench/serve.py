@@ -169,10 +169,10 @@ def _runner() -> asyncio.Runner:
 
 
 def bench_serve(base_url: str, model: str | None, prompts: list[Prompt], load: Load, api_key: str | None = None,
-                slo: dict[str, float] | None = None) -> dict:
+                slo: dict[str, float] | None = None, percentiles: tuple[float, ...] | None = None) -> dict:
     from tqdm import tqdm
 
-    from worker.bench.stats import summarize
+    from worker.bench.stats import PERCENTILES, summarize
     from worker.heap import freeze_startup_heap
 
     model = model or served_model(base_url, api_key)
@@ -185,7 +185,7 @@ def bench_serve(base_url: str, model: str | None, prompts: list[Prompt], load: L
     rate = None if load.request_rate == float("inf") else load.request_rate
     return {"model": model, "endpoint": load.endpoint, "request_rate": rate, "burstiness": load.burstiness,
             "concurrency": load.concurrency, "ignore_eos": load.ignore_eos,
-            **summarize(results, seconds, slo or {})}
+            **summarize(results, seconds, slo or {}, percentiles or PERCENTILES)}
 
 
 def describe_load(request_rate: float | None, concurrency: int | None) -> str:

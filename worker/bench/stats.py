@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50.0, 90.0, 99.0)
 
 
-def distribution(values_s: list[float]) -> dict[str, float]:
+def percentile_key(q: float) -> str:
+    """50 -> "p50_ms", 99.9 -> "p99.9_ms"."""
+    return f"p{q:g}_ms"
+
+
+def distribution(values_s: list[float], percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, float]:
     """Mean and percentiles, in milliseconds (empty input: zeros)."""
     if not values_s:
-        return {"mean_ms": 0.0, **{f"p{q}_ms": 0.0 for q in PERCENTILES}}
+        return {"mean_ms": 0.0, **{percentile_key(q): 0.0 for q in percentiles}}
     ms = np.asarray(values_s) * 1e3
-    return {"mean_ms": float(ms.mean()), **{f"p{q}_ms": float(np.percentile(ms, q)) for q in PERCENTILES}}
+    return {"mean_ms": float(ms.mean()), **{percentile_key(q): float(np.percentile(ms, q)) for q in percentiles}}
 
 
-def summarize(results: list, seconds: float, slo_ms: dict[str, float]) -> dict:
+def summarize(results: list, seconds: float, slo_ms: dict[str, float],
+              percentiles: tuple[float, ...] = PERCENTILES) -> dict:
     """`slo_ms` keys: "ttft", "tpot", "e2e" (milliseconds); goodput counts requests meeting all of them."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -32,9 +38,9 @@ def summarize(results: list, seconds: float, slo_ms: dict[str, float]) -> dict:
         "duration_s": seconds, "prompt_tokens": in_tokens, "output_tokens": out_tokens,
         "request_throughput": len(ok) / seconds, "output_token_throughput": out_tokens / seconds,
         "total_token_throughput": (in_tokens + out_tokens) / seconds,
-        "ttft": distribution([r.ttft for r in ok]),
-        "tpot": distribution([r.tpot for r in ok if r.tpot is not None]),
-        "itl": distribution([g for r in ok for g in r.itl]),
-        "e2e": distribution([r.e2e for r in ok]),
+        "ttft": distribution([r.ttft for r in ok], percentiles),
+        "tpot": distribution([r.tpot for r in ok if r.tpot is not None], percentiles),
+        "itl": distribution([g for r in ok for g in r.itl], percentiles),
+        "e2e": distribution([r.e2e for r in ok], percentiles),
         "slo_ms": slo_ms, "good_requests": len(good), "goodput": len(good) / seconds,
     }
