@@ -159,7 +159,8 @@ def test_serve_concurrency(stack, tmp_path):
 def test_serve_sweep_plot(stack, tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     code, text = _bench("serve", "--url", stack, "--num-prompts", "4", "--sweep", "2,inf", "--input-len", "6",
-                        "--output-len", "8", "--json-out", str(out), "--plot", str(png), "--percentiles", "99.9,50,99,90")
+                        "--output-len", "8", "--json-out", str(out), "--plot", str(png),
+                        "--percentiles", "99.9,50,99,90")
     assert code == 0, text
     reports = json.loads(out.read_text())
     assert [r["request_rate"] for r in reports] == [2.0, None]

@@ -246,7 +246,8 @@ def stack(argv: list[str]) -> int:
 def _summary(r: dict) -> str:
     from worker.bench.serve import describe_load
 
-    lines = [f"{describe_load(r['request_rate'], r['concurrency'])}: {r['completed']}/{r['num_requests']} ok in {r['duration_s']:.2f} s, "
+    load = describe_load(r["request_rate"], r["concurrency"])
+    lines = [f"{load}: {r['completed']}/{r['num_requests']} ok in {r['duration_s']:.2f} s, "
              f"{r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s, "
              f"goodput {r['goodput']:.2f} req/s"]
     for key in ("ttft", "tpot", "itl", "e2e"):

@@ -83,7 +83,8 @@ def _sharegpt(items: list, path: str) -> list[Prompt]:
         turns = item.get("conversations") if isinstance(item, dict) else None
         if not isinstance(turns, list):
             raise ValueError(f"{path}: expected a ShareGPT list of objects with 'conversations'")
-        first = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user")), None)
+        asked = (t.get("value") for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user"))
+        first = next(asked, None)
         if isinstance(first, str) and first.strip():
             prompts.append(Prompt(first))
     return prompts

@@ -20,6 +20,7 @@ import httpx
 
 from worker.bench.prompts import Prompt
 
+
 @dataclass
 class Result:
     ok: bool = False
