@@ -172,6 +172,19 @@ def test_serve_sweep_plot(stack, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_serve_sweeps_the_concurrency(stack, tmp_path):
+    """Comma-separated --concurrency values sweep it (one run each, a list of reports, a plot)."""
+    out, png = tmp_path / "caps.json", tmp_path / "caps.png"
+    code, text = _bench("serve", "--url", stack, "--num-prompts", "4", "--concurrency", "1,4", "--input-len", "6",
+                        "--output-len", "8", "--json-out", str(out), "--plot", str(png))
+    assert code == 0, text
+    reports = json.loads(out.read_text())
+    assert [(r["request_rate"], r["concurrency"]) for r in reports] == [(None, 1), (None, 4)]
+    for r in reports:
+        _check_report(r, 4)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
     """A model the server does not serve: every request fails with the server's HTTP error, and
     the report says so instead of inventing latencies."""
@@ -273,6 +286,8 @@ def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
     (["--burstiness", "0"], "--burstiness must be > 0"),
     (["--range-ratio", "1"], "--range-ratio must be in [0, 1)"),
     (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--concurrency", "2,many"], "--concurrency takes a number of requests"),
+    (["--concurrency", "2", "--plot", "x.png"], "--plot needs a sweep"),
     (["--percentiles", "50,100"], "--percentiles takes comma-separated numbers in (0, 100)"),
     (["--prompts-file", "/no/such/file"], "--prompts-file: [Errno 2]"),
     (["--prompts-file", "BAD_JSONL"], "'max_tokens' must be a positive integer"),

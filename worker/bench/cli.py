@@ -113,8 +113,8 @@ def serve_parser() -> argparse.ArgumentParser:
     rate.add_argument("--sweep", help="comma-separated request rates, one run each")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier, > 1 steadier")
-    p.add_argument("--concurrency", type=int, help="requests in flight at most (with a rate too: arrivals wait "
-                   "for a free slot)")
+    p.add_argument("--concurrency", help="requests in flight at most (with a rate too: arrivals wait for a free "
+                   "slot); comma-separated values sweep it, e.g. 1,4,16,64")
     p.add_argument("--input-len", type=int, default=128, help="words per random prompt")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (of file prompts without their own)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random prompts: input and output lengths "
@@ -129,8 +129,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report, comma-separated "
                    "(default 50,90,99; e.g. 50,90,99,99.9)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json-out", help="write the report (a list of reports with --sweep) here")
-    p.add_argument("--plot", help="with --sweep: PNG of latency against load")
+    p.add_argument("--json-out", help="write the report (a list of reports with a sweep) here")
+    p.add_argument("--plot", help="with a sweep: PNG of latency against load")
     return p
 
 
@@ -146,12 +146,8 @@ def serve(argv: list[str]) -> int:
         parser.error("--goodput takes KEY:MS pairs, e.g. ttft:500 tpot:50")
     if set(slo) - {"ttft", "tpot", "e2e"}:
         parser.error("--goodput keys are ttft, tpot and e2e")
-    if args.plot and not args.sweep:
-        parser.error("--plot needs --sweep")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--num-prompts, --input-len and --output-len must be >= 1")
-    if args.concurrency is not None and args.concurrency < 1:
-        parser.error("--concurrency must be >= 1")
     if not args.burstiness > 0:
         parser.error("--burstiness must be > 0")
     if not 0 <= args.range_ratio < 1:
@@ -167,26 +163,41 @@ def serve(argv: list[str]) -> int:
                    else random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed))
     except (OSError, ValueError) as exc:
         parser.error(f"--prompts-file: {exc}")
+    runs = _serve_runs(parser, args)
+    sweep = bool(args.sweep) or len(runs) > 1
+    if args.plot and not sweep:
+        parser.error("--plot needs a sweep (--sweep, or several --concurrency values)")
+    reports = []
+    for rate, concurrency in runs:
+        load = Load(args.num_prompts, rate, concurrency, args.output_len, args.seed, args.burstiness,
+                    args.endpoint, args.ignore_eos)
+        reports.append(bench_serve(args.url, args.model, prompts, load, args.api_key, slo, percentiles))
+        print(_summary(reports[-1]))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(reports if sweep else reports[0], f, indent=2)
+    if args.plot:
+        from worker.bench.plot import plot_sweep
+
+        plot_sweep(reports, args.plot)
+    return 0 if all(r["failed"] == 0 for r in reports) else 1
+
+
+def _serve_runs(parser: argparse.ArgumentParser, args) -> list[tuple[float, int | None]]:
+    """(request rate, concurrency) of each run: every --sweep rate with every --concurrency value."""
     try:
         rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
     except ValueError:
         parser.error("--sweep takes comma-separated request rates, e.g. 1,2,4,inf")
     if not all(rate > 0 for rate in rates):
         parser.error("request rates must be > 0")
-    reports = []
-    for rate in rates:
-        load = Load(args.num_prompts, rate, args.concurrency, args.output_len, args.seed, args.burstiness,
-                    args.endpoint, args.ignore_eos)
-        reports.append(bench_serve(args.url, args.model, prompts, load, args.api_key, slo, percentiles))
-        print(_summary(reports[-1]))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(reports if args.sweep else reports[0], f, indent=2)
-    if args.plot:
-        from worker.bench.plot import plot_sweep
-
-        plot_sweep(reports, args.plot)
-    return 0 if all(r["failed"] == 0 for r in reports) else 1
+    try:
+        caps = [int(x) for x in args.concurrency.split(",")] if args.concurrency else [None]
+    except ValueError:
+        parser.error("--concurrency takes a number of requests, or comma-separated numbers to sweep")
+    if not all(c is None or c >= 1 for c in caps):
+        parser.error("--concurrency must be >= 1")
+    return [(rate, cap) for rate in rates for cap in caps]
 
 
 def stack_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Latency against load for a `--sweep` (matplotlib, Agg: no display needed)."""
+"""Latency against load for a sweep of rates, concurrencies or both (matplotlib, Agg: no display needed)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,14 @@ def plot_sweep(reports: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     x = [r["request_throughput"] for r in reports]
+    by_rate = len({r["request_rate"] for r in reports}) > 1
+    by_cap = len({r["concurrency"] for r in reports}) > 1
+    what = " / ".join(["offered rate"] * by_rate + ["concurrency"] * by_cap) or "offered rate"
+
+    def label(r: dict) -> str:
+        rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
+        return "/".join([rate] * (by_rate or not by_cap) + [str(r["concurrency"])] * by_cap)
+
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, metric, title in zip(axes, ("ttft", "tpot", "e2e"), ("time to first token", "time per output token",
                                                                   "end-to-end latency")):
@@ -19,9 +27,8 @@ def plot_sweep(reports: list[dict], path: str) -> None:
         for stat, style in zip(stats, itertools.cycle(("o-", "s--", "^:", "d-."))):
             ax.plot(x, [r[metric][stat] for r in reports], style, label=stat.replace("_ms", ""))
         for r, xi in zip(reports, x):
-            ax.annotate(f"{r['request_rate'] if r['request_rate'] is not None else 'inf'}", (xi, r[metric][stats[0]]),
-                        fontsize=7, textcoords="offset points", xytext=(3, 3))
-        ax.set(title=title, xlabel="achieved requests/s (labels: offered rate)", ylabel="ms")
+            ax.annotate(label(r), (xi, r[metric][stats[0]]), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set(title=title, xlabel=f"achieved requests/s (labels: {what})", ylabel="ms")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
