@@ -412,6 +412,29 @@ def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
             assert r.ttft > 0 and len(r.itl) == 1, (newline, cut)  # two chunks with text; "" is not content
 
 
+def test_serve_times_chat_deltas_by_their_content():
+    """A chat stream opens with a role-only delta (not a token); content, or a reasoning model's
+    reasoning_content, is."""
+    import asyncio
+
+    from worker.bench.serve import Result, _read_stream
+
+    def event(delta) -> bytes:
+        return f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n".encode()
+
+    class Content:
+        async def iter_any(self):
+            yield event({"role": "assistant", "content": ""})
+            yield event({"reasoning_content": "think"})
+            yield event({"content": None})
+            yield event({"content": "answer"})
+            yield b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+
+    r = Result(start=0.0)
+    asyncio.run(_read_stream(Content(), r))
+    assert r.ttft > 0 and len(r.itl) == 1 and (r.prompt_tokens, r.output_tokens) == (4, 2)
+
+
 def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     """scripts/gpu_bench.sh, dry-run on the CPU with a tiny preset: each run leaves its JSON report
     and a summary line; a run that fails or passes the deadline is reported and the next one runs."""
