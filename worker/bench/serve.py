@@ -76,7 +76,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> R
         r.e2e = time.perf_counter() - r.start
         r.ok = r.output_tokens > 0 or not body["max_tokens"]
         if not r.ok:
-            r.error = "no usage chunk with completion_tokens"
+            r.error = ("the stream ended without a usage chunk with completion_tokens (the server must honour "
+                       "stream_options.include_usage: output tokens are counted from it)")
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
         r.error = f"{type(exc).__name__}: {exc}"
     return r
