@@ -1,0 +1,252 @@
+"""`redjax bench serve`, the load generator: against the real stack (API + worker subprocesses,
+real Redis) on a tiny model, and its prompt sources, arrivals and SSE parsing. No wall-clock
+thresholds."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+
+from tests.bench_support import check_serve_report, run_bench
+from tests.stack_support import make_served_model, start_api, start_worker, stop
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_url):
+    model = make_served_model(tmp_path_factory.mktemp("served"))
+    worker = start_worker(model, redis_url, "bench-worker")
+    api, url = start_api(model, redis_url)
+    yield url
+    stop(api)
+    stop(worker)
+
+
+def test_serve_concurrency(stack, tmp_path):
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "6", "--concurrency", "3", "--input-len", "12",
+                        "--output-len", "8", "--goodput", "ttft:600000", "tpot:600000", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    check_serve_report(report, 6)
+    assert report["concurrency"] == 3 and report["good_requests"] == 6
+    assert "ttft" in text and "p99" in text
+
+
+def test_serve_sweep_plot(stack, tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--sweep", "2,inf", "--input-len", "6",
+                        "--output-len", "8", "--json-out", str(out), "--plot", str(png),
+                        "--percentiles", "99.9,50,99,90")
+    assert code == 0, text
+    reports = json.loads(out.read_text())
+    assert [r["request_rate"] for r in reports] == [2.0, None]
+    for r in reports:
+        check_serve_report(r, 4)
+        assert list(r["e2e"]) == ["mean_ms", "p50_ms", "p90_ms", "p99_ms", "p99.9_ms"]
+        assert r["e2e"]["p99_ms"] <= r["e2e"]["p99.9_ms"]
+    assert "p99.9" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_sweeps_the_concurrency(stack, tmp_path):
+    """Comma-separated --concurrency values sweep it (one run each, a list of reports, a plot)."""
+    out, png = tmp_path / "caps.json", tmp_path / "caps.png"
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--concurrency", "1,4", "--input-len", "6",
+                        "--output-len", "8", "--json-out", str(out), "--plot", str(png))
+    assert code == 0, text
+    reports = json.loads(out.read_text())
+    assert [(r["request_rate"], r["concurrency"]) for r in reports] == [(None, 1), (None, 4)]
+    for r in reports:
+        check_serve_report(r, 4)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
+    """A model the server does not serve: every request fails with the server's HTTP error, and
+    the report says so instead of inventing latencies."""
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
+                        "--output-len", "4", "--json-out", str(out))
+    report = json.loads(out.read_text())
+    assert report["completed"] == 0 and report["failed"] == 3
+    assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
+
+
+def test_serve_chat_endpoint_with_poisson_arrivals_under_a_concurrency_cap(stack, tmp_path):
+    """--endpoint chat sends each prompt as one user message to /v1/chat/completions and times the
+    deltas' content; a rate and a concurrency together: arrivals wait for a free slot, so no more
+    than the cap are ever in flight."""
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--endpoint", "chat", "--num-prompts", "6", "--request-rate", "200",
+                        "--burstiness", "0.5", "--concurrency", "2", "--input-len", "5", "--output-len", "8",
+                        "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    check_serve_report(report, 6)
+    assert (report["endpoint"], report["request_rate"], report["burstiness"], report["concurrency"]) == \
+        ("chat", 200.0, 0.5, 2)
+    assert report["prompt_tokens"] > 6 * 5  # the chat template's tokens come on top of the words
+    assert "rate 200/s, concurrency 2" in text
+
+
+def test_serve_cap_holds_requests_in_flight_to_the_concurrency(stack):
+    from worker.bench.prompts import Prompt
+    from worker.bench.serve import Load, run_load, served_model
+
+    load = Load(8, request_rate=1000.0, concurrency=2, output_len=8)
+    _, results = asyncio.run(run_load(stack, served_model(stack), [Prompt(f"word {i}") for i in range(8)], load))
+    assert all(r.ok for r in results), [r.error for r in results]
+    events = sorted([(r.start, 1) for r in results] + [(r.start + r.e2e, -1) for r in results])
+    in_flight = list(itertools.accumulate(step for _, step in events))
+    assert max(in_flight) == 2  # the 8 arrive within ~10 ms; each takes far longer than that to stream 8 tokens
+
+
+def test_serve_per_prompt_output_lengths_from_a_jsonl_file_and_random_ranges(stack, tmp_path):
+    """JSON lines may give each prompt its own max_tokens; --range-ratio draws random lengths. With
+    ignore_eos every request runs to its own length, counted from usage."""
+    from worker.bench.prompts import random_prompts, random_workload
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the river", "max_tokens": 3}\n\n{"prompt": "a stone"}\n'
+                       '{"prompt": "light", "max_tokens": 11}\n')
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--prompts-file", str(prompts), "--num-prompts", "4",
+                        "--output-len", "5", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["output_tokens"] == 3 + 5 + 11 + 3  # cycled to 4 prompts
+
+    drawn = random_workload(6, 10, 8, range_ratio=0.5, seed=4)
+    assert {p.output_len for p in drawn} != {8} and all(4 <= p.output_len <= 12 for p in drawn)
+    assert all(5 <= len(p.text.split()) <= 15 for p in drawn)
+    assert [p.text for p in random_workload(3, 7, 8, seed=2)] == random_prompts(3, 7, seed=2)  # ratio 0: fixed
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "6", "--input-len", "10", "--output-len", "8",
+                        "--range-ratio", "0.5", "--seed", "4", "--json-out", str(out))
+    assert code == 0, text
+    assert json.loads(out.read_text())["output_tokens"] == sum(p.output_len for p in drawn)
+
+
+def test_serve_without_ignore_eos_sends_only_standard_fields(stack, tmp_path):
+    from worker.bench.prompts import Prompt
+    from worker.bench.serve import Load
+
+    load = Load(1, output_len=8, ignore_eos=False, endpoint="chat")
+    body = load.body("m", Prompt("hello", 4))
+    assert body == {"model": "m", "max_tokens": 4, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "hello"}]}
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--no-ignore-eos", "--num-prompts", "3", "--input-len", "4",
+                        "--output-len", "8", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert report["completed"] == 3 and 3 <= report["output_tokens"] <= 3 * 8 and report["ignore_eos"] is False
+
+
+def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
+    from worker.bench.prompts import Prompt, file_prompts
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "What is a river?"},
+                                      {"from": "gpt", "value": "Water that flows."},
+                                      {"from": "human", "value": "And a lake?"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+        {"id": "c", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "user", "value": "Hi"}]},
+    ]))
+    assert file_prompts(str(path), 3) == [Prompt("What is a river?"), Prompt("Hi"), Prompt("What is a river?")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sweep", "1,fast"], "--sweep takes comma-separated request rates"),
+    (["--request-rate", "0"], "request rates must be > 0"),
+    (["--burstiness", "0"], "--burstiness must be > 0"),
+    (["--range-ratio", "1"], "--range-ratio must be in [0, 1)"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--concurrency", "2,many"], "--concurrency takes a number of requests"),
+    (["--concurrency", "2", "--plot", "x.png"], "--plot needs a sweep"),
+    (["--percentiles", "50,100"], "--percentiles takes comma-separated numbers in (0, 100)"),
+    (["--prompts-file", "/no/such/file"], "--prompts-file: [Errno 2]"),
+    (["--prompts-file", "BAD_JSONL"], "'max_tokens' must be a positive integer"),
+])
+def test_serve_refuses_bad_flags_before_sending_anything(argv, message, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "max_tokens": 0}\n')
+    argv = [str(bad) if a == "BAD_JSONL" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("serve", "--url", "http://127.0.0.1:9", *argv)  # nothing listens there: no request may be sent
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gamma_arrivals_keep_the_mean_rate_and_set_the_spread():
+    import random
+    import statistics
+
+    from worker.bench.serve import Load
+
+    for burstiness in (0.25, 1.0, 4.0):
+        load = Load(1, request_rate=10.0, burstiness=burstiness)
+        rng = random.Random(0)
+        gaps = [load.gap(rng) for _ in range(40000)]
+        assert statistics.fmean(gaps) == pytest.approx(0.1, rel=0.03)
+        # gamma(k, 1 / (rate k)): variance 1 / (rate^2 k); burstier arrivals spread more
+        assert statistics.pvariance(gaps) == pytest.approx(0.01 / burstiness, rel=0.08)
+    assert Load(1).gap(random.Random(0)) == 0.0  # infinite rate: all at once
+
+
+def test_serve_reads_events_split_across_reads_with_lf_or_crlf():
+    """The load generator parses SSE per network read: lines cut between reads, CRLF endings and
+    comment lines must not change what it counts."""
+    import asyncio
+
+    from worker.bench.serve import Result, _read_stream
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj)}"
+
+    lines = [": ping", event({"choices": [{"text": "a"}]}), "", event({"choices": [{"text": ""}]}), "",
+             event({"choices": [{"text": "bc"}]}), "", event({"choices": [], "usage": {"prompt_tokens": 5,
+                                                                                     "completion_tokens": 3}}),
+             "", "data: [DONE]", "", event({"choices": [{"text": "after done"}]}), ""]
+
+    class Content:
+        def __init__(self, body: bytes, cut: int):
+            self.parts = [body[i:i + cut] for i in range(0, len(body), cut)]
+
+        async def iter_any(self):
+            for part in self.parts:
+                yield part
+
+    for newline in ("\n", "\r\n"):
+        body = newline.join(lines).encode()
+        for cut in (1, 7, len(body)):
+            r = Result(start=0.0)
+            asyncio.run(_read_stream(Content(body, cut), r))
+            assert (r.prompt_tokens, r.output_tokens) == (5, 3), (newline, cut)
+            assert r.ttft > 0 and len(r.itl) == 1, (newline, cut)  # two chunks with text; "" is not content
+
+
+def test_serve_times_chat_deltas_by_their_content():
+    """A chat stream opens with a role-only delta (not a token); content, or a reasoning model's
+    reasoning_content, is."""
+    import asyncio
+
+    from worker.bench.serve import Result, _read_stream
+
+    def event(delta) -> bytes:
+        return f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n".encode()
+
+    class Content:
+        async def iter_any(self):
+            yield event({"role": "assistant", "content": ""})
+            yield event({"reasoning_content": "think"})
+            yield event({"content": None})
+            yield event({"content": "answer"})
+            yield b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+
+    r = Result(start=0.0)
+    asyncio.run(_read_stream(Content(), r))
+    assert r.ttft > 0 and len(r.itl) == 1 and (r.prompt_tokens, r.output_tokens) == (4, 2)

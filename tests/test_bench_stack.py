@@ -1,0 +1,73 @@
+"""`redjax bench stack`: the embedded stack (`redjax serve`) against the engine alone, in pairs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.bench_support import check_serve_report, run_bench
+from tests.stack_support import make_served_model
+
+
+def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
+    """`bench stack` runs `redjax serve` (embedded Redis, API, worker) and `bench offline` in
+    alternating pairs. The offline run gets as many prompt tokens as the model's own tokenizer
+    (transformers) gives the serving prompts, and the ratios are those of the pairs' figures."""
+    import statistics
+
+    import transformers
+
+    from worker.bench.prompts import random_prompts
+
+    model = make_served_model(tmp_path / "served")
+    code, out = run_bench("stack", "--model", str(model), "--pairs", "2", "--num-prompts", "4", "--input-len", "6",
+                       "--output-len", "8", "--seed", "3", "--json", "--max-num-seqs", "8",
+                       "--max-num-batched-tokens", "128", "--page-size", "8", "--num-pages", "128")
+    assert code == 0, out
+    report = json.loads(out)
+    assert [p["first"] for p in report["pairs"]] == ["serve", "offline"]
+    for p in report["pairs"]:
+        assert p["serve_failed"] == 0
+        assert p["ratio"] == pytest.approx(p["serve_output_tokens_per_s"] / p["offline_output_tokens_per_s"])
+        # where the CPU went: the worker's XLA compute threads apart from its others, the API, this
+        # process (the load generator, split into compute and other where a test imported jax);
+        # offline, the engine's own process. A run this short may take under one clock tick of a thread.
+        serve, offline = p["serve_cpu"]["by_thread_group"], p["offline_cpu"]["by_thread_group"]
+        assert {"API", "worker compute", "worker other"} <= set(serve)
+        assert {k for k in serve if k.startswith("load generator")} in ({"load generator"},
+                                                                       {"load generator compute", "load generator other"})
+        assert set(offline) == {"engine compute", "engine other"}
+        assert min(serve.values()) >= 0 and min(offline.values()) >= 0
+        for usage in (p["serve_cpu"], p["offline_cpu"]):
+            assert usage["idle_core_s"] >= 0 and usage["rest_core_s"] >= 0 and usage["cores"] == os.cpu_count()
+    assert report["median_ratio"] == pytest.approx(statistics.median(p["ratio"] for p in report["pairs"]))
+    assert report["engine_flags"] == ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--page-size", "8",
+                                      "--num-pages", "128"]
+    check_serve_report(report["last_serve_report"], 4)
+    tok = transformers.AutoTokenizer.from_pretrained(str(model))
+    counts = [len(tok(p)["input_ids"]) for p in random_prompts(4, 6, seed=3)]  # the first pair's prompts
+    assert report["prompt_tokens_per_request"] == round(sum(counts) / len(counts))
+
+
+def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
+    """`bench stack --dummy PRESET` writes random weights and a word tokenizer to a temporary
+    directory and serves them like any model: every serving prompt word is one token, so the
+    offline half gets exactly --input-len prompt tokens."""
+    code, out = run_bench("stack", "--dummy", "llama-tiny", "--pairs", "1", "--num-prompts", "4", "--input-len", "6",
+                       "--output-len", "8", "--json", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+                       "--page-size", "8", "--num-pages", "128")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["model"] == "dummy:llama-tiny"
+    assert report["prompt_tokens_per_request"] == 6
+    assert report["pairs"][0]["serve_failed"] == 0 and report["pairs"][0]["offline_output_tokens_per_s"] > 0
+    check_serve_report(report["last_serve_report"], 4)
+
+
+def test_stack_refuses_an_unknown_preset_before_starting_anything(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("stack", "--dummy", "no-such-preset", "--pairs", "1")
+    assert exit_.value.code == 2
+    assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
