@@ -50,8 +50,8 @@ def test_offline_plans_the_runs_tail_steps_too(tiny_model):
     the last rows' final steps take shapes the warm-up's shorter requests never meet. Planning the
     run itself as well leaves nothing to compile during it (this shape compiled 3 variants)."""
     code, out = run_bench("offline", "--model", str(tiny_model), "--num-prompts", "16", "--input-len", "8",
-                       "--output-len", "20", "--max-num-batched-tokens", "16", "--max-num-seqs", "16",
-                       "--decode-steps", "3", "--json")
+                          "--output-len", "20", "--max-num-batched-tokens", "16", "--max-num-seqs", "16",
+                          "--decode-steps", "3", "--json")
     assert code == 0 and json.loads(out)["compiles_during_run"] == 0
 
 
@@ -67,7 +67,7 @@ def test_offline_compare_hf(tiny_model):
 
 def test_offline_compare_hf_picks_the_fastest_batch_size_by_default(tiny_model):
     code, out = run_bench("offline", "--model", str(tiny_model), "--num-prompts", "20", "--input-len", "8",
-                       "--output-len", "4", "--json", "--compare", "hf", "--rounds", "2")
+                          "--output-len", "4", "--json", "--compare", "hf", "--rounds", "2")
     report = json.loads(out)
     assert code == 0
     trials = report["baseline_batch_trials"]  # 16, 32 and 64, capped at the 20 prompts
@@ -89,7 +89,7 @@ def test_offline_compare_hf_on_dummy_weights_gives_transformers_the_engine_weigh
 
 def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_model):
     code, out = run_bench("offline", "--model", str(tiny_model), *TINY, "--compare", "hf", "--hf-batch-size", "2",
-                       "--rounds", "3")
+                          "--rounds", "3")
     report = json.loads(out)
     assert code == 0 and report["rounds"] == 3 and len(report["per_round"]) == 3
     ratios = sorted(f["ratio"] for f in report["per_round"])

@@ -27,7 +27,7 @@ def stack(tmp_path_factory, redis_url):
 def test_serve_concurrency(stack, tmp_path):
     out = tmp_path / "report.json"
     code, text = run_bench("serve", "--url", stack, "--num-prompts", "6", "--concurrency", "3", "--input-len", "12",
-                        "--output-len", "8", "--goodput", "ttft:600000", "tpot:600000", "--json-out", str(out))
+                           "--output-len", "8", "--goodput", "ttft:600000", "tpot:600000", "--json-out", str(out))
     assert code == 0, text
     report = json.loads(out.read_text())
     check_serve_report(report, 6)
@@ -38,8 +38,8 @@ def test_serve_concurrency(stack, tmp_path):
 def test_serve_sweep_plot(stack, tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--sweep", "2,inf", "--input-len", "6",
-                        "--output-len", "8", "--json-out", str(out), "--plot", str(png),
-                        "--percentiles", "99.9,50,99,90")
+                           "--output-len", "8", "--json-out", str(out), "--plot", str(png),
+                           "--percentiles", "99.9,50,99,90")
     assert code == 0, text
     reports = json.loads(out.read_text())
     assert [r["request_rate"] for r in reports] == [2.0, None]
@@ -55,7 +55,7 @@ def test_serve_sweeps_the_concurrency(stack, tmp_path):
     """Comma-separated --concurrency values sweep it (one run each, a list of reports, a plot)."""
     out, png = tmp_path / "caps.json", tmp_path / "caps.png"
     code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--concurrency", "1,4", "--input-len", "6",
-                        "--output-len", "8", "--json-out", str(out), "--plot", str(png))
+                           "--output-len", "8", "--json-out", str(out), "--plot", str(png))
     assert code == 0, text
     reports = json.loads(out.read_text())
     assert [(r["request_rate"], r["concurrency"]) for r in reports] == [(None, 1), (None, 4)]
@@ -69,7 +69,7 @@ def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
     the report says so instead of inventing latencies."""
     out = tmp_path / "report.json"
     code, text = run_bench("serve", "--url", stack, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
-                        "--output-len", "4", "--json-out", str(out))
+                           "--output-len", "4", "--json-out", str(out))
     report = json.loads(out.read_text())
     assert report["completed"] == 0 and report["failed"] == 3
     assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
@@ -81,8 +81,8 @@ def test_serve_chat_endpoint_with_poisson_arrivals_under_a_concurrency_cap(stack
     than the cap are ever in flight."""
     out = tmp_path / "report.json"
     code, text = run_bench("serve", "--url", stack, "--endpoint", "chat", "--num-prompts", "6", "--request-rate", "200",
-                        "--burstiness", "0.5", "--concurrency", "2", "--input-len", "5", "--output-len", "8",
-                        "--json-out", str(out))
+                           "--burstiness", "0.5", "--concurrency", "2", "--input-len", "5", "--output-len", "8",
+                           "--json-out", str(out))
     assert code == 0, text
     report = json.loads(out.read_text())
     check_serve_report(report, 6)
@@ -114,7 +114,7 @@ def test_serve_per_prompt_output_lengths_from_a_jsonl_file_and_random_ranges(sta
                        '{"prompt": "light", "max_tokens": 11}\n')
     out = tmp_path / "report.json"
     code, text = run_bench("serve", "--url", stack, "--prompts-file", str(prompts), "--num-prompts", "4",
-                        "--output-len", "5", "--json-out", str(out))
+                           "--output-len", "5", "--json-out", str(out))
     assert code == 0, text
     report = json.loads(out.read_text())
     assert report["completed"] == 4 and report["output_tokens"] == 3 + 5 + 11 + 3  # cycled to 4 prompts
@@ -124,7 +124,7 @@ def test_serve_per_prompt_output_lengths_from_a_jsonl_file_and_random_ranges(sta
     assert all(5 <= len(p.text.split()) <= 15 for p in drawn)
     assert [p.text for p in random_workload(3, 7, 8, seed=2)] == random_prompts(3, 7, seed=2)  # ratio 0: fixed
     code, text = run_bench("serve", "--url", stack, "--num-prompts", "6", "--input-len", "10", "--output-len", "8",
-                        "--range-ratio", "0.5", "--seed", "4", "--json-out", str(out))
+                           "--range-ratio", "0.5", "--seed", "4", "--json-out", str(out))
     assert code == 0, text
     assert json.loads(out.read_text())["output_tokens"] == sum(p.output_len for p in drawn)
 
@@ -139,7 +139,7 @@ def test_serve_without_ignore_eos_sends_only_standard_fields(stack, tmp_path):
                     "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "hello"}]}
     out = tmp_path / "report.json"
     code, text = run_bench("serve", "--url", stack, "--no-ignore-eos", "--num-prompts", "3", "--input-len", "4",
-                        "--output-len", "8", "--json-out", str(out))
+                           "--output-len", "8", "--json-out", str(out))
     assert code == 0, text
     report = json.loads(out.read_text())
     assert report["completed"] == 3 and 3 <= report["output_tokens"] <= 3 * 8 and report["ignore_eos"] is False

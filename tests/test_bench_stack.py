@@ -23,8 +23,8 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
 
     model = make_served_model(tmp_path / "served")
     code, out = run_bench("stack", "--model", str(model), "--pairs", "2", "--num-prompts", "4", "--input-len", "6",
-                       "--output-len", "8", "--seed", "3", "--json", "--max-num-seqs", "8",
-                       "--max-num-batched-tokens", "128", "--page-size", "8", "--num-pages", "128")
+                          "--output-len", "8", "--seed", "3", "--json", "--max-num-seqs", "8",
+                          "--max-num-batched-tokens", "128", "--page-size", "8", "--num-pages", "128")
     assert code == 0, out
     report = json.loads(out)
     assert [p["first"] for p in report["pairs"]] == ["serve", "offline"]
@@ -56,8 +56,8 @@ def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
     directory and serves them like any model: every serving prompt word is one token, so the
     offline half gets exactly --input-len prompt tokens."""
     code, out = run_bench("stack", "--dummy", "llama-tiny", "--pairs", "1", "--num-prompts", "4", "--input-len", "6",
-                       "--output-len", "8", "--json", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
-                       "--page-size", "8", "--num-pages", "128")
+                          "--output-len", "8", "--json", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+                          "--page-size", "8", "--num-pages", "128")
     assert code == 0, out
     report = json.loads(out)
     assert report["model"] == "dummy:llama-tiny"
