@@ -15,10 +15,14 @@ from tests.stack_support import make_served_model, start_api, start_worker, stop
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, redis_url):
-    model = make_served_model(tmp_path_factory.mktemp("served"))
-    worker = start_worker(model, redis_url, "bench-worker")
-    api, url = start_api(model, redis_url)
+def served(tmp_path_factory):
+    return make_served_model(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def stack(served, redis_url):
+    worker = start_worker(served, redis_url, "bench-worker")
+    api, url = start_api(served, redis_url)
     yield url
     stop(api)
     stop(worker)
@@ -157,6 +161,34 @@ def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
         {"id": "c", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "user", "value": "Hi"}]},
     ]))
     assert file_prompts(str(path), 3) == [Prompt("What is a river?"), Prompt("Hi"), Prompt("What is a river?")]
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("a prompt\n")
+    with pytest.raises(ValueError, match="ShareGPT files only"):  # no reply there to measure
+        file_prompts(str(lines), 1, tokenizer=object())
+
+
+def test_sharegpt_replies_set_output_lengths_through_a_tokenizer(served, stack, tmp_path):
+    """With --tokenizer, each ShareGPT request asks for as many tokens as the dataset's reply has
+    (as vLLM's benchmark does); the served tokens add up to them (ignore_eos)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(served))
+    replies = ["Water that flows to the sea.", "Hello there, how are you today?", ""]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "What is a river?"}, {"from": "gpt", "value": replies[0]}]},
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "user", "value": "Hi"},
+                           {"from": "assistant", "value": replies[1]}]},
+        {"conversations": [{"from": "human", "value": "no reply"}]},  # left out: nothing sets its length
+    ]))
+    lengths = [len(tok.encode(r, add_special_tokens=False)) for r in replies[:2]]
+    assert min(lengths) > 1 and lengths[0] != lengths[1]
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--endpoint", "chat", "--prompts-file", str(path),
+                           "--tokenizer", str(served), "--num-prompts", "4", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["output_tokens"] == 2 * sum(lengths)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -167,6 +199,8 @@ def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
     (["--concurrency", "0"], "--concurrency must be >= 1"),
     (["--concurrency", "2,many"], "--concurrency takes a number of requests"),
     (["--concurrency", "2", "--plot", "x.png"], "--plot needs a sweep"),
+    (["--tokenizer", "/tmp"], "--tokenizer needs a ShareGPT --prompts-file"),
+    (["--prompts-file", "BAD_JSONL", "--tokenizer", "/no/such/dir"], "--tokenizer: "),
     (["--percentiles", "50,100"], "--percentiles takes comma-separated numbers in (0, 100)"),
     (["--prompts-file", "/no/such/file"], "--prompts-file: [Errno 2]"),
     (["--prompts-file", "BAD_JSONL"], "'max_tokens' must be a positive integer"),

@@ -121,6 +121,8 @@ def serve_parser() -> argparse.ArgumentParser:
                    "uniform in [len * (1 - R), len * (1 + R)] (default 0: fixed)")
     p.add_argument("--prompts-file", help="one prompt per line, JSON lines with 'prompt' (and optionally "
                    "'max_tokens'), or a ShareGPT JSON file (each conversation's first human turn)")
+    p.add_argument("--tokenizer", metavar="DIR", help="with a ShareGPT --prompts-file: a local tokenizer "
+                   "directory; each request's max_tokens is then the token count of the dataset's reply")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests end at EOS (without it every request sends the ignore_eos extension and "
                         "runs to max_tokens)")
@@ -158,8 +160,14 @@ def serve(argv: list[str]) -> int:
         percentiles = ()
     if not percentiles or not all(0 < q < 100 for q in percentiles):
         parser.error("--percentiles takes comma-separated numbers in (0, 100), e.g. 50,90,99,99.9")
+    if args.tokenizer and not args.prompts_file:
+        parser.error("--tokenizer needs a ShareGPT --prompts-file")
     try:
-        prompts = (file_prompts(args.prompts_file, args.num_prompts) if args.prompts_file
+        tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    except (OSError, ValueError) as exc:
+        parser.error(f"--tokenizer: {str(exc).splitlines()[0]}")
+    try:
+        prompts = (file_prompts(args.prompts_file, args.num_prompts, tokenizer) if args.prompts_file
                    else random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed))
     except (OSError, ValueError) as exc:
         parser.error(f"--prompts-file: {exc}")
@@ -181,6 +189,13 @@ def serve(argv: list[str]) -> int:
 
         plot_sweep(reports, args.plot)
     return 0 if all(r["failed"] == 0 for r in reports) else 1
+
+
+def _load_tokenizer(path: str):
+    """A local Hugging Face tokenizer directory (nothing is downloaded)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def _serve_runs(parser: argparse.ArgumentParser, args) -> list[tuple[float, int | None]]:

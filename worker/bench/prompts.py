@@ -46,18 +46,22 @@ def random_workload(n: int, input_len: int, output_len: int, range_ratio: float 
     return out
 
 
-def file_prompts(path: str, n: int) -> list[Prompt]:
+def file_prompts(path: str, n: int, tokenizer=None) -> list[Prompt]:
     """Prompts from `path`, cycled to `n`:
 
-    - a ShareGPT-style JSON file (a list of {"conversations": [{"from": "human", "value": ...}, ...]}):
-      each conversation's first human turn;
+    - a ShareGPT-style JSON file (a list of {"conversations": [{"from": "human", "value": ...},
+      {"from": "gpt", "value": ...}, ...]}): each conversation's first human turn; with a
+      `tokenizer` (transformers), its output length is the token count of the reply that follows
+      it, as in the dataset;
     - JSON lines: {"prompt": ...}, optionally with "max_tokens" (that request's output length);
     - otherwise one prompt per non-empty line.
     """
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if text.lstrip().startswith("["):
-        prompts = _sharegpt(json.loads(text), path)
+        prompts = _sharegpt(json.loads(text), path, tokenizer)
+    elif tokenizer is not None:
+        raise ValueError(f"{path}: a tokenizer sets output lengths of ShareGPT files only")
     else:
         lines = [line for line in text.splitlines() if line.strip()]
         prompts = [_json_line(line, path, i + 1) if line.lstrip().startswith("{") else Prompt(line)
@@ -77,14 +81,24 @@ def _json_line(line: str, path: str, lineno: int) -> Prompt:
     return Prompt(item["prompt"], max_tokens)
 
 
-def _sharegpt(items: list, path: str) -> list[Prompt]:
+def _sharegpt(items: list, path: str, tokenizer) -> list[Prompt]:
+    """Each conversation's first human turn; with a tokenizer, the reply after it sets the output
+    length (conversations without a reply are left out then)."""
     prompts = []
     for item in items:
         turns = item.get("conversations") if isinstance(item, dict) else None
         if not isinstance(turns, list):
             raise ValueError(f"{path}: expected a ShareGPT list of objects with 'conversations'")
-        asked = (t.get("value") for t in turns if isinstance(t, dict) and t.get("from") in ("human", "user"))
-        first = next(asked, None)
-        if isinstance(first, str) and first.strip():
-            prompts.append(Prompt(first))
+        turns = [t for t in turns if isinstance(t, dict) and isinstance(t.get("value"), str)]
+        asked = next((i for i, t in enumerate(turns) if t.get("from") in ("human", "user") and t["value"].strip()),
+                     None)
+        if asked is None:
+            continue
+        if tokenizer is None:
+            prompts.append(Prompt(turns[asked]["value"]))
+            continue
+        reply = next((t["value"] for t in turns[asked + 1:] if t.get("from") in ("gpt", "assistant")), "")
+        reply_tokens = len(tokenizer.encode(reply, add_special_tokens=False))
+        if reply_tokens:
+            prompts.append(Prompt(turns[asked]["value"], reply_tokens))
     return prompts
