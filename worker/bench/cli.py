@@ -139,7 +139,6 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve(argv: list[str]) -> int:
     parser = serve_parser()
     args = parser.parse_args(argv)
-    from worker.bench.prompts import file_prompts, random_workload
     from worker.bench.serve import Load, bench_serve
 
     try:
@@ -154,23 +153,8 @@ def serve(argv: list[str]) -> int:
         parser.error("--burstiness must be > 0")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
-    try:
-        percentiles = tuple(sorted({float(q) for q in args.percentiles.split(",")}))
-    except ValueError:
-        percentiles = ()
-    if not percentiles or not all(0 < q < 100 for q in percentiles):
-        parser.error("--percentiles takes comma-separated numbers in (0, 100), e.g. 50,90,99,99.9")
-    if args.tokenizer and not args.prompts_file:
-        parser.error("--tokenizer needs a ShareGPT --prompts-file")
-    try:
-        tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
-    except (OSError, ValueError) as exc:
-        parser.error(f"--tokenizer: {str(exc).splitlines()[0]}")
-    try:
-        prompts = (file_prompts(args.prompts_file, args.num_prompts, tokenizer) if args.prompts_file
-                   else random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed))
-    except (OSError, ValueError) as exc:
-        parser.error(f"--prompts-file: {exc}")
+    percentiles = _percentiles(parser, args.percentiles)
+    prompts = _serve_prompts(parser, args)
     runs = _serve_runs(parser, args)
     sweep = bool(args.sweep) or len(runs) > 1
     if args.plot and not sweep:
@@ -189,6 +173,33 @@ def serve(argv: list[str]) -> int:
 
         plot_sweep(reports, args.plot)
     return 0 if all(r["failed"] == 0 for r in reports) else 1
+
+
+def _percentiles(parser: argparse.ArgumentParser, text: str) -> tuple[float, ...]:
+    try:
+        percentiles = tuple(sorted({float(q) for q in text.split(",")}))
+    except ValueError:
+        percentiles = ()
+    if not percentiles or not all(0 < q < 100 for q in percentiles):
+        parser.error("--percentiles takes comma-separated numbers in (0, 100), e.g. 50,90,99,99.9")
+    return percentiles
+
+
+def _serve_prompts(parser: argparse.ArgumentParser, args) -> list:
+    """The run's prompts: random words, or --prompts-file (ShareGPT lengths through --tokenizer)."""
+    from worker.bench.prompts import file_prompts, random_workload
+
+    if args.tokenizer and not args.prompts_file:
+        parser.error("--tokenizer needs a ShareGPT --prompts-file")
+    try:
+        tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    except (OSError, ValueError) as exc:
+        parser.error(f"--tokenizer: {str(exc).splitlines()[0]}")
+    try:
+        return (file_prompts(args.prompts_file, args.num_prompts, tokenizer) if args.prompts_file
+                else random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed))
+    except (OSError, ValueError) as exc:
+        parser.error(f"--prompts-file: {exc}")
 
 
 def _load_tokenizer(path: str):
