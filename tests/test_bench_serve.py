@@ -68,6 +68,29 @@ def test_serve_sweeps_the_concurrency(stack, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_serve_sends_the_key_from_the_environment(served, stack, redis_url, tmp_path, monkeypatch, capsys):
+    """An API that requires a key: refused without it, served with $OPENAI_API_KEY, and the key is
+    nowhere in what the benchmark prints or writes."""
+    api, url = start_api(served, redis_url, env={"REDJAX_API_KEY": "bench-secret-key"})
+    try:
+        out = tmp_path / "report.json"
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        args = ("serve", "--url", url, "--model", served.name, "--num-prompts", "2", "--input-len", "4",
+                "--output-len", "8", "--json-out", str(out))
+        code, text = run_bench(*args)
+        assert code == 1 and json.loads(out.read_text())["failed"] == 2
+        assert all(e.startswith("HTTP 401") for e in json.loads(out.read_text())["errors"])
+        assert run_bench(*[a for a in args if a not in ("--model", served.name)])[0] == 1  # /v1/models refused too
+        assert "cannot read the served model" in capsys.readouterr().err
+        monkeypatch.setenv("OPENAI_API_KEY", "bench-secret-key")
+        code, text = run_bench(*args)
+        assert code == 0, text
+        check_serve_report(json.loads(out.read_text()), 2)
+        assert "bench-secret-key" not in text + out.read_text()
+    finally:
+        stop(api)
+
+
 def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
     """A model the server does not serve: every request fails with the server's HTTP error, and
     the report says so instead of inventing latencies."""

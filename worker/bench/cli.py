@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import sys
 import tempfile
 
 from worker.bench import cpu_usage
@@ -104,7 +106,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="redjax bench serve", description="load test an OpenAI-compatible endpoint")
     p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
+                   help="Bearer key (default: $OPENAI_API_KEY; an environment variable keeps it out of the "
+                        "process list)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="/v1/completions (default) or /v1/chat/completions (each prompt as one user message)")
@@ -139,7 +143,9 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve(argv: list[str]) -> int:
     parser = serve_parser()
     args = parser.parse_args(argv)
-    from worker.bench.serve import Load, bench_serve
+    import httpx
+
+    from worker.bench.serve import Load, bench_serve, served_model
 
     try:
         slo = {k: float(v) for k, v in (item.split(":", 1) for item in args.goodput)}
@@ -159,11 +165,17 @@ def serve(argv: list[str]) -> int:
     sweep = bool(args.sweep) or len(runs) > 1
     if args.plot and not sweep:
         parser.error("--plot needs a sweep (--sweep, or several --concurrency values)")
+    try:
+        model = args.model or served_model(args.url, args.api_key)
+    except (httpx.HTTPError, LookupError, ValueError) as exc:
+        print(f"redjax bench serve: cannot read the served model from {args.url}/v1/models ({exc}); "
+              "is the server up, and is its key in --api-key or $OPENAI_API_KEY?", file=sys.stderr)
+        return 1
     reports = []
     for rate, concurrency in runs:
         load = Load(args.num_prompts, rate, concurrency, args.output_len, args.seed, args.burstiness,
                     args.endpoint, args.ignore_eos)
-        reports.append(bench_serve(args.url, args.model, prompts, load, args.api_key, slo, percentiles))
+        reports.append(bench_serve(args.url, model, prompts, load, args.api_key, slo, percentiles))
         print(_summary(reports[-1]))
     if args.json_out:
         with open(args.json_out, "w") as f:
