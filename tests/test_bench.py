@@ -55,6 +55,22 @@ def test_offline_plans_the_runs_tail_steps_too(tiny_model):
     assert code == 0 and json.loads(out)["compiles_during_run"] == 0
 
 
+def test_offline_on_the_shape_of_a_config_json(tmp_path, capsys):
+    """--dummy PATH: random weights shaped by any config.json; a name that is neither a preset nor
+    a config is a usage error before anything loads."""
+    cfg = ModelConfig.preset("llama-tiny")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**cfg.to_hf_dict(), "num_hidden_layers": 1}))
+    code, out = run_bench("offline", "--dummy", str(config), *TINY)
+    assert code == 0
+    report = json.loads(out)
+    assert report["model"] == str(config) and report["num_params"] == ModelConfig.preset(str(config)).num_params
+    assert report["num_params"] < cfg.num_params and report["output_tokens_per_s"] > 0
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("offline", "--dummy", "gpt-17", *TINY)
+    assert exit_.value.code == 2 and "unknown preset 'gpt-17'" in capsys.readouterr().err
+
+
 def test_offline_compare_hf(tiny_model):
     code, out = run_bench("offline", "--model", str(tiny_model), *TINY, "--compare", "hf", "--hf-batch-size", "2")
     report = json.loads(out)

@@ -121,6 +121,24 @@ def test_dummy_weights_from_a_preset_shape():
         ModelConfig.preset("gpt-17")
 
 
+def test_dummy_shape_from_any_config_json(tmp_path, monkeypatch):
+    """--dummy takes a model's config.json (the file, or a directory holding it) as well as a
+    shipped preset: the shape of a model whose weights are not here."""
+    d = {**ModelConfig.preset("llama-100m").to_hf_dict(), "num_hidden_layers": 5, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = ModelConfig.preset(str(tmp_path / "config.json"))
+    assert (cfg.num_layers, cfg.vocab_size, cfg.hidden_size) == (5, 1000, 768)
+    assert ModelConfig.preset(str(tmp_path)) == cfg
+    monkeypatch.chdir(tmp_path.parent)
+    assert ModelConfig.preset(f"./{tmp_path.name}") == cfg
+    for bad in (str(tmp_path / "missing.json"), str(tmp_path.parent)):  # no file; a directory without one
+        with pytest.raises(ModelConfigError, match="neither a config.json nor a directory holding one"):
+            ModelConfig.preset(bad)
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ModelConfigError, match="not valid JSON"):
+        ModelConfig.preset(str(tmp_path / "broken.json"))
+
+
 def test_dummy_weights_are_initialised_like_the_modules_one_program_per_shape():
     """Norm scales one, biases zero, every other tensor its own N(0, 0.02) draw; the same seed the
     same weights. Made by one small program per distinct tensor shape, not one for the model."""

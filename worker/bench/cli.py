@@ -52,9 +52,17 @@ def _batch_size(text: str) -> int | None:
 
 
 def offline(argv: list[str]) -> int:
-    args = offline_parser().parse_args(argv)
+    parser = offline_parser()
+    args = parser.parse_args(argv)
     log_to_stderr(args.log_level)
     from worker.bench.offline import Workload, bench_offline
+    from worker.models.config import ModelConfig, ModelConfigError
+
+    if args.dummy:
+        try:
+            ModelConfig.preset(args.dummy)
+        except (ModelConfigError, OSError) as exc:
+            parser.error(str(exc))
 
     work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.temperature, args.top_p,
                     args.top_k)
@@ -245,8 +253,9 @@ def stack_parser() -> argparse.ArgumentParser:
                     "(bench offline), in alternating pairs on this machine; prints the ratio")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="local Hugging Face model directory (default: the demo model)")
-    src.add_argument("--dummy", metavar="PRESET", help="random weights of a preset shape (llama-100m, ...) with a "
-                     "word-level tokenizer, written to a temporary directory and served like any model")
+    src.add_argument("--dummy", metavar="PRESET", help="random weights of a preset shape (llama-100m, ...) or of a "
+                     "config.json, with a word-level tokenizer, written to a temporary directory and served like "
+                     "any model")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=100, help="words per random serving prompt; the offline "
                    "run gets as many prompt tokens as the API counted for them")

@@ -128,6 +128,11 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no config.json in the model directory")
+        return cls.from_file(file)
+
+    @classmethod
+    def from_file(cls, file: Path) -> "ModelConfig":
+        """A Hugging Face config.json file."""
         try:
             data = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
@@ -139,11 +144,19 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        """A shipped shape for dummy weights, e.g. 'llama3-8b', 'llama3.2-1b', 'llama-100m'."""
+        """A shape for dummy weights: a shipped one ('llama3-8b', 'llama3.2-1b', 'llama-100m', ...),
+        or any model's config.json (the file, or a directory holding it), weights not needed."""
+        if "/" in name or name.endswith(".json"):  # a path ("./name" for a directory here)
+            path = Path(name)
+            if path.is_dir() and (path / "config.json").is_file():
+                return cls.from_dir(path)
+            if not path.is_file():
+                raise ModelConfigError(f"{name}: neither a config.json nor a directory holding one")
+            return cls.from_file(path)
         file = PRESETS_DIR / f"{name}.json"
         if not file.is_file():
             names = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
-            raise ModelConfigError(f"unknown preset {name!r}; presets: {names}")
+            raise ModelConfigError(f"unknown preset {name!r}; presets: {names}, or a path to a config.json")
         return cls.from_hf_dict(json.loads(file.read_text()))
 
     def to_hf_dict(self) -> dict[str, Any]:
