@@ -127,7 +127,7 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier, > 1 steadier")
     p.add_argument("--concurrency", help="requests in flight at most (with a rate too: arrivals wait for a free "
                    "slot); comma-separated values sweep it, e.g. 1,4,16,64")
-    p.add_argument("--input-len", type=int, default=128, help="words per random prompt")
+    p.add_argument("--input-len", type=int, help="words per random prompt (default 128)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (of file prompts without their own)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random prompts: input and output lengths "
                    "uniform in [len * (1 - R), len * (1 + R)] (default 0: fixed)")
@@ -161,7 +161,7 @@ def serve(argv: list[str]) -> int:
         parser.error("--goodput takes KEY:MS pairs, e.g. ttft:500 tpot:50")
     if set(slo) - {"ttft", "tpot", "e2e"}:
         parser.error("--goodput keys are ttft, tpot and e2e")
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+    if args.num_prompts < 1 or (args.input_len is not None and args.input_len < 1) or args.output_len < 1:
         parser.error("--num-prompts, --input-len and --output-len must be >= 1")
     if not args.burstiness > 0:
         parser.error("--burstiness must be > 0")
@@ -211,13 +211,16 @@ def _serve_prompts(parser: argparse.ArgumentParser, args) -> list:
 
     if args.tokenizer and not args.prompts_file:
         parser.error("--tokenizer needs a ShareGPT --prompts-file")
+    if args.prompts_file and (args.input_len is not None or args.range_ratio):
+        parser.error("--input-len and --range-ratio shape random prompts, not --prompts-file")
     try:
         tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     except (OSError, ValueError) as exc:
         parser.error(f"--tokenizer: {str(exc).splitlines()[0]}")
     try:
         return (file_prompts(args.prompts_file, args.num_prompts, tokenizer) if args.prompts_file
-                else random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed))
+                else random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio,
+                                     args.seed))
     except (OSError, ValueError) as exc:
         parser.error(f"--prompts-file: {exc}")
 
