@@ -240,6 +240,8 @@ def _serve_runs(parser: argparse.ArgumentParser, args) -> list[tuple[float, int 
         parser.error("--sweep takes comma-separated request rates, e.g. 1,2,4,inf")
     if not all(rate > 0 for rate in rates):
         parser.error("request rates must be > 0")
+    if args.burstiness != 1.0 and all(rate == float("inf") for rate in rates):
+        parser.error("--burstiness shapes the gaps between arrivals at a finite --request-rate (or --sweep)")
     try:
         caps = [int(x) for x in args.concurrency.split(",")] if args.concurrency else [None]
     except ValueError:
