@@ -22,8 +22,7 @@ class Prompt:
 
 def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
     """`input_len` random common words each (about one token per word with most tokenizers)."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
+    return [p.text for p in random_workload(n, input_len, 1, seed=seed)]
 
 
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
@@ -38,7 +37,7 @@ def random_workload(n: int, input_len: int, output_len: int, range_ratio: float 
         low, high = round(length * (1 - range_ratio)), round(length * (1 + range_ratio))
         return max(1, lengths_rng.randint(low, high) if high > low else length)
 
-    # the words are drawn as random_prompts draws them: fixed lengths give its prompts exactly
+    # lengths from a stream of their own: a seed draws its words from the same stream at any ratio
     out = []
     for _ in range(n):
         k, m = draw(input_len), draw(output_len)
