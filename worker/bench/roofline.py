@@ -35,14 +35,19 @@ def _on_cpu() -> bool:
 
 
 def memory_bandwidth_gbs(mib: int | None = None) -> float:
-    """The better of two probes over a large f32 array, in GB/s: a copy (x + 1: read + write) and a
-    read (a sum). Decode mostly reads (weights, KV), and an accelerator's copy rate understates its
-    read rate. 256 MiB on a CPU (well past its caches); 2 GiB on an accelerator, where a smaller
-    array leaves the launch a visible share of the time (H100: 256 MiB copies in ~0.17 ms)."""
+    """The machine's read rate over a large f32 array, in GB/s: decode reads (weights, KV).
+
+    On a CPU, a jitted read (a sum) of 256 MiB, well past its caches. A copy (x + 1) is not used
+    there: its fresh output either faults its pages in (8-11 GB/s on the 2-core VM) or, when the
+    allocator hands back pages the process already holds, reads and writes at 64-67 GB/s counted
+    together, while the read alone gives 38-45; which one a run got depended on what it had
+    allocated before. On an accelerator, the better of the read and the copy (read + write
+    counted; a reduction there can understate the read rate), over 2 GiB, where a smaller array
+    leaves the launch a visible share of the time (H100: 256 MiB copies in ~0.17 ms)."""
     mib = mib or (256 if _on_cpu() else 2048)
     x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
-    copy = 2 * x.nbytes / _best(jax.jit(lambda a: a + 1.0), x)
     read = x.nbytes / _best(jax.jit(jnp.sum), x)
+    copy = 0.0 if _on_cpu() else 2 * x.nbytes / _best(jax.jit(lambda a: a + 1.0), x)
     del x
     return max(copy, read) / 1e9
 
