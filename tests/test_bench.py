@@ -18,6 +18,8 @@ from tests.bench_support import run_bench
 from tests.hf_models import make_hf_model
 from worker.bench import roofline
 from worker.bench.cli import offline_parser
+from worker.bench.hf_baseline import run_hf
+from worker.bench.prompts import draw_lengths, random_workload
 from worker.models.config import ModelConfig
 
 TINY = ["--num-prompts", "4", "--input-len", "8", "--output-len", "8", "--json"]
@@ -118,6 +120,40 @@ def test_offline_text_summary(tiny_model):
     code, out = run_bench("offline", "--model", str(tiny_model), *TINY[:-1], "--decode-steps", "1")
     assert code == 0 and "output tokens/s" in out and "host" in out
     assert re.search(r"startup: calibration [\d.]+ s, \d+ step variants compiled ahead in [\d.]+ s", out), out
+
+
+def test_offline_range_ratio_gives_each_request_its_own_lengths(tiny_model, capsys):
+    """--range-ratio: lengths drawn per request (the ones bench serve draws for the same seed); the
+    engine runs each request to its own output length, transformers in padded batches of mixed
+    lengths gives the same greedy tokens, and nothing compiles during the run."""
+    sizes = draw_lengths(6, 8, 8, 0.5, seed=3)
+    assert len(set(sizes)) > 1  # lengths do vary
+    assert [(len(p.text.split()), p.output_len) for p in random_workload(6, 8, 8, 0.5, seed=3)] == sizes
+    code, out = run_bench("offline", "--model", str(tiny_model), "--num-prompts", "6", "--input-len", "8",
+                          "--output-len", "8", "--range-ratio", "0.5", "--seed", "3", "--json", "--compare", "hf",
+                          "--hf-batch-size", "4", "--rounds", "2")
+    report = json.loads(out)
+    assert code == 0 and report["range_ratio"] == 0.5
+    assert report["mean_input_len"] == pytest.approx(sum(i for i, _ in sizes) / 6)
+    assert report["mean_output_len"] == pytest.approx(sum(o for _, o in sizes) / 6)
+    assert all(f["output_tokens"] == sum(o for _, o in sizes) for f in report["per_round"])
+    assert report["greedy_match_fraction"] == 1.0 and report["compiles_during_run"] == 0
+    for argv in (["--range-ratio", "1"], ["--range-ratio", "-0.1"], ["--output-len", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            run_bench("offline", "--model", str(tiny_model), *argv)
+        assert exit_.value.code == 2
+    assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_hf_baseline_batches_of_mixed_lengths_match_one_request_at_a_time(tiny_model):
+    """Left padding with its mask, the batches sorted by length and put back in prompt order: each
+    request's tokens are those it gets alone, exactly as many as it asked for."""
+    prompts = [[5, 9, 13], [7] * 9, [3, 4], [11, 2, 8, 6, 1], [20] * 6]
+    lens = [4, 7, 2, 7, 5]
+    _, batched = run_hf(tiny_model, prompts, lens, batch_size=3)
+    alone = [run_hf(tiny_model, [p], n, batch_size=1)[1][0] for p, n in zip(prompts, lens)]
+    assert [len(o) for o in batched] == lens
+    assert batched == alone
 
 
 @pytest.mark.parametrize("tied", [True, False])

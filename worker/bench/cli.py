@@ -25,6 +25,9 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="each request's input and output lengths drawn uniformly from [len * (1 - R), len * (1 + R)] "
+                        "(default 0: fixed; the same lengths as bench serve's random prompts with the same seed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampled, by both engines")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -63,9 +66,13 @@ def offline(argv: list[str]) -> int:
             ModelConfig.preset(args.dummy)
         except (ModelConfigError, OSError) as exc:
             parser.error(str(exc))
+    if min(args.num_prompts, args.input_len, args.output_len) < 1:
+        parser.error("--num-prompts, --input-len and --output-len must be at least 1")
+    if not 0 <= args.range_ratio < 1:
+        parser.error("--range-ratio must be in [0, 1)")
 
     work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.temperature, args.top_p,
-                    args.top_k)
+                    args.top_k, args.range_ratio)
     model = resolve_model(args.model) if args.model else None
     report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf", args.hf_batch_size,
                            args.rounds)
@@ -77,7 +84,7 @@ def offline(argv: list[str]) -> int:
     sampling = (f"sampled (temperature {s['temperature']:g}, top-p {s['top_p']:g}, top-k {s['top_k']}, "
                 f"{r['sampler']} sampler)" if s["temperature"] else "greedy")
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
-          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts x {r['input_len']} in / {r['output_len']} out, {sampling}")
+          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts x {_lengths(r)}, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")
@@ -108,6 +115,14 @@ def offline(argv: list[str]) -> int:
     if r["rounds"] > 1:
         print(f"  (medians over {r['rounds']} rounds)")
     return 0
+
+
+def _lengths(r: dict) -> str:
+    """The workload's lengths: "128 in / 128 out", or with a range ratio the means as well."""
+    if not r["range_ratio"]:
+        return f"{r['input_len']} in / {r['output_len']} out"
+    return (f"{r['input_len']} in / {r['output_len']} out +-{r['range_ratio']:.0%} (means {r['mean_input_len']:.1f} / "
+            f"{r['mean_output_len']:.1f})")
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -13,13 +13,17 @@ def hf_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int, batch_size: int,
+def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | list[int], batch_size: int,
            dtype: str = "float32", temperature: float = 0.0, top_p: float = 1.0,
            top_k: int = 0) -> tuple[float, list[list[int]]]:
-    """Generation of exactly `output_len` tokens per prompt, in batches, greedy or sampled with the
-    engine's settings; -> (seconds, outputs).
+    """Generation of exactly `output_len` tokens per prompt (one for all, or each prompt's), in
+    batches, greedy or sampled with the engine's settings; -> (seconds, outputs in prompt order).
 
-    Prompts have one length, so batches need no padding; a short warmup call is excluded.
+    A batch generates as many tokens as its longest request asks for; each request keeps its own
+    count (the cost of static batching). Prompts of different lengths are padded on the left, with
+    the mask set. Requests are batched in order of output then input length, so that a batch's
+    requests are alike and the padding and extra tokens least: the baseline at its best. With one
+    length for all, that is the prompts' own order and no padding. A short warmup call is excluded.
     """
     import torch
     import transformers
@@ -30,18 +34,23 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int, bat
     ).eval().to(device)
     sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature
                 else dict(do_sample=False, top_p=None, top_k=None, temperature=None))
-    kwargs = dict(min_new_tokens=output_len, max_new_tokens=output_len, pad_token_id=0, eos_token_id=None, **sampling)
+    lens = [output_len] * len(prompts) if isinstance(output_len, int) else list(output_len)
 
     def generate(batch: list[list[int]], new: int) -> list[list[int]]:
-        ids = torch.tensor(batch, dtype=torch.long, device=device)
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], dtype=torch.long, device=device)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 **{**kwargs, "min_new_tokens": new, "max_new_tokens": new})
-        return out[:, ids.shape[1]:].tolist()  # to the host: waits for the device
+            out = model.generate(input_ids=ids, attention_mask=mask, min_new_tokens=new, max_new_tokens=new,
+                                 pad_token_id=0, eos_token_id=None, **sampling)
+        return out[:, width:].tolist()  # to the host: waits for the device
 
-    generate(prompts[: min(batch_size, len(prompts))], min(output_len, 4))
-    outputs: list[list[int]] = []
+    order = sorted(range(len(prompts)), key=lambda i: (lens[i], len(prompts[i])))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    generate([prompts[i] for i in batches[0]], min(max(lens), 4))
+    outputs: list[list[int]] = [[] for _ in prompts]
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        outputs += generate(prompts[i : i + batch_size], output_len)
+    for batch in batches:
+        for i, out in zip(batch, generate([prompts[i] for i in batch], max(lens[i] for i in batch))):
+            outputs[i] = out[: lens[i]]
     return time.perf_counter() - t0, outputs

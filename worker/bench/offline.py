@@ -1,4 +1,5 @@
-"""`redjax bench offline`: fixed-length random prompts, all submitted at once to one LLMEngine.
+"""`redjax bench offline`: random prompts (token ids) of fixed lengths, or of lengths drawn around
+them (`--range-ratio`), all submitted at once to one LLMEngine.
 
 Reports throughput, the host's share of each step (`probe.py`), roofline fractions against this
 machine's measured bandwidth and matmul speed (`roofline.py`), and optionally the same prompts
@@ -12,6 +13,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import jax
@@ -20,6 +22,7 @@ import numpy as np
 
 from worker.bench import cpu_usage, roofline
 from worker.bench.probe import StepProbe
+from worker.bench.prompts import draw_lengths
 from worker.bench.tokenizer import IdTokenizer
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import RESERVED_PAGES
@@ -41,15 +44,31 @@ class Workload:
     temperature: float = 0.0  # 0: greedy (outputs comparable with the baseline's token for token)
     top_p: float = 1.0
     top_k: int = 0
+    range_ratio: float = 0.0  # 0: every request input_len in, output_len out
 
     def params(self, max_tokens: int, seed: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_tokens=max_tokens, ignore_eos=True, seed=seed)
 
+    @cached_property
+    def sizes(self) -> list[tuple[int, int]]:
+        """Each request's (input, output) length, drawn once from the workload's seed: every round
+        (and the warm-up's plan) has the same lengths, with fresh token ids."""
+        return draw_lengths(self.num_prompts, self.input_len, self.output_len, self.range_ratio, self.seed)
+
+    @property
+    def output_lens(self) -> list[int]:
+        return [out for _, out in self.sizes]
+
+    @property
+    def longest(self) -> int:
+        """The most tokens one request holds: its prompt and its whole output."""
+        return max(i + o for i, o in self.sizes)
+
     def prompts(self, vocab_size: int, seed: int | None = None, lengths: list[int] | None = None) -> list[list[int]]:
-        """Random token ids (uniform over the vocabulary); `lengths` overrides input_len per prompt."""
+        """Random token ids (uniform over the vocabulary) of each request's input length, or of `lengths`."""
         rng = np.random.default_rng(self.seed if seed is None else seed)
-        lengths = lengths or [self.input_len] * self.num_prompts
+        lengths = lengths or [n for n, _ in self.sizes]
         return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
 
 
@@ -72,7 +91,7 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
             tokenizer = IdTokenizer()
     if "num_pages" not in overrides:  # enough for every sequence that can run at once, no more
         page_size = EngineConfig(**overrides).for_backend(jax.default_backend()).page_size
-        per_seq = -(-(work.input_len + work.output_len) // page_size)
+        per_seq = -(-work.longest // page_size)
         running = min(work.num_prompts, overrides.get("max_num_seqs", 64))
         overrides = {**overrides, "num_pages": running * per_seq + RESERVED_PAGES}
     engine = LLMEngine(model, tokenizer, EngineConfig(**overrides))
@@ -80,16 +99,19 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
     return engine, path
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, probe: StepProbe | None = None,
-               tag: str = "bench", work: Workload | None = None) -> tuple[float, list[list[int]]]:
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int | list[int],
+               probe: StepProbe | None = None, tag: str = "bench",
+               work: Workload | None = None) -> tuple[float, list[list[int]]]:
     """Submit every prompt at once and step until all finish; -> (seconds, output ids per prompt).
-    Greedy unless `work` says how to sample (request i then has seed i)."""
-    work = work or Workload(len(prompts), 0, output_len)
+    `output_len`: one for all, or each prompt's. Greedy unless `work` says how to sample (request i
+    then has seed i)."""
+    lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
+    work = work or Workload(len(prompts), 0, max(lens, default=0))
     outputs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
+    for i, (ids, n) in enumerate(zip(prompts, lens, strict=True)):
         outputs[f"{tag}-{i}"] = []
-        engine.add_request(f"{tag}-{i}", ids, work.params(output_len, i))
+        engine.add_request(f"{tag}-{i}", ids, work.params(n, i))
     while engine.has_unfinished():
         for out in probe.step(engine) if probe else engine.step():
             outputs[out.request_id] += out.token_ids
@@ -103,12 +125,13 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
     # outputs long enough that the first sequences still decode while the last prompts prefill (the
     # run's mixed shapes), and past two fused windows
     budget = engine.config.max_num_batched_tokens
-    prefill_steps = -(-min(work.num_prompts, engine.config.max_num_seqs) * work.input_len // budget)
-    short = min(work.output_len, max(2 * engine.decode_steps, prefill_steps) + 2)
+    inputs = [n for n, _ in work.sizes]
+    prefill_steps = -(-sum(inputs[:engine.config.max_num_seqs]) // budget)
+    short = min(max(work.output_lens), max(2 * engine.decode_steps, prefill_steps) + 2)
     run_engine(engine, work.prompts(vocab, seed=work.seed + 1), short, tag="warm-a", work=work)
-    long = work.input_len + work.output_len - short
-    if long > work.input_len:
-        lengths = [work.input_len] * (work.num_prompts - 1) + [long]
+    long = work.longest - short
+    if long > max(inputs):
+        lengths = inputs[:-1] + [long]
         run_engine(engine, work.prompts(vocab, seed=work.seed + 2, lengths=lengths), short, tag="warm-b", work=work)
 
 
@@ -139,7 +162,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     def plan() -> None:  # the warm-up, then the run itself: its tail steps (the last rows' last
         # fused steps) take shapes the warm-up's shorter requests need not meet
         warmup(engine, work, cfg.vocab_size)
-        run_engine(engine, work.prompts(cfg.vocab_size, seed=work.seed + 3), work.output_len, tag="plan", work=work)
+        run_engine(engine, work.prompts(cfg.vocab_size, seed=work.seed + 3), work.output_lens, tag="plan", work=work)
 
     ahead = engine.compile_ahead(plan)  # their variants, compiled together
     t2 = time.perf_counter()
@@ -156,7 +179,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     for r in range(rounds):
         prompts = work.prompts(cfg.vocab_size, seed=work.seed + 1000 * r)  # round 0: the workload's own seed
         before = cpu_usage.take({"engine": [os.getpid()]})
-        seconds, outputs = run_engine(engine, prompts, work.output_len, probe, work=work)
+        seconds, outputs = run_engine(engine, prompts, work.output_lens, probe, work=work)
         cpu = cpu_usage.between(before, cpu_usage.take({"engine": [os.getpid()]}))
         out_tokens = sum(len(o) for o in outputs)
         log.info("round %d: %d output tokens in %.2f s", r, out_tokens, seconds)
@@ -178,6 +201,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     report = {
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
+        "range_ratio": work.range_ratio, "mean_input_len": float(np.mean([i for i, _ in work.sizes])),
+        "mean_output_len": float(np.mean(work.output_lens)),
         "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k},
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
@@ -218,7 +243,7 @@ def _fastest_baseline(weights_dir, prompts, work: Workload, dtype: str, sizes: l
     {size: output tokens/s} of every size tried."""
     best, trials = None, {}
     for size in sizes:
-        seconds, outputs = run_hf_baseline(weights_dir, prompts, work.output_len, size, dtype, work.temperature,
+        seconds, outputs = run_hf_baseline(weights_dir, prompts, work.output_lens, size, dtype, work.temperature,
                                            work.top_p, work.top_k)
         trials[size] = sum(len(o) for o in outputs) / seconds
         if best is None or seconds < best[0]:

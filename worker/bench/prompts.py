@@ -1,6 +1,7 @@
 """Prompts for `redjax bench serve`: random words, or a file (text lines, JSON lines, ShareGPT).
-
 Each prompt may carry its own output length; `None` leaves it to `--output-len`.
+
+`draw_lengths` also gives `redjax bench offline` its per-request lengths (`--range-ratio`).
 """
 
 from __future__ import annotations
@@ -27,22 +28,27 @@ def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
 
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                     seed: int = 0) -> list[Prompt]:
-    """Random prompts whose input (words) and output lengths are drawn uniformly from
-    [len * (1 - range_ratio), len * (1 + range_ratio)], at least 1; range_ratio 0: fixed lengths."""
+    """Random prompts of `draw_lengths` words in and tokens out."""
+    words_rng = random.Random(seed)
+    return [Prompt(" ".join(words_rng.choice(WORDS) for _ in range(k)), m)
+            for k, m in draw_lengths(n, input_len, output_len, range_ratio, seed)]
+
+
+def draw_lengths(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                 seed: int = 0) -> list[tuple[int, int]]:
+    """n (input, output) lengths, each drawn uniformly from [len * (1 - range_ratio), len * (1 +
+    range_ratio)], at least 1; range_ratio 0: fixed lengths. Both benchmarks draw them here, so
+    one seed gives `bench serve` and `bench offline` the same lengths."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError("range ratio must be in [0, 1)")
-    lengths_rng, words_rng = random.Random(f"lengths-{seed}"), random.Random(seed)
+    # a stream of their own: a seed draws the same words (or token ids) at any ratio
+    rng = random.Random(f"lengths-{seed}")
 
     def draw(length: int) -> int:
         low, high = round(length * (1 - range_ratio)), round(length * (1 + range_ratio))
-        return max(1, lengths_rng.randint(low, high) if high > low else length)
+        return max(1, rng.randint(low, high) if high > low else length)
 
-    # lengths from a stream of their own: a seed draws its words from the same stream at any ratio
-    out = []
-    for _ in range(n):
-        k, m = draw(input_len), draw(output_len)
-        out.append(Prompt(" ".join(words_rng.choice(WORDS) for _ in range(k)), m))
-    return out
+    return [(draw(input_len), draw(output_len)) for _ in range(n)]
 
 
 def file_prompts(path: str, n: int, tokenizer=None) -> list[Prompt]:
