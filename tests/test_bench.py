@@ -145,6 +145,53 @@ def test_offline_range_ratio_gives_each_request_its_own_lengths(tiny_model, caps
     assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
 
 
+DEMO = "worker/demo_model"
+PASSAGES = ["It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+            "in want of a wife. However little known the feelings or views of such a man may be",
+            "Mr. Bennet was so odd a mixture of quick parts, sarcastic humour, reserve, and caprice, that the "
+            "experience of three and twenty years had been insufficient to make his wife understand his character",
+            "Elizabeth listened in silence, but was not convinced; their behaviour at the assembly had not been "
+            "calculated to please in general"]
+
+
+def test_offline_runs_a_sharegpt_file_through_the_models_tokenizer(tmp_path, capsys):
+    """--prompts-file: each conversation's first human turn in, its reply's token count out (one
+    without a reply is left out); the same requests every round, each round from an empty prefix
+    cache, and transformers gives the same greedy tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEMO, local_files_only=True)
+    replies = ["She is tolerable; but not handsome enough to tempt me.", "You mistake me, my dear.",
+               "I could easily forgive his pride, if he had not mortified mine."]
+    chats = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+             for q, a in zip(PASSAGES, replies)] + [{"conversations": [{"from": "human", "value": "no reply"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(chats))
+    code, out = run_bench("offline", "--model", DEMO, "--prompts-file", str(path), "--num-prompts", "3",
+                          "--page-size", "16", "--rounds", "2", "--compare", "hf", "--json")
+    report = json.loads(out)
+    lens = [len(tok.encode(a, add_special_tokens=False)) for a in replies]
+    assert code == 0 and report["prompts_file"] == str(path)
+    assert report["mean_input_len"] == pytest.approx(sum(len(tok.encode(q)) for q in PASSAGES) / 3)
+    assert all(f["output_tokens"] == sum(lens) for f in report["per_round"])
+    assert [f["prefix_cache_hit_tokens"] for f in report["per_round"]] == [0, 0]  # > 16 tokens each
+    assert report["greedy_match_fraction"] == 1.0 and report["compiles_during_run"] == 0
+    # --dummy has no tokenizer of its own; a tokenizer whose ids pass the model's vocabulary is refused
+    for argv, error in ((["--dummy", "llama-tiny"], "needs --tokenizer DIR"),
+                        (["--dummy", "llama-tiny", "--tokenizer", DEMO], "the model's vocabulary has 1024"),
+                        (["--model", DEMO, "--input-len", "8"], "shape random prompts, not --prompts-file")):
+        with pytest.raises(SystemExit) as exit_:
+            run_bench("offline", *argv, "--prompts-file", str(path))
+        assert exit_.value.code == 2 and error in capsys.readouterr().err, argv
+
+
+def test_offline_refuses_requests_longer_than_the_model_allows(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("offline", "--model", DEMO, "--num-prompts", "2", "--input-len", "1000", "--output-len", "30")
+    assert exit_.value.code == 2
+    assert "request 0: 1000 prompt + 30 output tokens; the engine allows 1024" in capsys.readouterr().err
+
+
 def test_hf_baseline_batches_of_mixed_lengths_match_one_request_at_a_time(tiny_model):
     """Left padding with its mask, the batches sorted by length and put back in prompt order: each
     request's tokens are those it gets alone, exactly as many as it asked for."""

@@ -18,16 +18,21 @@ def run(mode: str, argv: list[str]) -> int:
 
 
 def offline_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="redjax bench offline", description="engine throughput on random prompts")
+    p = argparse.ArgumentParser(prog="redjax bench offline", description="engine throughput on random or file prompts")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local Hugging Face model directory")
     src.add_argument("--dummy", metavar="PRESET", help="random weights of a preset shape (llama-100m, llama3.2-1b, ...)")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, help="random prompts: token ids each (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens out (of file prompts without their own)")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="each request's input and output lengths drawn uniformly from [len * (1 - R), len * (1 + R)] "
                         "(default 0: fixed; the same lengths as bench serve's random prompts with the same seed)")
+    p.add_argument("--prompts-file", help="prompts instead of random ids, as bench serve reads them: one per line, "
+                   "JSON lines with 'prompt' (and optionally 'max_tokens'), or a ShareGPT JSON file (each "
+                   "conversation's first human turn, as many tokens out as its reply); cycled to --num-prompts")
+    p.add_argument("--tokenizer", metavar="DIR", help="with --prompts-file: a local tokenizer (default: the "
+                   "--model's; needed with --dummy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampled, by both engines")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -58,7 +63,7 @@ def offline(argv: list[str]) -> int:
     parser = offline_parser()
     args = parser.parse_args(argv)
     log_to_stderr(args.log_level)
-    from worker.bench.offline import Workload, bench_offline
+    from worker.bench.offline import Workload, WorkloadError, bench_offline
     from worker.models.config import ModelConfig, ModelConfigError
 
     if args.dummy:
@@ -66,16 +71,19 @@ def offline(argv: list[str]) -> int:
             ModelConfig.preset(args.dummy)
         except (ModelConfigError, OSError) as exc:
             parser.error(str(exc))
-    if min(args.num_prompts, args.input_len, args.output_len) < 1:
+    if min(args.num_prompts, args.input_len or 1, args.output_len) < 1:
         parser.error("--num-prompts, --input-len and --output-len must be at least 1")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
 
-    work = Workload(args.num_prompts, args.input_len, args.output_len, args.seed, args.temperature, args.top_p,
-                    args.top_k, args.range_ratio)
     model = resolve_model(args.model) if args.model else None
-    report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf", args.hf_batch_size,
-                           args.rounds)
+    work = Workload(args.num_prompts, args.input_len or 128, args.output_len, args.seed, args.temperature, args.top_p,
+                    args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file)
+    try:
+        report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf",
+                               args.hf_batch_size, args.rounds)
+    except WorkloadError as exc:
+        parser.error(str(exc))
     if args.json:
         print(json.dumps(report))
         return 0
@@ -84,10 +92,13 @@ def offline(argv: list[str]) -> int:
     sampling = (f"sampled (temperature {s['temperature']:g}, top-p {s['top_p']:g}, top-k {s['top_k']}, "
                 f"{r['sampler']} sampler)" if s["temperature"] else "greedy")
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
-          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts x {_lengths(r)}, {sampling}")
+          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")
+    if r["prefix_cache_hit_tokens"]:
+        print(f"  the prefix cache served {r['prefix_cache_hit_tokens']} prompt tokens of the first round "
+              "(prompts repeated in it)")
     print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
     up = r["startup"]
     print(f"  startup: calibration {up['calibration_s']:.1f} s, {up['variants_compiled_ahead']} step variants "
@@ -117,11 +128,38 @@ def offline(argv: list[str]) -> int:
     return 0
 
 
+def _offline_requests(parser: argparse.ArgumentParser, args, model: str | None):
+    """--prompts-file as token ids and output lengths (None without one): the file's text through
+    --tokenizer or the model's own; a ShareGPT reply's tokens set that request's output length."""
+    from worker.bench.prompts import file_prompts, is_sharegpt
+
+    if not args.prompts_file:
+        if args.tokenizer:
+            parser.error("--tokenizer needs --prompts-file")
+        return None
+    if args.input_len is not None or args.range_ratio:
+        parser.error("--input-len and --range-ratio shape random prompts, not --prompts-file")
+    if not (args.tokenizer or model):
+        parser.error("--prompts-file with --dummy needs --tokenizer DIR to turn its text into token ids")
+    try:
+        tokenizer = _load_tokenizer(args.tokenizer or model)
+    except (OSError, ValueError) as exc:
+        parser.error(f"tokenizer: {str(exc).splitlines()[0]}")
+    try:
+        prompts = file_prompts(args.prompts_file, args.num_prompts,
+                               tokenizer if is_sharegpt(args.prompts_file) else None)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--prompts-file: {exc}")
+    return tuple((tuple(tokenizer.encode(p.text)), p.output_len or args.output_len) for p in prompts)
+
+
 def _lengths(r: dict) -> str:
-    """The workload's lengths: "128 in / 128 out", or with a range ratio the means as well."""
+    """The workload's lengths: "x 128 in / 128 out", with a range ratio or a file the means."""
+    if r["prompts_file"]:
+        return f"from {r['prompts_file']} (means {r['mean_input_len']:.1f} in / {r['mean_output_len']:.1f} out)"
     if not r["range_ratio"]:
-        return f"{r['input_len']} in / {r['output_len']} out"
-    return (f"{r['input_len']} in / {r['output_len']} out +-{r['range_ratio']:.0%} (means {r['mean_input_len']:.1f} / "
+        return f"x {r['input_len']} in / {r['output_len']} out"
+    return (f"x {r['input_len']} in / {r['output_len']} out +-{r['range_ratio']:.0%} (means {r['mean_input_len']:.1f} / "
             f"{r['mean_output_len']:.1f})")
 
 

@@ -1,5 +1,5 @@
-"""`redjax bench offline`: random prompts (token ids) of fixed lengths, or of lengths drawn around
-them (`--range-ratio`), all submitted at once to one LLMEngine.
+"""`redjax bench offline`: random prompts (token ids) of fixed lengths, of lengths drawn around
+them (`--range-ratio`), or a file's prompts, all submitted at once to one LLMEngine.
 
 Reports throughput, the host's share of each step (`probe.py`), roofline fractions against this
 machine's measured bandwidth and matmul speed (`roofline.py`), and optionally the same prompts
@@ -35,6 +35,10 @@ from worker.models.loader import DTYPES, build_model, load_model, load_tokenizer
 log = logging.getLogger(__name__)
 
 
+class WorkloadError(ValueError):
+    """A workload this engine cannot run as asked (a request past the model's length or vocabulary)."""
+
+
 @dataclass(frozen=True)
 class Workload:
     num_prompts: int
@@ -45,6 +49,9 @@ class Workload:
     top_p: float = 1.0
     top_k: int = 0
     range_ratio: float = 0.0  # 0: every request input_len in, output_len out
+    # a file's requests: each one's token ids and output length (input_len and range_ratio unused)
+    requests: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    prompts_file: str | None = None  # where `requests` came from (the report's label)
 
     def params(self, max_tokens: int, seed: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -52,8 +59,10 @@ class Workload:
 
     @cached_property
     def sizes(self) -> list[tuple[int, int]]:
-        """Each request's (input, output) length, drawn once from the workload's seed: every round
-        (and the warm-up's plan) has the same lengths, with fresh token ids."""
+        """Each request's (input, output) length: the file's, or drawn once from the workload's
+        seed; every round (and the warm-up's plan) has the same lengths."""
+        if self.requests is not None:
+            return [(len(ids), out) for ids, out in self.requests]
         return draw_lengths(self.num_prompts, self.input_len, self.output_len, self.range_ratio, self.seed)
 
     @property
@@ -64,6 +73,25 @@ class Workload:
     def longest(self) -> int:
         """The most tokens one request holds: its prompt and its whole output."""
         return max(i + o for i, o in self.sizes)
+
+    def round_prompts(self, vocab_size: int, r: int) -> list[list[int]]:
+        """Round r's prompts: the file's (the same every round), or fresh random ids (round 0: the
+        workload's own seed)."""
+        if self.requests is not None:
+            return [list(ids) for ids, _ in self.requests]
+        return self.prompts(vocab_size, seed=self.seed + 1000 * r)
+
+    def check(self, vocab_size: int, max_model_len: int) -> None:
+        """WorkloadError unless every request fits the engine: its prompt and whole output within
+        max_model_len (the engine would stop it short, the baseline would not), its ids in the vocabulary."""
+        for i, (n, out) in enumerate(self.sizes):
+            if n + out > max_model_len:
+                raise WorkloadError(f"request {i}: {n} prompt + {out} output tokens; the engine allows {max_model_len} "
+                                    "(--max-model-len, up to the model's)")
+        top = max((max(ids) for ids, _ in self.requests or ()), default=0)
+        if top >= vocab_size:
+            raise WorkloadError(f"the prompts hold token id {top}; the model's vocabulary has {vocab_size} "
+                                "(is the tokenizer the model's?)")
 
     def prompts(self, vocab_size: int, seed: int | None = None, lengths: list[int] | None = None) -> list[list[int]]:
         """Random token ids (uniform over the vocabulary) of each request's input length, or of `lengths`."""
@@ -147,6 +175,7 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
         # dummy weights: written once so transformers reads the same tensors
         save_to = Path(tmp) / "model" if compare_hf and preset else None
         engine, weights_dir = make_engine(model_dir, preset, overrides, work, save_to)
+        work.check(engine.model_config.vocab_size, engine.max_model_len)
         return _bench(engine, weights_dir, model_dir, preset, work, compare_hf, hf_batch_size, rounds)
 
 
@@ -177,14 +206,18 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     per_round: list[dict] = []
     first_trials: dict[int, float] = {}  # transformers output tokens/s by batch size, first round
     for r in range(rounds):
-        prompts = work.prompts(cfg.vocab_size, seed=work.seed + 1000 * r)  # round 0: the workload's own seed
-        before = cpu_usage.take({"engine": [os.getpid()]})
+        prompts = work.round_prompts(cfg.vocab_size, r)
+        # each round from an empty prefix cache: a file's prompts repeat, and the warm-up ran before
+        engine.allocator.uncache(engine.allocator.cache_entries())
+        before, hits = cpu_usage.take({"engine": [os.getpid()]}), engine.scheduler.num_hit_tokens
         seconds, outputs = run_engine(engine, prompts, work.output_lens, probe, work=work)
         cpu = cpu_usage.between(before, cpu_usage.take({"engine": [os.getpid()]}))
         out_tokens = sum(len(o) for o in outputs)
         log.info("round %d: %d output tokens in %.2f s", r, out_tokens, seconds)
         fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
-               "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds, "cpu": cpu}
+               "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds, "cpu": cpu,
+               # prompt tokens the prefix cache served (a file's repeated prompts within the round)
+               "prefix_cache_hit_tokens": engine.scheduler.num_hit_tokens - hits}
         if compare_hf:
             sizes = [hf_batch_size] if hf_batch_size else auto_batch_sizes(work.num_prompts)
             hf_seconds, hf_outputs, hf_batch_size, trials = _fastest_baseline(weights_dir, prompts, work, dtype, sizes)
@@ -201,13 +234,14 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     report = {
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
-        "range_ratio": work.range_ratio, "mean_input_len": float(np.mean([i for i, _ in work.sizes])),
+        "range_ratio": work.range_ratio, "prompts_file": work.prompts_file, "mean_input_len": float(np.mean([i for i, _ in work.sizes])),
         "mean_output_len": float(np.mean(work.output_lens)),
         "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k},
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
         "matmul": engine.matmul, "decode_steps": engine.decode_steps,
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
+        "prefix_cache_hit_tokens": per_round[0]["prefix_cache_hit_tokens"],
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),
         "compiles_during_run": len(engine.runner.compiled) + len(engine.runner.ready) - compiled,

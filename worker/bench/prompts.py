@@ -63,7 +63,7 @@ def file_prompts(path: str, n: int, tokenizer=None) -> list[Prompt]:
     """
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    if text.lstrip().startswith("["):
+    if _sharegpt_text(text):
         prompts = _sharegpt(json.loads(text), path, tokenizer)
     elif tokenizer is not None:
         raise ValueError(f"{path}: a tokenizer sets output lengths of ShareGPT files only")
@@ -74,6 +74,16 @@ def file_prompts(path: str, n: int, tokenizer=None) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def is_sharegpt(path: str) -> bool:
+    """Whether `path` is a ShareGPT JSON file (a list), whose replies can set output lengths."""
+    with open(path, encoding="utf-8") as f:
+        return _sharegpt_text(f.read(4096))
+
+
+def _sharegpt_text(text: str) -> bool:
+    return text.lstrip().startswith("[")
 
 
 def _json_line(line: str, path: str, lineno: int) -> Prompt:
