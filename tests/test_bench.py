@@ -19,6 +19,7 @@ from tests.hf_models import make_hf_model
 from worker.bench import roofline
 from worker.bench.cli import offline_parser
 from worker.bench.hf_baseline import run_hf
+from worker.bench.offline import Workload, WorkloadError
 from worker.bench.prompts import draw_lengths, random_workload
 from worker.models.config import ModelConfig
 
@@ -183,6 +184,18 @@ def test_offline_runs_a_sharegpt_file_through_the_models_tokenizer(tmp_path, cap
         with pytest.raises(SystemExit) as exit_:
             run_bench("offline", *argv, "--prompts-file", str(path))
         assert exit_.value.code == 2 and error in capsys.readouterr().err, argv
+
+
+def test_workload_check_names_the_request_that_cannot_run():
+    """A file's prompt can tokenize to nothing (a tokenizer that adds no BOS); ids past the
+    vocabulary or a request past max_model_len are refused with the request's number."""
+    work = lambda *reqs: Workload(len(reqs), 1, 1, requests=reqs)  # noqa: E731
+    work(((1, 2), 3)).check(vocab_size=8, max_model_len=5)
+    for w, error in ((work(((1,), 2), ((), 2)), "request 1: the prompt has no tokens"),
+                     (work(((1, 2), 4)), "request 0: 2 prompt + 4 output tokens; the engine allows 5"),
+                     (work(((1, 8), 1)), "the prompts hold token id 8; the model's vocabulary has 8")):
+        with pytest.raises(WorkloadError, match=re.escape(error)):
+            w.check(vocab_size=8, max_model_len=5)
 
 
 def test_offline_refuses_requests_longer_than_the_model_allows(capsys):

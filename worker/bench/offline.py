@@ -85,6 +85,8 @@ class Workload:
         """WorkloadError unless every request fits the engine: its prompt and whole output within
         max_model_len (the engine would stop it short, the baseline would not), its ids in the vocabulary."""
         for i, (n, out) in enumerate(self.sizes):
+            if n == 0:
+                raise WorkloadError(f"request {i}: the prompt has no tokens")
             if n + out > max_model_len:
                 raise WorkloadError(f"request {i}: {n} prompt + {out} output tokens; the engine allows {max_model_len} "
                                     "(--max-model-len, up to the model's)")
