@@ -236,8 +236,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     report = {
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
-        "range_ratio": work.range_ratio, "prompts_file": work.prompts_file, "mean_input_len": float(np.mean([i for i, _ in work.sizes])),
-        "mean_output_len": float(np.mean(work.output_lens)),
+        "range_ratio": work.range_ratio, "prompts_file": work.prompts_file,
+        "mean_input_len": float(np.mean([i for i, _ in work.sizes])), "mean_output_len": float(np.mean(work.output_lens)),
         "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k},
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
