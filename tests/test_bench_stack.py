@@ -13,8 +13,8 @@ from tests.stack_support import make_served_model
 
 def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
     """`bench stack` runs `redjax serve` (embedded Redis, API, worker) and `bench offline` in
-    alternating pairs. The offline run gets as many prompt tokens as the model's own tokenizer
-    (transformers) gives the serving prompts, and the ratios are those of the pairs' figures."""
+    alternating pairs. The offline run gets the serving prompts, tokenized as the API tokenizes
+    them (the model's own tokenizer, transformers), and the ratios are those of the pairs' figures."""
     import statistics
 
     import transformers
@@ -30,6 +30,7 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
     assert [p["first"] for p in report["pairs"]] == ["serve", "offline"]
     for p in report["pairs"]:
         assert p["serve_failed"] == 0
+        assert p["offline_prompt_tokens"] == p["serve_prompt_tokens"]  # the same prompts, token for token
         assert p["ratio"] == pytest.approx(p["serve_output_tokens_per_s"] / p["offline_output_tokens_per_s"])
         # where the CPU went: the worker's XLA compute threads apart from its others, the API, this
         # process (the load generator, split into compute and other where a test imported jax);
@@ -54,7 +55,7 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
 def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
     """`bench stack --dummy PRESET` writes random weights and a word tokenizer to a temporary
     directory and serves them like any model: every serving prompt word is one token, so the
-    offline half gets exactly --input-len prompt tokens."""
+    offline half, the same prompts through the same tokenizer, gets --input-len prompt tokens each."""
     code, out = run_bench("stack", "--dummy", "llama-tiny", "--pairs", "1", "--num-prompts", "4", "--input-len", "6",
                           "--output-len", "8", "--json", "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
                           "--page-size", "8", "--num-pages", "128")
@@ -62,6 +63,7 @@ def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
     report = json.loads(out)
     assert report["model"] == "dummy:llama-tiny"
     assert report["prompt_tokens_per_request"] == 6
+    assert report["pairs"][0]["offline_prompt_tokens"] == report["pairs"][0]["serve_prompt_tokens"] == 4 * 6
     assert report["pairs"][0]["serve_failed"] == 0 and report["pairs"][0]["offline_output_tokens_per_s"] > 0
     check_serve_report(report["last_serve_report"], 4)
 

@@ -4,8 +4,8 @@ Each pair of runs is one serving run and one offline run on the same machine:
 
 - serving: `redjax serve` (embedded Redis, the API, one worker) on a free port, a warm-up load,
   then `bench serve` with every request sent at once (saturation), then the stack is stopped;
-- offline: `redjax bench offline` in its own process, on as many requests of as many prompt
-  tokens (the mean the API counted in the first serving run) and output tokens.
+- offline: `redjax bench offline` in its own process, on the same prompts (`--prompts-file`, through
+  the model's tokenizer as the API tokenizes them) and as many output tokens.
 
 Pairs alternate which run goes first, so a machine that drifts over the minutes of a benchmark
 weighs on both. The load generator runs in this process, on the same cores as the stack: on a
@@ -62,11 +62,13 @@ def bench_stack(run: StackRun, log=print) -> dict:
                 report, pair["serve_cpu"] = _serve_once(run, seed)
                 prompt_tokens = prompt_tokens or max(1, round(report["prompt_tokens"] / max(1, report["completed"])))
                 pair["serve_output_tokens_per_s"] = report["output_token_throughput"]
+                pair["serve_prompt_tokens"] = report["prompt_tokens"]
                 pair["serve_failed"] = report["failed"]
                 pair["serve_report"] = report
             else:
-                offline = _offline_once(run, prompt_tokens, seed + 1)
+                offline = _offline_once(run, seed)
                 pair["offline_output_tokens_per_s"] = offline["output_tokens_per_s"]
+                pair["offline_prompt_tokens"] = round(offline["mean_input_len"] * offline["num_prompts"])
                 pair["offline_cpu"] = offline["cpu"]
         pair["ratio"] = pair["serve_output_tokens_per_s"] / pair["offline_output_tokens_per_s"]
         pairs.append(pair)
@@ -106,7 +108,7 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
             warm = min(run.num_prompts, WARMUP_PROMPTS)
             bench_serve(url, None, [Prompt(p) for p in random_prompts(warm, run.input_len, seed + 7)],
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
-            prompts = [Prompt(p) for p in random_prompts(run.num_prompts, run.input_len, seed)]
+            prompts = [Prompt(p) for p in _prompts(run, seed)]
             roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid, "worker"), "load generator": [os.getpid()]}
             before = cpu_usage.take(roles)  # redis-server (its own daemon) is in the rest
             report = bench_serve(url, None, prompts, Load(run.num_prompts, output_len=run.output_len, seed=seed))
@@ -115,11 +117,21 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
             _stop(proc)
 
 
-def _offline_once(run: StackRun, prompt_tokens: int, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir,
-           "--num-prompts", str(run.num_prompts), "--input-len", str(prompt_tokens),
-           "--output-len", str(run.output_len), "--seed", str(seed), "--json", *run.engine_argv]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+def _prompts(run: StackRun, seed: int) -> list[str]:
+    """The pair's measured prompts, served and run offline alike."""
+    from worker.bench.prompts import random_prompts
+
+    return random_prompts(run.num_prompts, run.input_len, seed)
+
+
+def _offline_once(run: StackRun, seed: int) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as file:
+        file.writelines(json.dumps({"prompt": p}) + "\n" for p in _prompts(run, seed))
+        file.flush()
+        cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir,
+               "--num-prompts", str(run.num_prompts), "--prompts-file", file.name,
+               "--output-len", str(run.output_len), "--json", *run.engine_argv]
+        done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"bench offline exited {done.returncode}: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
