@@ -315,9 +315,11 @@ def stack_parser() -> argparse.ArgumentParser:
                      "config.json, with a word-level tokenizer, written to a temporary directory and served like "
                      "any model")
     p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=100, help="words per random serving prompt; the offline "
-                   "run gets as many prompt tokens as the API counted for them")
+    p.add_argument("--input-len", type=int, default=100, help="words per random prompt; the offline run gets the "
+                   "same prompts, tokenized as the API tokenizes them")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="each request's words in and tokens out drawn "
+                   "uniformly from [len * (1 - R), len * (1 + R)] (default 0: fixed)")
     p.add_argument("--pairs", type=int, default=3, help="serving/offline pairs, alternating which goes first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
@@ -330,6 +332,8 @@ def stack(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.pairs < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--pairs, --num-prompts, --input-len and --output-len must be >= 1")
+    if not 0 <= args.range_ratio < 1:
+        parser.error("--range-ratio must be in [0, 1)")
     from worker.bench.stack import StackRun, bench_stack
 
     overrides = _engine_overrides(args)
@@ -344,7 +348,7 @@ def stack(argv: list[str]) -> int:
             except ModelConfigError as exc:
                 parser.error(str(exc))
         run = StackRun(tmp or resolve_model(args.model), args.num_prompts, args.input_len,
-                       args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)))
+                       args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)), args.range_ratio)
         report = bench_stack(run, log=(lambda *a: None) if args.json else print)
     if args.dummy:
         report["model"] = f"dummy:{args.dummy}"
@@ -352,7 +356,7 @@ def stack(argv: list[str]) -> int:
         print(json.dumps(report))
     else:
         print(f"{args.num_prompts} requests x ~{report['prompt_tokens_per_request']} prompt tokens / "
-              f"{args.output_len} out, {args.pairs} pairs: serving {report['serve_output_tokens_per_s']:.1f}, "
+              f"{args.output_len}{f' +-{args.range_ratio:.0%}' if args.range_ratio else ''} out, {args.pairs} pairs: serving {report['serve_output_tokens_per_s']:.1f}, "
               f"offline {report['offline_output_tokens_per_s']:.1f} output tok/s (medians); "
               f"median ratio {report['median_ratio']:.3f}x")
         print("last serving run, " + _summary(report["last_serve_report"]))

@@ -45,6 +45,7 @@ class StackRun:
     pairs: int
     seed: int
     engine_argv: tuple[str, ...]  # engine flags for the worker and the offline engine alike
+    range_ratio: float = 0.0  # each request's words in and tokens out drawn around input_len, output_len
 
 
 def bench_stack(run: StackRun, log=print) -> dict:
@@ -63,12 +64,14 @@ def bench_stack(run: StackRun, log=print) -> dict:
                 prompt_tokens = prompt_tokens or max(1, round(report["prompt_tokens"] / max(1, report["completed"])))
                 pair["serve_output_tokens_per_s"] = report["output_token_throughput"]
                 pair["serve_prompt_tokens"] = report["prompt_tokens"]
+                pair["serve_output_tokens"] = report["output_tokens"]
                 pair["serve_failed"] = report["failed"]
                 pair["serve_report"] = report
             else:
                 offline = _offline_once(run, seed)
                 pair["offline_output_tokens_per_s"] = offline["output_tokens_per_s"]
                 pair["offline_prompt_tokens"] = round(offline["mean_input_len"] * offline["num_prompts"])
+                pair["offline_output_tokens"] = offline["output_tokens"]
                 pair["offline_cpu"] = offline["cpu"]
         pair["ratio"] = pair["serve_output_tokens_per_s"] / pair["offline_output_tokens_per_s"]
         pairs.append(pair)
@@ -80,6 +83,7 @@ def bench_stack(run: StackRun, log=print) -> dict:
     offline = [p["offline_output_tokens_per_s"] for p in pairs]
     return {
         "model": run.model_dir, "num_prompts": run.num_prompts, "input_words": run.input_len,
+        "range_ratio": run.range_ratio,
         "prompt_tokens_per_request": prompt_tokens, "output_len": run.output_len, "engine_flags": list(run.engine_argv),
         "pairs": [{k: v for k, v in p.items() if k != "serve_report"} for p in pairs],
         "serve_output_tokens_per_s": statistics.median(serve),
@@ -108,7 +112,7 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
             warm = min(run.num_prompts, WARMUP_PROMPTS)
             bench_serve(url, None, [Prompt(p) for p in random_prompts(warm, run.input_len, seed + 7)],
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
-            prompts = [Prompt(p) for p in _prompts(run, seed)]
+            prompts = _prompts(run, seed)
             roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid, "worker"), "load generator": [os.getpid()]}
             before = cpu_usage.take(roles)  # redis-server (its own daemon) is in the rest
             report = bench_serve(url, None, prompts, Load(run.num_prompts, output_len=run.output_len, seed=seed))
@@ -117,16 +121,16 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
             _stop(proc)
 
 
-def _prompts(run: StackRun, seed: int) -> list[str]:
-    """The pair's measured prompts, served and run offline alike."""
-    from worker.bench.prompts import random_prompts
+def _prompts(run: StackRun, seed: int) -> list:
+    """The pair's measured prompts and output lengths, served and run offline alike."""
+    from worker.bench.prompts import random_workload
 
-    return random_prompts(run.num_prompts, run.input_len, seed)
+    return random_workload(run.num_prompts, run.input_len, run.output_len, run.range_ratio, seed)
 
 
 def _offline_once(run: StackRun, seed: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as file:
-        file.writelines(json.dumps({"prompt": p}) + "\n" for p in _prompts(run, seed))
+        file.writelines(json.dumps({"prompt": p.text, "max_tokens": p.output_len}) + "\n" for p in _prompts(run, seed))
         file.flush()
         cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir,
                "--num-prompts", str(run.num_prompts), "--prompts-file", file.name,
