@@ -131,14 +131,12 @@ def offline(argv: list[str]) -> int:
 def _offline_requests(parser: argparse.ArgumentParser, args, model: str | None):
     """--prompts-file as token ids and output lengths (None without one): the file's text through
     --tokenizer or the model's own; a ShareGPT reply's tokens set that request's output length."""
-    from worker.bench.prompts import file_prompts, is_sharegpt
+    from worker.bench.prompts import is_sharegpt
 
     if not args.prompts_file:
         if args.tokenizer:
             parser.error("--tokenizer needs --prompts-file")
         return None
-    if args.input_len is not None or args.range_ratio:
-        parser.error("--input-len and --range-ratio shape random prompts, not --prompts-file")
     if not (args.tokenizer or model):
         parser.error("--prompts-file with --dummy needs --tokenizer DIR to turn its text into token ids")
     try:
@@ -146,10 +144,10 @@ def _offline_requests(parser: argparse.ArgumentParser, args, model: str | None):
     except (OSError, ValueError) as exc:
         parser.error(f"tokenizer: {str(exc).splitlines()[0]}")
     try:
-        prompts = file_prompts(args.prompts_file, args.num_prompts,
-                               tokenizer if is_sharegpt(args.prompts_file) else None)
-    except (OSError, ValueError) as exc:
+        sharegpt = is_sharegpt(args.prompts_file)
+    except OSError as exc:
         parser.error(f"--prompts-file: {exc}")
+    prompts = _read_prompts_file(parser, args, tokenizer if sharegpt else None)
     return tuple((tuple(tokenizer.encode(p.text)), p.output_len or args.output_len) for p in prompts)
 
 
@@ -260,20 +258,28 @@ def _percentiles(parser: argparse.ArgumentParser, text: str) -> tuple[float, ...
 
 def _serve_prompts(parser: argparse.ArgumentParser, args) -> list:
     """The run's prompts: random words, or --prompts-file (ShareGPT lengths through --tokenizer)."""
-    from worker.bench.prompts import file_prompts, random_workload
+    from worker.bench.prompts import random_workload
 
     if args.tokenizer and not args.prompts_file:
         parser.error("--tokenizer needs a ShareGPT --prompts-file")
-    if args.prompts_file and (args.input_len is not None or args.range_ratio):
-        parser.error("--input-len and --range-ratio shape random prompts, not --prompts-file")
     try:
         tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     except (OSError, ValueError) as exc:
         parser.error(f"--tokenizer: {str(exc).splitlines()[0]}")
+    if args.prompts_file:
+        return _read_prompts_file(parser, args, tokenizer)
+    return random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio, args.seed)
+
+
+def _read_prompts_file(parser: argparse.ArgumentParser, args, tokenizer) -> list:
+    """--prompts-file cycled to --num-prompts (ShareGPT reply lengths through `tokenizer`); a
+    file that cannot be read, or flags that shape random prompts, are usage errors."""
+    from worker.bench.prompts import file_prompts
+
+    if args.input_len is not None or args.range_ratio:
+        parser.error("--input-len and --range-ratio shape random prompts, not --prompts-file")
     try:
-        return (file_prompts(args.prompts_file, args.num_prompts, tokenizer) if args.prompts_file
-                else random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio,
-                                     args.seed))
+        return file_prompts(args.prompts_file, args.num_prompts, tokenizer)
     except (OSError, ValueError) as exc:
         parser.error(f"--prompts-file: {exc}")
 

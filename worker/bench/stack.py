@@ -133,8 +133,7 @@ def _offline_once(run: StackRun, seed: int) -> dict:
         file.writelines(json.dumps({"prompt": p.text, "max_tokens": p.output_len}) + "\n" for p in _prompts(run, seed))
         file.flush()
         cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir,
-               "--num-prompts", str(run.num_prompts), "--prompts-file", file.name,
-               "--output-len", str(run.output_len), "--json", *run.engine_argv]
+               "--num-prompts", str(run.num_prompts), "--prompts-file", file.name, "--json", *run.engine_argv]
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"bench offline exited {done.returncode}: {done.stderr[-2000:]}")
