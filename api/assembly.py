@@ -38,7 +38,7 @@ class _Choice:
 class _Request:
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     completion_tokens: int = 0
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
 
 
 @dataclass
@@ -78,13 +78,22 @@ class Assembler:
             pieces.append(Piece(index, delta.text, logprobs, delta.finish_reason))
         return pieces
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage over the request's prompts; `prompt_tokens_details.cached_tokens` (what the
+        prefix cache served) where the workers said."""
         prompt = completion = 0
+        cached: int | None = None
         for message, request in zip(self.parsed.requests, self.requests):
             usage = request.usage or {}
             prompt += usage.get("prompt_tokens", len(message.prompt_token_ids))
             completion += usage.get("completion_tokens", request.completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            details = usage.get("prompt_tokens_details")
+            if details is not None:
+                cached = (cached or 0) + details.get("cached_tokens", 0)
+        out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if cached is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": cached}
+        return out
 
     def _echo_piece(self, sub: int, index: int, choice: _Choice) -> Piece:
         text = self.parsed.prompt_texts[sub]

@@ -34,6 +34,7 @@ HISTOGRAMS = {
 # TOTALS counter field -> (metric name without _total, help)
 COUNTERS = {
     contract.TOTAL_PROMPT_TOKENS: ("prompt_tokens", "Prompt tokens processed."),
+    contract.TOTAL_CACHED_PROMPT_TOKENS: ("prompt_tokens_cached", "Prompt tokens served from the prefix cache (not computed)."),
     contract.TOTAL_GENERATION_TOKENS: ("generation_tokens", "Output tokens generated."),
     contract.TOTAL_PREEMPTIONS: ("num_preemptions", "Sequences preempted (their KV pages freed, recomputed later)."),
     contract.TOTAL_REJECTED: ("requests_rejected", "Requests refused with HTTP 429 by the API."),

@@ -83,6 +83,7 @@ def _queue(reading: FleetReading) -> dict[str, Any]:
 def _fleet(reading: FleetReading, requests_per_s: float) -> dict[str, Any]:
     alive = reading.alive_stats()
     pages_total = sum(s.pages_total for s in alive)
+    prompt = reading.total(contract.TOTAL_PROMPT_TOKENS)
     return {
         "workers_alive": len(alive),
         "workers_gone": len(reading.workers) - len(alive),
@@ -91,6 +92,8 @@ def _fleet(reading: FleetReading, requests_per_s: float) -> dict[str, Any]:
         "requests_per_s": requests_per_s,
         "running": sum(s.running for s in alive),
         "kv_usage": sum(s.pages_used for s in alive) / pages_total if pages_total else None,
+        # share of all prompt tokens so far that the prefix cache served instead of computing
+        "prefix_cache_hit_rate": reading.total(contract.TOTAL_CACHED_PROMPT_TOKENS) / prompt if prompt else None,
     }
 
 

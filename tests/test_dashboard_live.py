@@ -281,7 +281,8 @@ def assert_dashboard_live(page_url: str, screenshot_path: str | Path, *, worker_
             page.wait_for_timeout(300)
             figures = {
                 key: page.text_content(f"#{key}")
-                for key in ("queue-waiting", "queue-in-flight", "fleet-tokens", "fleet-requests", "fleet-workers")
+                for key in ("queue-waiting", "queue-in-flight", "fleet-tokens", "fleet-requests", "fleet-workers",
+                            "fleet-prefix")
             }
             Path(screenshot_path).parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot_path), full_page=True)

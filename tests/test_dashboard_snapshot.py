@@ -41,6 +41,7 @@ def test_snapshot_reports_queue_workers_latency_and_recent(redis_client, redis_u
     redis_client.hincrby(contract.TOTALS, contract.TOTAL_REJECTED, 4)
     ttfts = [0.1 * (i + 1) for i in range(10)]  # 0.1 .. 1.0
     seed_events(redis_client, [make_event(f"r{i}", ttft_s=t, tpot_s=0.02, output_tokens=10) for i, t in enumerate(ttfts)])
+    redis_client.hset(contract.TOTALS, mapping={contract.TOTAL_PROMPT_TOKENS: 400, contract.TOTAL_CACHED_PROMPT_TOKENS: 100})
 
     snap = snapshot_of(create_dashboard(DashboardConfig(redis_url=redis_url)))
 
@@ -62,6 +63,7 @@ def test_snapshot_reports_queue_workers_latency_and_recent(redis_client, redis_u
     fleet = snap["fleet"]
     assert (fleet["workers_alive"], fleet["workers_gone"], fleet["tokens_per_s"]) == (2, 1, 1000.0)
     assert fleet["kv_usage"] == pytest.approx(0.5)
+    assert fleet["prefix_cache_hit_rate"] == pytest.approx(0.25)
 
     latency = snap["latency"]
     assert latency["count"] == 10

@@ -8,6 +8,7 @@ stack of its own uses its own Redis database so nothing leaks between them.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -139,6 +140,22 @@ def test_models_and_greedy_matches_offline(stack, offline):
     out = stack.client.completions.create(model=stack.model, prompt=ids, max_tokens=20, temperature=0)
     assert out.choices[0].text == ref.text
     assert out.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_prefix_cache_hits_are_in_usage_and_metrics(stack):
+    c, page = stack.client, ENGINE["page_size"]
+    prompt = "zebra crossing " + " ".join(PROMPTS)  # an opening no other test sends
+    first = c.completions.create(model=stack.model, prompt=prompt, max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    before = _metric(stack.url, "redjax:prompt_tokens_cached")
+    # again, streamed, beside a prompt the cache has not seen: the full pages of the first come from the
+    # cache (all but the page of its last token, computed to sample from); the usage sums both
+    chunks = list(c.completions.create(model=stack.model, prompt=[prompt, "yak " + prompt], max_tokens=6,
+                                       temperature=0, stream=True, stream_options={"include_usage": True}))
+    cached = (first.usage.prompt_tokens - 1) // page * page
+    assert cached > 0 and chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == 0) == first.choices[0].text
+    wait_until(lambda: _metric(stack.url, "redjax:prompt_tokens_cached") == before + cached, 10)
 
 
 # ---- 2. concurrency: batched, and token-for-token the offline engine's output ----
@@ -281,16 +298,16 @@ def test_echo_logprobs_equal_transformers(stack):
 # ---- 7. dashboard and /metrics against the live stack ----
 
 
-def _generation_tokens(url: str) -> float:
+def _metric(url: str, counter: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
-    [sample] = [s for s in families["redjax:generation_tokens"].samples if s.name.endswith("_total")]
+    [sample] = [s for s in families[counter].samples if s.name.endswith("_total")]
     return sample.value
 
 
 def test_dashboard_and_metrics_follow_live_traffic(stack, output_dir):
-    before = _generation_tokens(stack.url)
+    before = _metric(stack.url, "redjax:generation_tokens")
     stop_traffic = threading.Event()
 
     def traffic():
@@ -311,7 +328,8 @@ def test_dashboard_and_metrics_follow_live_traffic(stack, output_dir):
         for t in threads:
             t.join(timeout=60)
     assert figures["fleet-workers"].startswith("1")
-    wait_until(lambda: _generation_tokens(stack.url) > before, 10)
+    assert re.fullmatch(r"prefix cache hits: [0-9.]+% of prompt tokens", figures["fleet-prefix"]), figures["fleet-prefix"]
+    wait_until(lambda: _metric(stack.url, "redjax:generation_tokens") > before, 10)
 
 
 # ---- 3b. a request waits in the queue while no worker runs ----

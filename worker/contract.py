@@ -43,6 +43,7 @@ EVENTS_MAXLEN = 10_000
 # Hash of fleet-wide monotonically increasing counters (see TOTAL_* and histogram fields).
 TOTALS = f"{PREFIX}:totals"
 TOTAL_PROMPT_TOKENS = "prompt_tokens"
+TOTAL_CACHED_PROMPT_TOKENS = "prompt_tokens_cached"  # of those, served from the prefix cache
 TOTAL_GENERATION_TOKENS = "generation_tokens"
 TOTAL_PREEMPTIONS = "preemptions"
 TOTAL_REJECTED = "rejected"  # requests refused with 429 by the API
@@ -142,7 +143,7 @@ class OutputDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     done: bool = False
-    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    usage: dict[str, Any] | None = None  # prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details
     error: str | None = None
 
     def encode(self) -> dict[str, str]:

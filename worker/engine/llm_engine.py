@@ -55,6 +55,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far for this choice
+    num_cached_tokens: int = 0  # the request's prompt tokens the prefix cache served (first admission)
     request_finished: bool = False  # every choice of the request is done
 
 
@@ -343,7 +344,7 @@ class LLMEngine:
             request_id=seq.request_id, index=seq.index, token_ids=ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            request_finished=done,
+            num_cached_tokens=seq.group.num_cached_prompt_tokens or 0, request_finished=done,
         )
 
     def _collect_prompt_logprobs(self, seq, track: _Track, chunk, row: int, flight: InFlight, out) -> None:

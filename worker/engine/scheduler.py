@@ -266,6 +266,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.page_table, seq.page_keys = hits, keys
             seq.num_computed_tokens = seq.num_cached_tokens = start
+            if seq.group is not None and seq.group.num_cached_prompt_tokens is None:  # usage tells the client
+                seq.group.num_cached_prompt_tokens = min(start, seq.num_prompt_tokens)
             self.num_lookup_tokens += target
             self.num_hit_tokens += start
             seq.status = SequenceStatus.RUNNING

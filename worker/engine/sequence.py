@@ -37,7 +37,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     arrival: int = 0  # admission order, stamped by Scheduler.add
     num_in_flight: int = 0  # trailing output tokens still IN_FLIGHT
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at last admission
+    num_cached_tokens: int = 0  # tokens the prefix cache served at its last admission
     finish_reason: str | None = None  # "stop", "length", "abort" (worker.contract.FinishReason)
     stop_reason: str | int | None = None  # matched stop string or stop token id
 
@@ -107,6 +107,7 @@ class SequenceGroup:
     sequences: list[Sequence] = field(default_factory=list)
     prefilled: bool = False  # a choice has computed the whole prompt (others may hit its pages)
     first_token_time: float | None = None  # seconds, set by the engine when the first token is out
+    num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache served its first admitted choice
 
     @classmethod
     def create(

@@ -51,7 +51,7 @@ class Finished:
     """Everything the I/O thread needs to close a request."""
 
     request_id: str
-    usage: dict[str, int]
+    usage: dict[str, Any]  # OpenAI's usage object
     event: RequestEvent
     handed_back: bool = False  # re-enqueued instead of completed (drain timeout)
 
@@ -336,6 +336,8 @@ class RedisIO:
             pipe.expire(contract.out_stream(done.request_id), contract.OUTPUT_TTL_S)
             contract.record_finished(pipe, done.event, totals)
             totals.count(contract.TOTAL_PROMPT_TOKENS, done.usage.get("prompt_tokens", 0))
+            totals.count(contract.TOTAL_CACHED_PROMPT_TOKENS,
+                         done.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
         if entry_id is not None:
             settled.append(entry_id)
 

@@ -38,6 +38,7 @@ class Active:
     started_at: float
     first_token_at: float | None = None
     completion_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 class Worker:
@@ -172,6 +173,7 @@ class Worker:
             if out.token_ids and active.first_token_at is None:
                 active.first_token_at = now
             active.completion_tokens[out.index] = active.completion_tokens.get(out.index, 0) + len(out.token_ids)
+            active.cached_tokens = out.num_cached_tokens
             by_request.setdefault(out.request_id, []).append(OutputDelta(
                 seq=self._next_seq(active), index=out.index, text=out.text, token_ids=out.token_ids,
                 logprobs=out.logprobs or None, prompt_logprobs=out.prompt_logprobs,
@@ -181,7 +183,8 @@ class Worker:
                 done.append(active)
         for active in done:
             rid = active.incoming.message.id
-            usage = _usage(len(active.incoming.message.prompt_token_ids), sum(active.completion_tokens.values()))
+            usage = _usage(len(active.incoming.message.prompt_token_ids), sum(active.completion_tokens.values()),
+                           active.cached_tokens)
             deltas = by_request.setdefault(rid, [])
             if deltas and deltas[-1].finish_reason:  # the request's last choice ended here: its delta ends it all
                 deltas[-1].done, deltas[-1].usage = True, usage
@@ -208,7 +211,7 @@ class Worker:
             queue_s=max(0.0, active.started_at - message.enqueued_at), ttft_s=max(0.0, first - message.enqueued_at),
             tpot_s=tpot, e2e_s=max(0.0, now - message.enqueued_at), finished_at=now,
         )
-        usage = _usage(len(message.prompt_token_ids), n_out)
+        usage = _usage(len(message.prompt_token_ids), n_out, active.cached_tokens)
         self.io.finish(Finished(message.id, usage, event))
 
     def _aborted(self, request_id: str, index: int, params: SamplingParams) -> RequestOutput:
@@ -264,8 +267,10 @@ class Worker:
         ))
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage object; `cached`: prompt tokens the prefix cache served."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _reason(reason) -> str | None:
