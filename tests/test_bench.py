@@ -146,6 +146,34 @@ def test_offline_range_ratio_gives_each_request_its_own_lengths(tiny_model, caps
     assert "--range-ratio must be in [0, 1)" in capsys.readouterr().err
 
 
+def test_offline_prefix_len_shares_a_prefix_the_cache_serves(tiny_model, capsys):
+    """--prefix-len: every prompt of a round starts with the same ids; prompts admitted after the
+    first one's prefix is computed read its full pages from the cache, and their greedy tokens are
+    still transformers' (which computes every prompt whole). Without the cache nothing is served."""
+    work = Workload(6, 5, 8, prefix_len=24)
+    prompts = work.prompts(1000, seed=9)
+    assert work.sizes == [(29, 8)] * 6 and len({tuple(p[:24]) for p in prompts}) == 1
+    assert len({tuple(p[24:]) for p in prompts}) == 6
+    flags = ["--num-prompts", "6", "--input-len", "5", "--output-len", "8", "--prefix-len", "24", "--json",
+             "--page-size", "8", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
+    code, out = run_bench("offline", "--model", str(tiny_model), *flags, "--compare", "hf", "--hf-batch-size", "3",
+                          "--rounds", "2")
+    report = json.loads(out)
+    assert code == 0 and report["prefix_len"] == 24 and report["prompt_tokens"] == 6 * 29
+    hits = [f["prefix_cache_hit_tokens"] for f in report["per_round"]]
+    # 32 tokens a step: the first prompt takes a step alone, so at least the last four hit its 3 full pages
+    assert all(4 * 24 <= h <= 5 * 24 and h % 8 == 0 for h in hits), hits
+    assert report["greedy_match_fraction"] == 1.0 and report["compiles_during_run"] == 0
+    code, out = run_bench("offline", "--model", str(tiny_model), *flags, "--no-prefix-cache")
+    assert code == 0 and json.loads(out)["prefix_cache_hit_tokens"] == 0
+    for argv in (["--prefix-len", "-1"], ["--prefix-len", "4", "--prompts-file", "README.md"]):
+        with pytest.raises(SystemExit) as exit_:
+            run_bench("offline", "--model", str(tiny_model), *argv)
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--prefix-len must be >= 0" in err and "--prefix-len shape random prompts" in err
+
+
 DEMO = "worker/demo_model"
 PASSAGES = ["It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
             "in want of a wife. However little known the feelings or views of such a man may be",

@@ -156,6 +156,24 @@ def test_serve_per_prompt_output_lengths_from_a_jsonl_file_and_random_ranges(sta
     assert json.loads(out.read_text())["output_tokens"] == sum(p.output_len for p in drawn)
 
 
+def test_serve_prefix_len_reports_what_the_prefix_cache_served(stack, tmp_path):
+    """--prefix-len: the same random words open every prompt; one request at a time, each after the
+    first finds the prefix's full pages cached, as usage.prompt_tokens_details.cached_tokens says."""
+    from worker.bench.prompts import random_workload
+
+    drawn = random_workload(3, 4, 8, seed=5, prefix_len=30)
+    prefix = " ".join(drawn[0].text.split()[:30]) + " "
+    assert all(p.text.startswith(prefix) and len(p.text.split()) == 34 for p in drawn)
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "3", "--concurrency", "1", "--input-len", "4",
+                           "--prefix-len", "30", "--output-len", "8", "--seed", "5", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    check_serve_report(report, 3)
+    assert report["cached_prompt_tokens"] >= 2 * 24 and report["cached_prompt_tokens"] % 8 == 0  # pages of 8
+    assert f"prefix cache: {report['cached_prompt_tokens']} of {report['prompt_tokens']} prompt tokens" in text
+
+
 def test_serve_without_ignore_eos_sends_only_standard_fields(stack, tmp_path):
     from worker.bench.prompts import Prompt
     from worker.bench.serve import Load
@@ -224,8 +242,10 @@ def test_sharegpt_replies_set_output_lengths_through_a_tokenizer(served, stack, 
     (["--concurrency", "2,many"], "--concurrency takes a number of requests"),
     (["--concurrency", "2", "--plot", "x.png"], "--plot needs a sweep"),
     (["--tokenizer", "/tmp"], "--tokenizer needs a ShareGPT --prompts-file"),
-    (["--prompts-file", "BAD_JSONL", "--range-ratio", "0.5"], "--input-len and --range-ratio shape random prompts"),
-    (["--prompts-file", "BAD_JSONL", "--input-len", "9"], "--input-len and --range-ratio shape random prompts"),
+    (["--prompts-file", "BAD_JSONL", "--range-ratio", "0.5"], "--range-ratio and --prefix-len shape random prompts"),
+    (["--prompts-file", "BAD_JSONL", "--input-len", "9"], "--range-ratio and --prefix-len shape random prompts"),
+    (["--prompts-file", "BAD_JSONL", "--prefix-len", "9"], "--range-ratio and --prefix-len shape random prompts"),
+    (["--prefix-len", "-1"], "--prefix-len must be >= 0"),
     (["--input-len", "0"], "must be >= 1"),
     (["--prompts-file", "BAD_JSONL", "--tokenizer", "/no/such/dir"], "--tokenizer: "),
     (["--percentiles", "50,100"], "--percentiles takes comma-separated numbers in (0, 100)"),

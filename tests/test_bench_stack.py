@@ -56,16 +56,16 @@ def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
     """`bench stack --dummy PRESET` writes random weights and a word tokenizer to a temporary
     directory and serves them like any model: every serving prompt word is one token. With
     --range-ratio each request has its own length in and out, and the offline half runs the same
-    requests: as many prompt and output tokens as were served."""
+    requests: as many prompt and output tokens as were served (--prefix-len words before each)."""
     from worker.bench.prompts import random_workload
 
     code, out = run_bench("stack", "--dummy", "llama-tiny", "--pairs", "1", "--num-prompts", "4", "--input-len", "6",
-                          "--output-len", "8", "--range-ratio", "0.5", "--json", "--max-num-seqs", "8",
+                          "--output-len", "8", "--range-ratio", "0.5", "--prefix-len", "3", "--json", "--max-num-seqs", "8",
                           "--max-num-batched-tokens", "128", "--page-size", "8", "--num-pages", "128")
     assert code == 0, out
     report = json.loads(out)
-    assert report["model"] == "dummy:llama-tiny" and report["range_ratio"] == 0.5
-    requests = random_workload(4, 6, 8, 0.5, seed=0)  # the first pair's
+    assert report["model"] == "dummy:llama-tiny" and report["range_ratio"] == 0.5 and report["prefix_words"] == 3
+    requests = random_workload(4, 6, 8, 0.5, seed=0, prefix_len=3)  # the first pair's
     words, outs = sum(len(p.text.split()) for p in requests), sum(p.output_len for p in requests)
     assert len({p.output_len for p in requests}) > 1
     pair = report["pairs"][0]
@@ -73,6 +73,7 @@ def test_stack_serves_a_dummy_preset_through_its_word_tokenizer():
     assert pair["serve_output_tokens"] == pair["offline_output_tokens"] == outs
     assert report["prompt_tokens_per_request"] == round(words / 4)
     assert pair["serve_failed"] == 0 and pair["offline_output_tokens_per_s"] > 0
+    assert pair["serve_cached_prompt_tokens"] == pair["offline_cached_prompt_tokens"] == 0  # 3 words: under a page
     r = report["last_serve_report"]
     assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == outs
 

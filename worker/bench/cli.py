@@ -28,6 +28,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="each request's input and output lengths drawn uniformly from [len * (1 - R), len * (1 + R)] "
                         "(default 0: fixed; the same lengths as bench serve's random prompts with the same seed)")
+    p.add_argument("--prefix-len", type=int, default=0, help="random prompts: this many random ids before each, the "
+                   "same in all of a round (a shared system prompt: exercises the prefix cache)")
     p.add_argument("--prompts-file", help="prompts instead of random ids, as bench serve reads them: one per line, "
                    "JSON lines with 'prompt' (and optionally 'max_tokens'), or a ShareGPT JSON file (each "
                    "conversation's first human turn, as many tokens out as its reply); cycled to --num-prompts")
@@ -75,10 +77,12 @@ def offline(argv: list[str]) -> int:
         parser.error("--num-prompts, --input-len and --output-len must be at least 1")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
+    _check_prompt_source(parser, args)
 
     model = resolve_model(args.model) if args.model else None
     work = Workload(args.num_prompts, args.input_len or 128, args.output_len, args.seed, args.temperature, args.top_p,
-                    args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file)
+                    args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file,
+                    args.prefix_len)
     try:
         report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf",
                                args.hf_batch_size, args.rounds)
@@ -97,8 +101,8 @@ def offline(argv: list[str]) -> int:
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")
     if r["prefix_cache_hit_tokens"]:
-        print(f"  the prefix cache served {r['prefix_cache_hit_tokens']} prompt tokens of the first round "
-              "(prompts repeated in it)")
+        print(f"  the prefix cache served {r['prefix_cache_hit_tokens']} of the first round's "
+              f"{r['prompt_tokens']} prompt tokens ({r['prefix_cache_hit_tokens'] / r['prompt_tokens']:.1%})")
     print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
     up = r["startup"]
     print(f"  startup: calibration {up['calibration_s']:.1f} s, {up['variants_compiled_ahead']} step variants "
@@ -182,6 +186,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (of file prompts without their own)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random prompts: input and output lengths "
                    "uniform in [len * (1 - R), len * (1 + R)] (default 0: fixed)")
+    p.add_argument("--prefix-len", type=int, default=0, help="random prompts: this many random words before each, "
+                   "the same in all (a shared system prompt: exercises the prefix cache)")
     p.add_argument("--prompts-file", help="one prompt per line, JSON lines with 'prompt' (and optionally "
                    "'max_tokens'), or a ShareGPT JSON file (each conversation's first human turn)")
     p.add_argument("--tokenizer", metavar="DIR", help="with a ShareGPT --prompts-file: a local tokenizer "
@@ -214,6 +220,7 @@ def serve(argv: list[str]) -> int:
         parser.error("--goodput keys are ttft, tpot and e2e")
     if args.num_prompts < 1 or (args.input_len is not None and args.input_len < 1) or args.output_len < 1:
         parser.error("--num-prompts, --input-len and --output-len must be >= 1")
+    _check_prompt_source(parser, args)
     if not args.burstiness > 0:
         parser.error("--burstiness must be > 0")
     if not 0 <= args.range_ratio < 1:
@@ -268,16 +275,23 @@ def _serve_prompts(parser: argparse.ArgumentParser, args) -> list:
         parser.error(f"--tokenizer: {str(exc).splitlines()[0]}")
     if args.prompts_file:
         return _read_prompts_file(parser, args, tokenizer)
-    return random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio, args.seed)
+    return random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio, args.seed,
+                           args.prefix_len)
+
+
+def _check_prompt_source(parser: argparse.ArgumentParser, args) -> None:
+    """Flags that shape random prompts are usage errors with --prompts-file (before any loading)."""
+    if args.prompts_file and (args.input_len is not None or args.range_ratio or args.prefix_len):
+        parser.error("--input-len, --range-ratio and --prefix-len shape random prompts, not --prompts-file")
+    if args.prefix_len < 0:
+        parser.error("--prefix-len must be >= 0")
 
 
 def _read_prompts_file(parser: argparse.ArgumentParser, args, tokenizer) -> list:
     """--prompts-file cycled to --num-prompts (ShareGPT reply lengths through `tokenizer`); a
-    file that cannot be read, or flags that shape random prompts, are usage errors."""
+    file that cannot be read is a usage error."""
     from worker.bench.prompts import file_prompts
 
-    if args.input_len is not None or args.range_ratio:
-        parser.error("--input-len and --range-ratio shape random prompts, not --prompts-file")
     try:
         return file_prompts(args.prompts_file, args.num_prompts, tokenizer)
     except (OSError, ValueError) as exc:
@@ -326,6 +340,8 @@ def stack_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="each request's words in and tokens out drawn "
                    "uniformly from [len * (1 - R), len * (1 + R)] (default 0: fixed)")
+    p.add_argument("--prefix-len", type=int, default=0, help="this many random words before each prompt, the same "
+                   "in all (a shared system prompt: both halves' prefix caches serve it)")
     p.add_argument("--pairs", type=int, default=3, help="serving/offline pairs, alternating which goes first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
@@ -340,6 +356,8 @@ def stack(argv: list[str]) -> int:
         parser.error("--pairs, --num-prompts, --input-len and --output-len must be >= 1")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
+    if args.prefix_len < 0:
+        parser.error("--prefix-len must be >= 0")
     from worker.bench.stack import StackRun, bench_stack
 
     overrides = _engine_overrides(args)
@@ -354,7 +372,8 @@ def stack(argv: list[str]) -> int:
             except ModelConfigError as exc:
                 parser.error(str(exc))
         run = StackRun(tmp or resolve_model(args.model), args.num_prompts, args.input_len,
-                       args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)), args.range_ratio)
+                       args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)), args.range_ratio,
+                       args.prefix_len)
         report = bench_stack(run, log=(lambda *a: None) if args.json else print)
     if args.dummy:
         report["model"] = f"dummy:{args.dummy}"
@@ -380,6 +399,9 @@ def _summary(r: dict) -> str:
         d = r[key]
         stats = "  ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in d.items())
         lines.append(f"  {key:5s} ms: {stats}")
+    if r["cached_prompt_tokens"] is not None:
+        share = r["cached_prompt_tokens"] / max(1, r["prompt_tokens"])
+        lines.append(f"  prefix cache: {r['cached_prompt_tokens']} of {r['prompt_tokens']} prompt tokens ({share:.1%})")
     if r["errors"]:
         lines.append(f"  errors: {r['errors']}")
     return "\n".join(lines)

@@ -52,6 +52,7 @@ class Workload:
     # a file's requests: each one's token ids and output length (input_len and range_ratio unused)
     requests: tuple[tuple[tuple[int, ...], int], ...] | None = None
     prompts_file: str | None = None  # where `requests` came from (the report's label)
+    prefix_len: int = 0  # random prompts: ids shared by all of a round, before each one's input_len
 
     def params(self, max_tokens: int, seed: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -63,7 +64,8 @@ class Workload:
         seed; every round (and the warm-up's plan) has the same lengths."""
         if self.requests is not None:
             return [(len(ids), out) for ids, out in self.requests]
-        return draw_lengths(self.num_prompts, self.input_len, self.output_len, self.range_ratio, self.seed)
+        drawn = draw_lengths(self.num_prompts, self.input_len, self.output_len, self.range_ratio, self.seed)
+        return [(self.prefix_len + i, o) for i, o in drawn]
 
     @property
     def output_lens(self) -> list[int]:
@@ -96,10 +98,12 @@ class Workload:
                                 "(is the tokenizer the model's?)")
 
     def prompts(self, vocab_size: int, seed: int | None = None, lengths: list[int] | None = None) -> list[list[int]]:
-        """Random token ids (uniform over the vocabulary) of each request's input length, or of `lengths`."""
+        """Random token ids (uniform over the vocabulary) of each request's input length, or of
+        `lengths`; the first prefix_len of each are the same in all."""
         rng = np.random.default_rng(self.seed if seed is None else seed)
         lengths = lengths or [n for n, _ in self.sizes]
-        return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
+        prefix = rng.integers(0, vocab_size, min([self.prefix_len, *lengths])).tolist()
+        return [prefix + rng.integers(0, vocab_size, n - len(prefix)).tolist() for n in lengths]
 
 
 def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
@@ -167,8 +171,9 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
 
 def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
                   compare_hf: bool = False, hf_batch_size: int | None = None, rounds: int = 1) -> dict:
-    """Run the workload `rounds` times (each round on fresh prompts, so the prefix cache gives
-    nothing), with --compare hf transformers right after each round on the same prompts.
+    """Run the workload `rounds` times (each round on fresh prompts from an empty prefix cache, which
+    serves only what the round's prompts share), with --compare hf transformers right after each
+    round on the same prompts.
     Throughputs are medians over rounds and the ratio the median of the per-round ratios: on a
     shared VM a neighbour's burst then moves one round, not the answer."""
     if rounds < 1:
@@ -236,7 +241,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     report = {
         "model": preset or str(model_dir), "dtype": dtype, "num_params": cfg.num_params,
         "num_prompts": work.num_prompts, "input_len": work.input_len, "output_len": work.output_len,
-        "range_ratio": work.range_ratio, "prompts_file": work.prompts_file,
+        "range_ratio": work.range_ratio, "prompts_file": work.prompts_file, "prefix_len": work.prefix_len,
+        "prompt_tokens": sum(i for i, _ in work.sizes),
         "mean_input_len": float(np.mean([i for i, _ in work.sizes])), "mean_output_len": float(np.mean(work.output_lens)),
         "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k},
         "sampler": engine.sampler,

@@ -30,6 +30,7 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
     output_tokens: int = 0
 
     @property
@@ -111,6 +112,7 @@ async def _read_stream(content: aiohttp.StreamReader, r: Result) -> None:
             if chunk.get("usage"):
                 r.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
                 r.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                r.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 def _content(choice: dict) -> str:

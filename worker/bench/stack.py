@@ -46,6 +46,7 @@ class StackRun:
     seed: int
     engine_argv: tuple[str, ...]  # engine flags for the worker and the offline engine alike
     range_ratio: float = 0.0  # each request's words in and tokens out drawn around input_len, output_len
+    prefix_len: int = 0  # random words before every prompt, the same in all of a pair
 
 
 def bench_stack(run: StackRun, log=print) -> dict:
@@ -65,6 +66,7 @@ def bench_stack(run: StackRun, log=print) -> dict:
                 pair["serve_output_tokens_per_s"] = report["output_token_throughput"]
                 pair["serve_prompt_tokens"] = report["prompt_tokens"]
                 pair["serve_output_tokens"] = report["output_tokens"]
+                pair["serve_cached_prompt_tokens"] = report["cached_prompt_tokens"]
                 pair["serve_failed"] = report["failed"]
                 pair["serve_report"] = report
             else:
@@ -72,6 +74,7 @@ def bench_stack(run: StackRun, log=print) -> dict:
                 pair["offline_output_tokens_per_s"] = offline["output_tokens_per_s"]
                 pair["offline_prompt_tokens"] = round(offline["mean_input_len"] * offline["num_prompts"])
                 pair["offline_output_tokens"] = offline["output_tokens"]
+                pair["offline_cached_prompt_tokens"] = offline["prefix_cache_hit_tokens"]
                 pair["offline_cpu"] = offline["cpu"]
         pair["ratio"] = pair["serve_output_tokens_per_s"] / pair["offline_output_tokens_per_s"]
         pairs.append(pair)
@@ -79,11 +82,14 @@ def bench_stack(run: StackRun, log=print) -> dict:
             f"offline {pair['offline_output_tokens_per_s']:.1f} output tok/s -> {pair['ratio']:.3f}x")
         log(f"  serving CPU, {cpu_usage.describe(pair['serve_cpu'])}")
         log(f"  offline CPU, {cpu_usage.describe(pair['offline_cpu'])}")
+        if run.prefix_len:
+            log(f"  prefix cache hits (prompt tokens): serving {pair['serve_cached_prompt_tokens']}, "
+                f"offline {pair['offline_cached_prompt_tokens']} of {pair['serve_prompt_tokens']}")
     serve = [p["serve_output_tokens_per_s"] for p in pairs]
     offline = [p["offline_output_tokens_per_s"] for p in pairs]
     return {
         "model": run.model_dir, "num_prompts": run.num_prompts, "input_words": run.input_len,
-        "range_ratio": run.range_ratio,
+        "range_ratio": run.range_ratio, "prefix_words": run.prefix_len,
         "prompt_tokens_per_request": prompt_tokens, "output_len": run.output_len, "engine_flags": list(run.engine_argv),
         "pairs": [{k: v for k, v in p.items() if k != "serve_report"} for p in pairs],
         "serve_output_tokens_per_s": statistics.median(serve),
@@ -125,7 +131,7 @@ def _prompts(run: StackRun, seed: int) -> list:
     """The pair's measured prompts and output lengths, served and run offline alike."""
     from worker.bench.prompts import random_workload
 
-    return random_workload(run.num_prompts, run.input_len, run.output_len, run.range_ratio, seed)
+    return random_workload(run.num_prompts, run.input_len, run.output_len, run.range_ratio, seed, run.prefix_len)
 
 
 def _offline_once(run: StackRun, seed: int) -> dict:

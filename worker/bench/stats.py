@@ -32,10 +32,13 @@ def summarize(results: list, seconds: float, slo_ms: dict[str, float],
         return all(values[k] * 1e3 <= v for k, v in slo_ms.items())
 
     good = [r for r in ok if meets(r)]
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": seconds, "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+        # prompt tokens the server's prefix cache served (None: its usage does not say)
+        "cached_prompt_tokens": sum(cached) if cached else None,
         "request_throughput": len(ok) / seconds, "output_token_throughput": out_tokens / seconds,
         "total_token_throughput": (in_tokens + out_tokens) / seconds,
         "ttft": distribution([r.ttft for r in ok], percentiles),
