@@ -74,6 +74,23 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_KEYS if getattr(args, k, None) is not None}
 
 
+def usage_error(command: str, message: str) -> None:
+    """Exit as argparse does on a bad flag (status 2), before anything starts."""
+    print(f"redjax {command}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def worker_config(command: str, overrides: dict):
+    """The WorkerConfig that flags (`overrides`) and REDJAX_* variables give a worker; one they
+    make invalid (e.g. --max-num-batched-tokens under --max-num-seqs) is a usage error."""
+    from worker.service.config import WorkerConfig
+
+    try:
+        return WorkerConfig.from_env(overrides)
+    except (ValueError, TypeError) as exc:
+        usage_error(command, str(exc))
+
+
 def engine_argv(overrides: dict) -> list[str]:
     """The engine flags that give `overrides` (from `_engine_overrides`) to a child process."""
     argv: list[str] = []
@@ -164,7 +181,11 @@ def cmd_generate(args) -> int:
                                 top_k=args.top_k, seed=args.seed)
     except ValueError as exc:
         sys.exit(f"redjax generate: {exc}")
-    llm = LLM(resolve_model(args.model), EngineConfig(**_engine_overrides(args)))
+    try:
+        config = EngineConfig(**_engine_overrides(args))
+    except ValueError as exc:
+        usage_error("generate", str(exc))
+    llm = LLM(resolve_model(args.model), config)
     bar = tqdm(total=len(args.prompt), desc="generating", unit="prompt", file=sys.stderr,
                disable=len(args.prompt) < 8 or not sys.stderr.isatty())
     results = llm.generate(args.prompt, params, progress=lambda done, total: bar.update(1))
@@ -191,7 +212,6 @@ def cmd_worker(args) -> int:
     import redis
 
     from worker.engine.llm_engine import LLMEngine
-    from worker.service.config import WorkerConfig
     from worker.service.worker import Worker
 
     overrides = {"model_dir": args.model and resolve_model(args.model), "redis_url": args.redis, "name": args.name,
@@ -202,7 +222,7 @@ def cmd_worker(args) -> int:
 
     if not overrides["model_dir"] and not os.environ.get("REDJAX_MODEL_DIR"):
         overrides["model_dir"] = resolve_model(None)
-    config = WorkerConfig.from_env(overrides)
+    config = worker_config("worker", overrides)
     log_to_stderr(config.log_level)
     if config.compile_cache_dir:
         import jax
@@ -241,7 +261,10 @@ def cmd_serve(args) -> int:
 
     import os
 
-    return serve(args, resolve_model(args.model or os.environ.get("REDJAX_MODEL_DIR")), _engine_overrides(args))
+    model_dir = resolve_model(args.model or os.environ.get("REDJAX_MODEL_DIR"))
+    overrides = _engine_overrides(args)
+    worker_config("serve", {"model_dir": model_dir, "engine": overrides})  # what its workers will build
+    return serve(args, model_dir, overrides)
 
 
 def cmd_bench(args) -> int:

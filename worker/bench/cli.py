@@ -52,6 +52,18 @@ def offline_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _checked_overrides(parser: argparse.ArgumentParser, args) -> dict:
+    """The engine flags; values the engine would refuse are usage errors before anything loads."""
+    from worker.engine.config import EngineConfig
+
+    overrides = _engine_overrides(args)
+    try:
+        EngineConfig(**overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return overrides
+
+
 def _batch_size(text: str) -> int | None:
     """--hf-batch-size: a positive number, or auto -> None."""
     if text == "auto":
@@ -78,13 +90,14 @@ def offline(argv: list[str]) -> int:
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
     _check_prompt_source(parser, args)
+    overrides = _checked_overrides(parser, args)
 
     model = resolve_model(args.model) if args.model else None
     work = Workload(args.num_prompts, args.input_len or 128, args.output_len, args.seed, args.temperature, args.top_p,
                     args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file,
                     args.prefix_len)
     try:
-        report = bench_offline(model, args.dummy, _engine_overrides(args), work, args.compare == "hf",
+        report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf",
                                args.hf_batch_size, args.rounds)
     except WorkloadError as exc:
         parser.error(str(exc))
@@ -360,7 +373,7 @@ def stack(argv: list[str]) -> int:
         parser.error("--prefix-len must be >= 0")
     from worker.bench.stack import StackRun, bench_stack
 
-    overrides = _engine_overrides(args)
+    overrides = _checked_overrides(parser, args)
     with tempfile.TemporaryDirectory(prefix="redjax-dummy-") if args.dummy else contextlib.nullcontext() as tmp:
         if args.dummy:
             from worker.bench.prompts import WORDS

@@ -72,24 +72,27 @@ class WorkerConfig:
         types = {f.name: f.type for f in dataclasses.fields(cls)}
         for name, env in ENV_NAMES.items():
             if env in environ:
-                values[name] = _parse(types[name], environ[env])
+                values[name] = _parse(types[name], environ[env], env)
         engine: dict[str, Any] = {}
         for f in dataclasses.fields(EngineConfig):
             env = ENGINE_ENV_PREFIX + f.name.upper()
             if env in environ:
-                engine[f.name] = _parse(f.type, environ[env])
+                engine[f.name] = _parse(f.type, environ[env], env)
         engine.update(overrides.pop("engine", {}) or {})
         values.update(overrides)
         return cls(**values, engine=EngineConfig(**{k: v for k, v in engine.items() if v is not None}))
 
 
-def _parse(type_name: str, raw: str) -> Any:
+def _parse(type_name: str, raw: str, env: str) -> Any:
     if "None" in type_name and raw.strip().lower() in ("", "auto"):
         return None  # the field's automatic default
     if "bool" in type_name:
         return raw.strip().lower() in ("1", "true", "yes", "on")
-    if "int" in type_name and "float" not in type_name:
-        return int(raw)
-    if "float" in type_name:
-        return float(raw)
+    try:
+        if "int" in type_name and "float" not in type_name:
+            return int(raw)
+        if "float" in type_name:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{env}={raw!r} is not a number") from None
     return raw

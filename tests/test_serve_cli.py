@@ -1,0 +1,84 @@
+"""`redjax serve` and the other engine commands as a user starts them: bad engine settings are
+usage errors before anything starts, and a stack whose worker dies stops instead of queueing
+requests that nothing runs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.stack_support import REPO, _env, make_served_model, wait_until
+
+SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page-size", "8", "--num-pages", "64"]
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["serve", "--max-num-batched-tokens", "4"], {}, "max_num_batched_tokens must be >= max_num_seqs"),
+    (["serve"], {"REDJAX_MAX_NUM_SEQS": "many"}, "REDJAX_MAX_NUM_SEQS='many' is not a number"),
+    (["worker", "--page-size", "3"], {}, "page_size must be a power of two"),
+    (["generate", "--prompt", "x", "--max-num-batched-tokens", "4"], {}, "max_num_batched_tokens must be >= max_num_seqs"),
+    (["bench", "offline", "--dummy", "llama-tiny", "--max-num-batched-tokens", "4"], {},
+     "max_num_batched_tokens must be >= max_num_seqs"),
+])  # fmt: skip
+def test_bad_engine_settings_are_usage_errors_before_anything_starts(argv, env, message):
+    out = subprocess.run([sys.executable, "-m", "worker.cli", *argv], cwd=REPO, env=_env(env), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert "redjax: API" not in out.stdout  # serve started nothing
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_served_model(tmp_path_factory.mktemp("model"))
+
+
+@contextlib.contextmanager
+def running_serve(model: Path):
+    """`redjax serve` on a free port, ready (its worker up); yields (process, its worker's pid)."""
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--model", str(model), "--port", str(port),
+                              *SMALL_ENGINE], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)  # its own process group, as in a terminal
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200, 180)
+        [worker] = _children(serve.pid)
+        yield serve, worker
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def test_serve_stops_when_its_worker_dies(model):
+    with running_serve(model) as (serve, worker):
+        os.kill(worker, signal.SIGKILL)
+        out, err = serve.communicate(timeout=90)
+    assert serve.returncode == 1, err[-2000:]
+    assert "redjax: worker 0 exited (status -9); stopping" in err
+    assert "redjax: stopped" in out
+
+
+def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_no_worker(model):
+    with running_serve(model) as (serve, worker):
+        os.killpg(serve.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
+        out, err = serve.communicate(timeout=90)
+    assert serve.returncode == 0, err[-2000:]
+    assert "redjax: stopped" in out and "exited" not in err
+    assert not Path(f"/proc/{worker}").exists()
+    with running_serve(model) as (serve, worker):
+        serve.kill()
+        serve.wait()
+        wait_until(lambda: not Path(f"/proc/{worker}").exists(), 60)  # it got SIGTERM, drained and left
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
