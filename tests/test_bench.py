@@ -164,8 +164,10 @@ def test_offline_prefix_len_shares_a_prefix_the_cache_serves(tiny_model, capsys)
     # 32 tokens a step: the first prompt takes a step alone, so at least the last four hit its 3 full pages
     assert all(4 * 24 <= h <= 5 * 24 and h % 8 == 0 for h in hits), hits
     assert report["greedy_match_fraction"] == 1.0 and report["compiles_during_run"] == 0
+    assert 0 < report["decode_shared_kv_fraction"] < 24 / 29  # the memory ideal reads shared pages once a step
     code, out = run_bench("offline", "--model", str(tiny_model), *flags, "--no-prefix-cache")
-    assert code == 0 and json.loads(out)["prefix_cache_hit_tokens"] == 0
+    report = json.loads(out)
+    assert code == 0 and report["prefix_cache_hit_tokens"] == report["decode_shared_kv_fraction"] == 0
     for argv in (["--prefix-len", "-1"], ["--prefix-len", "4", "--prompts-file", "README.md"]):
         with pytest.raises(SystemExit) as exit_:
             run_bench("offline", "--model", str(tiny_model), *argv)

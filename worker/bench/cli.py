@@ -125,6 +125,9 @@ def offline(argv: list[str]) -> int:
               f"{r['decode_ideal_step_ms']:.2f} ms = max of {r['decode_memory_step_ms']:.2f} ms memory, "
               f"{r['decode_compute_step_ms']:.2f} ms compute): roofline {r['decode_roofline_fraction']:.1%}, "
               f"host {r['decode_host_fraction']:.1%} of step time")
+        if r["decode_shared_kv_fraction"]:
+            print(f"  ({r['decode_shared_kv_fraction']:.1%} of the context decode read sits in pages the prefix cache "
+                  "shares: counted once a step in the memory ideal)")
     if "prefill_token_us" in r:
         print(f"  prefill: {r['prefill_token_us']:.1f} us/token (ideal {r['prefill_ideal_token_us']:.1f} us): "
               f"roofline {r['prefill_roofline_fraction']:.1%}, host {r['prefill_host_fraction']:.1%}")
@@ -169,13 +172,14 @@ def _offline_requests(parser: argparse.ArgumentParser, args, model: str | None):
 
 
 def _lengths(r: dict) -> str:
-    """The workload's lengths: "x 128 in / 128 out", with a range ratio or a file the means."""
+    """The workload's lengths: "x 128 in / 128 out", with a shared prefix, a range ratio or a file the means."""
     if r["prompts_file"]:
         return f"from {r['prompts_file']} (means {r['mean_input_len']:.1f} in / {r['mean_output_len']:.1f} out)"
+    prefix = f"{r['prefix_len']} shared + " if r["prefix_len"] else ""
     if not r["range_ratio"]:
-        return f"x {r['input_len']} in / {r['output_len']} out"
-    return (f"x {r['input_len']} in / {r['output_len']} out +-{r['range_ratio']:.0%} (means {r['mean_input_len']:.1f} / "
-            f"{r['mean_output_len']:.1f})")
+        return f"x {prefix}{r['input_len']} in / {r['output_len']} out"
+    return (f"x {prefix}{r['input_len']} in / {r['output_len']} out +-{r['range_ratio']:.0%} (means "
+            f"{r['mean_input_len']:.1f} / {r['mean_output_len']:.1f})")
 
 
 def serve_parser() -> argparse.ArgumentParser:

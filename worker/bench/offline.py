@@ -315,11 +315,13 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
                  "decode_phase": d.as_dict(), "prefill_phase": p.as_dict()}
     if d.decode_steps:
         batch, context = d.batch_rows / d.decode_steps, d.context_tokens / max(d.batch_rows, 1)
+        unique = (d.context_tokens - d.shared_tokens) / max(d.batch_rows, 1)  # shared prefix pages read once
         step_s = d.wall_s / d.decode_steps
-        memory = roofline.decode_step_bytes(cfg, itemsize, batch, context, kv_itemsize) / (bandwidth * 1e9)
+        memory = roofline.decode_step_bytes(cfg, itemsize, batch, unique, kv_itemsize) / (bandwidth * 1e9)
         compute = roofline.decode_step_flops(cfg, batch, context) / (gflops * 1e9)
         ideal = max(memory, compute)
         out |= {"decode_step_ms": step_s * 1e3, "decode_mean_batch": batch, "decode_mean_context": context,
+                "decode_shared_kv_fraction": d.shared_tokens / max(d.context_tokens, 1.0),
                 "decode_memory_step_ms": memory * 1e3, "decode_compute_step_ms": compute * 1e3,
                 "decode_ideal_step_ms": ideal * 1e3, "decode_roofline_fraction": ideal / step_s,
                 "decode_host_fraction": d.host_s / d.wall_s}

@@ -29,6 +29,7 @@ class PhaseTimes:
     prefill_tokens: int = 0
     batch_rows: int = 0  # sum of sequences over decode steps (mean batch = batch_rows / decode_steps)
     context_tokens: float = 0.0  # sum over decode steps and rows of the context read
+    shared_tokens: float = 0.0  # of which in pages an earlier row of the same step reads too (prefix cache)
 
     def as_dict(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in vars(self).items()}
@@ -38,6 +39,8 @@ class PhaseTimes:
 class StepProbe:
     decode: PhaseTimes = field(default_factory=PhaseTimes)
     prefill: PhaseTimes = field(default_factory=PhaseTimes)  # any batch with a prefill chunk
+    page_size: int = 0  # the engine's, set by install
+    _repeated: dict = field(default_factory=dict)  # id(batch) -> its repeated pages, taken when scheduled
     _host: float = 0.0
     _wait: float = 0.0
     _scheduled: object = None
@@ -45,12 +48,15 @@ class StepProbe:
 
     def install(self, engine) -> "StepProbe":
         schedule, dispatch, postprocess = engine.scheduler.schedule, engine.runner.dispatch, engine._postprocess
+        self.page_size = engine.config.page_size
 
         def timed_schedule(*args, **kwargs):
             t0 = time.perf_counter()
             batch = schedule(*args, **kwargs)
             self._host += time.perf_counter() - t0
             self._scheduled = batch
+            if batch is not None and batch.is_pure_decode:  # while the tables are whole: a finished sequence's are emptied
+                self._repeated[id(batch)] = _repeated_pages(batch)
             return batch
 
         def timed_dispatch(batch):
@@ -99,5 +105,13 @@ class StepProbe:
             phase.batch_rows += sum(c.num_steps for c in batch.chunks)
             phase.context_tokens += sum(c.num_steps * (c.start + 1) + c.num_steps * (c.num_steps - 1) / 2
                                         for c in batch.chunks)
+            phase.shared_tokens += batch.num_steps * self._repeated.pop(id(batch), 0) * self.page_size
         else:
             phase.prefill_tokens += sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+
+
+def _repeated_pages(batch) -> int:
+    """Pages the rows' page tables hold beyond their first holder: full prompt pages the prefix
+    cache gave several sequences, read from memory once a step by an ideal kernel."""
+    tables = [c.seq.page_table for c in batch.chunks]
+    return sum(map(len, tables)) - len(set().union(*tables))
