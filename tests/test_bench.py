@@ -216,6 +216,20 @@ def test_offline_runs_a_sharegpt_file_through_the_models_tokenizer(tmp_path, cap
         assert exit_.value.code == 2 and error in capsys.readouterr().err, argv
 
 
+def test_offline_file_prompts_sharing_a_prefix_compile_nothing_during_the_run(tmp_path):
+    """A file whose prompts open alike (a system prompt): the warm-up runs the file's own prompts
+    from an empty cache, so the chunks that start after the cached pages are compiled before the
+    run (random ids in the warm-up left them to compile during it)."""
+    path = tmp_path / "shared.jsonl"
+    path.write_text("".join(json.dumps({"prompt": PASSAGES[0] + " " + p, "max_tokens": 6}) + "\n" for p in PASSAGES))
+    code, out = run_bench("offline", "--model", DEMO, "--prompts-file", str(path), "--num-prompts", "6", "--rounds",
+                          "2", "--page-size", "8", "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--json")
+    report = json.loads(out)
+    hits = [f["prefix_cache_hit_tokens"] for f in report["per_round"]]
+    assert code == 0 and hits[0] == hits[1] > 0, hits
+    assert report["compiles_during_run"] == 0
+
+
 def test_workload_check_names_the_request_that_cannot_run():
     """A file's prompt can tokenize to nothing (a tokenizer that adds no BOS); ids past the
     vocabulary or a request past max_model_len are refused with the request's number."""

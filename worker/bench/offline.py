@@ -79,9 +79,14 @@ class Workload:
     def round_prompts(self, vocab_size: int, r: int) -> list[list[int]]:
         """Round r's prompts: the file's (the same every round), or fresh random ids (round 0: the
         workload's own seed)."""
+        return self.like_prompts(vocab_size, seed=self.seed + 1000 * r)
+
+    def like_prompts(self, vocab_size: int, seed: int) -> list[list[int]]:
+        """Prompts that run as a round runs: the file's own (what they share, the prefix cache serves
+        in the same places), or random ids of a round's lengths and shared prefix from `seed`."""
         if self.requests is not None:
             return [list(ids) for ids, _ in self.requests]
-        return self.prompts(vocab_size, seed=self.seed + 1000 * r)
+        return self.prompts(vocab_size, seed=seed)
 
     def check(self, vocab_size: int, max_model_len: int) -> None:
         """WorkloadError unless every request fits the engine: its prompt and whole output within
@@ -162,7 +167,8 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
     inputs = [n for n, _ in work.sizes]
     prefill_steps = -(-sum(inputs[:engine.config.max_num_seqs]) // budget)
     short = min(max(work.output_lens), max(2 * engine.decode_steps, prefill_steps) + 2)
-    run_engine(engine, work.prompts(vocab, seed=work.seed + 1), short, tag="warm-a", work=work)
+    engine.allocator.uncache(engine.allocator.cache_entries())  # from where a round starts
+    run_engine(engine, work.like_prompts(vocab, seed=work.seed + 1), short, tag="warm-a", work=work)
     long = work.longest - short
     if long > max(inputs):
         lengths = inputs[:-1] + [long]
@@ -198,7 +204,9 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     def plan() -> None:  # the warm-up, then the run itself: its tail steps (the last rows' last
         # fused steps) take shapes the warm-up's shorter requests need not meet
         warmup(engine, work, cfg.vocab_size)
-        run_engine(engine, work.prompts(cfg.vocab_size, seed=work.seed + 3), work.output_lens, tag="plan", work=work)
+        engine.allocator.uncache(engine.allocator.cache_entries())
+        run_engine(engine, work.like_prompts(cfg.vocab_size, seed=work.seed + 3), work.output_lens, tag="plan",
+                   work=work)
 
     ahead = engine.compile_ahead(plan)  # their variants, compiled together
     t2 = time.perf_counter()
@@ -214,7 +222,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     first_trials: dict[int, float] = {}  # transformers output tokens/s by batch size, first round
     for r in range(rounds):
         prompts = work.round_prompts(cfg.vocab_size, r)
-        # each round from an empty prefix cache: a file's prompts repeat, and the warm-up ran before
+        # each round from an empty prefix cache: a file's prompts repeat, and the warm-up ran them before
         engine.allocator.uncache(engine.allocator.cache_entries())
         before, hits = cpu_usage.take({"engine": [os.getpid()]}), engine.scheduler.num_hit_tokens
         seconds, outputs = run_engine(engine, prompts, work.output_lens, probe, work=work)

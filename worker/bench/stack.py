@@ -102,7 +102,7 @@ def bench_stack(run: StackRun, log=print) -> dict:
 
 def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
     """The measured run's report, and where the machine's CPU went during it."""
-    from worker.bench.prompts import Prompt, random_prompts
+    from worker.bench.prompts import random_workload
     from worker.bench.serve import Load, bench_serve
 
     port = _free_port()
@@ -116,7 +116,8 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
         try:
             _wait_ready(proc, url, out)
             warm = min(run.num_prompts, WARMUP_PROMPTS)
-            bench_serve(url, None, [Prompt(p) for p in random_prompts(warm, run.input_len, seed + 7)],
+            # shaped as the measured prompts (a prefix of their own: the cache serves it in the same places)
+            bench_serve(url, None, random_workload(warm, run.input_len, WARMUP_OUTPUT_LEN, 0.0, seed + 7, run.prefix_len),
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
             prompts = _prompts(run, seed)
             roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid, "worker"), "load generator": [os.getpid()]}
