@@ -8,6 +8,7 @@ The first two tests drive its loop by hand (pull, step, drain); the others start
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -29,10 +30,11 @@ from worker.service.worker import Worker
 SEQS, BACKLOG = 4, 3
 
 
-def _worker(model_dir, redis_url, stream_interval_ms: float = 50.0) -> Worker:  # noqa: F811
+def _worker(model_dir, redis_url, stream_interval_ms: float = 50.0, log_stats_interval_s: float = 10.0) -> Worker:  # noqa: F811
     engine_config = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=64, page_size=8, num_pages=64)
     config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-backlog", backlog=BACKLOG,
-                          warmup=False, stream_interval_ms=stream_interval_ms, engine=engine_config)
+                          warmup=False, stream_interval_ms=stream_interval_ms, log_stats_interval_s=log_stats_interval_s,
+                          engine=engine_config)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     return Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
@@ -228,3 +230,28 @@ def test_a_request_resumed_after_any_published_delta_ends_with_the_same_text(mod
         while resumed.has_unfinished():
             text += "".join(o.text for o in resumed.step())
         assert text == full, cut
+
+
+def test_a_busy_worker_logs_its_stats_and_an_idle_one_stays_quiet(model_dir, redis_url, caplog):  # noqa: F811
+    """A line every log_stats_interval_s while it works: throughput, queue, KV pages and the prefix
+    cache's share of prompt tokens (two of the three prompts hit the first one's full page)."""
+    worker = _worker(model_dir, redis_url, log_stats_interval_s=1e-9)
+    first = _message(0)
+    worker._start(Incoming("0-1", first))
+    worker._publish(worker.engine.step())  # its 10 prompt tokens computed: the first page of 8 is cached
+    for i in (1, 2):
+        worker._start(Incoming(f"0-{i + 1}", RequestMessage(f"again-{i}", "tinyllama", first.prompt_token_ids,
+                                                            _message(i).params)))
+    with caplog.at_level("INFO", logger="redjax.worker"):
+        for _ in range(2):
+            worker._publish(worker.engine.step())
+        worker._report()
+    [line] = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+    assert re.fullmatch(r"worker w-backlog: prompt [0-9.]+ tok/s, generation [0-9.]+ tok/s, running 3, waiting 0, "
+                        r"KV pages [0-9.]+% used, prefix cache hits 53.3% of prompt tokens", line), line  # 16 of 30
+    for rid in list(worker.active):
+        worker._publish(worker.engine.abort(rid))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="redjax.worker"):
+        worker._report()  # nothing ran since the last line, nothing is active
+    assert not [r for r in caplog.records if "tok/s" in r.getMessage()]

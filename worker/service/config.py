@@ -22,6 +22,7 @@ ENV_NAMES = {
     "warmup": "REDJAX_WARMUP",
     "backlog": "REDJAX_BACKLOG",
     "stream_interval_ms": "REDJAX_STREAM_INTERVAL_MS",
+    "log_stats_interval_s": "REDJAX_LOG_STATS_INTERVAL_S",
 }
 ENGINE_ENV_PREFIX = "REDJAX_"  # each EngineConfig field: REDJAX_<FIELD> (e.g. REDJAX_MAX_NUM_SEQS)
 
@@ -45,6 +46,8 @@ class WorkerConfig:
     # once) while the worker runs max_num_seqs streams, in proportion less with fewer: steps that
     # admit prompts give every running stream a token each, ~20 ms apart on a CPU
     stream_interval_ms: float = 50.0
+    # a log line of throughput, queue, KV pages and prefix-cache hits this often while there is work; 0: none
+    log_stats_interval_s: float = 10.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -58,6 +61,8 @@ class WorkerConfig:
             raise ValueError("backlog must be >= 0")
         if self.stream_interval_ms < 0:
             raise ValueError("stream_interval_ms must be >= 0")
+        if self.log_stats_interval_s < 0:
+            raise ValueError("log_stats_interval_s must be >= 0")
 
     @property
     def model_name(self) -> str:

@@ -56,6 +56,7 @@ class Worker:
         self.finished_count = 0
         self._drain_deadline: float | None = None
         self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
+        self._stats_mark = self._stats_counters(time.monotonic())  # where the last stats log line left off
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
@@ -246,6 +247,7 @@ class Worker:
     def _report(self) -> None:
         """Refresh the stats the heartbeat publishes (a few times per heartbeat interval)."""
         engine, now = self.engine, time.monotonic()
+        self._log_stats(now)
         if self._window and now - self._window[-1][0] < REPORT_INTERVAL_S:
             return
         self._window.append((now, engine.num_generated_tokens, engine.num_prompt_tokens, engine.num_steps,
@@ -265,6 +267,26 @@ class Worker:
             mean_batch_size=round((engine.num_step_seqs - q0) / steps, 2) if steps else 0.0,
             max_num_seqs=engine.config.max_num_seqs,
         ))
+
+
+    def _stats_counters(self, now: float) -> tuple[float, int, int, int, int]:
+        scheduler = self.engine.scheduler
+        return (now, self.engine.num_prompt_tokens, self.engine.num_generated_tokens, scheduler.num_lookup_tokens,
+                scheduler.num_hit_tokens)
+
+    def _log_stats(self, now: float) -> None:
+        """One line every log_stats_interval_s while there is work (counts only, never text)."""
+        interval, (t0, prompt0, gen0, lookup0, hit0) = self.config.log_stats_interval_s, self._stats_mark
+        if interval <= 0 or now - t0 < interval:
+            return
+        self._stats_mark = mark = self._stats_counters(now)
+        if mark[1:3] == (prompt0, gen0) and not self.active:
+            return  # idle: nothing to say
+        engine, span, lookups = self.engine, now - t0, mark[3] - lookup0
+        log.info("worker %s: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%% used, "
+                 "prefix cache hits %.1f%% of prompt tokens", self.config.name, (mark[1] - prompt0) / span,
+                 (mark[2] - gen0) / span, engine.num_running, engine.num_waiting,
+                 100.0 * engine.pages_used / max(1, engine.pages_total), 100.0 * (mark[4] - hit0) / max(1, lookups))
 
 
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
