@@ -165,9 +165,11 @@ def test_offline_prefix_len_shares_a_prefix_the_cache_serves(tiny_model, capsys)
     assert all(4 * 24 <= h <= 5 * 24 and h % 8 == 0 for h in hits), hits
     assert report["greedy_match_fraction"] == 1.0 and report["compiles_during_run"] == 0
     assert 0 < report["decode_shared_kv_fraction"] < 24 / 29  # the memory ideal reads shared pages once a step
+    cached_context = report["prefill_mean_context"]  # the prompts' computed tails see the cached pages too
     code, out = run_bench("offline", "--model", str(tiny_model), *flags, "--no-prefix-cache")
     report = json.loads(out)
     assert code == 0 and report["prefix_cache_hit_tokens"] == report["decode_shared_kv_fraction"] == 0
+    assert 1 <= report["prefill_mean_context"] < cached_context  # whole prompts: (29 + 1) / 2 on average
     for argv in (["--prefix-len", "-1"], ["--prefix-len", "4", "--prompts-file", "README.md"]):
         with pytest.raises(SystemExit) as exit_:
             run_bench("offline", "--model", str(tiny_model), *argv)
@@ -268,6 +270,9 @@ def test_roofline_counts_only_the_weights_that_enter_products(tied):
     assert roofline.matmul_params(cfg) == cfg.num_params - norms - (0 if tied else table)
     assert roofline.prefill_token_flops(cfg) == 2 * (roofline.matmul_params(cfg) - table)
     assert roofline.decode_step_flops(cfg, 64, 0) == 64 * 2 * roofline.matmul_params(cfg)
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 100  # q.k and p.v over 100 keys
+    assert roofline.prefill_token_flops(cfg, 100) == roofline.prefill_token_flops(cfg) + attention
+    assert roofline.decode_step_flops(cfg, 64, 100) == roofline.decode_step_flops(cfg, 64, 0) + 64 * attention
 
 
 def test_gpu_bench_script_writes_a_report_per_run(tmp_path):

@@ -335,8 +335,9 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
                 "decode_host_fraction": d.host_s / d.wall_s}
     if p.prefill_tokens:
         per_token = p.wall_s / p.prefill_tokens
-        ideal = roofline.prefill_token_flops(cfg) / (gflops * 1e9)
-        out |= {"prefill_token_us": per_token * 1e6, "prefill_ideal_token_us": ideal * 1e6,
+        context = p.context_tokens / p.prefill_tokens
+        ideal = roofline.prefill_token_flops(cfg, context) / (gflops * 1e9)
+        out |= {"prefill_token_us": per_token * 1e6, "prefill_ideal_token_us": ideal * 1e6, "prefill_mean_context": context,
                 "prefill_roofline_fraction": ideal / per_token, "prefill_host_fraction": p.host_s / p.wall_s}
     total = d.wall_s + p.wall_s
     out["host_fraction"] = (d.host_s + p.host_s) / total if total else 0.0

@@ -28,7 +28,7 @@ class PhaseTimes:
     decode_steps: int = 0  # fused steps count each
     prefill_tokens: int = 0
     batch_rows: int = 0  # sum of sequences over decode steps (mean batch = batch_rows / decode_steps)
-    context_tokens: float = 0.0  # sum over decode steps and rows of the context read
+    context_tokens: float = 0.0  # sum over decode rows (prefill: prompt tokens computed) of the context read
     shared_tokens: float = 0.0  # of which in pages an earlier row of the same step reads too (prefix cache)
 
     def as_dict(self) -> dict:
@@ -107,7 +107,10 @@ class StepProbe:
                                         for c in batch.chunks)
             phase.shared_tokens += batch.num_steps * self._repeated.pop(id(batch), 0) * self.page_size
         else:
-            phase.prefill_tokens += sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1)
+            chunks = [c for c in batch.chunks if c.num_tokens > 1]
+            phase.prefill_tokens += sum(c.num_tokens for c in chunks)
+            # causal: the i-th token of a chunk from `start` sees start + i + 1 keys
+            phase.context_tokens += sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) / 2 for c in chunks)
 
 
 def _repeated_pages(batch) -> int:

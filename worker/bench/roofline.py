@@ -84,12 +84,17 @@ def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_contex
     return matmul_params(cfg) * itemsize + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
 
 
+def attention_flops(cfg: ModelConfig, context: float) -> float:
+    """One query token's scores and weighted values over `context` keys, in every layer."""
+    return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+
+
 def decode_step_flops(cfg: ModelConfig, batch: float, mean_context: float) -> float:
     """2 per product weight per sequence plus attention (scores and weighted values) over its context."""
-    attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * mean_context
-    return batch * (2.0 * matmul_params(cfg) + attention)
+    return batch * (2.0 * matmul_params(cfg) + attention_flops(cfg, mean_context))
 
 
-def prefill_token_flops(cfg: ModelConfig) -> float:
-    """2 per projection weight (the LM head's once-per-prompt cost and attention ignored)."""
-    return 2.0 * projection_params(cfg)
+def prefill_token_flops(cfg: ModelConfig, mean_context: float = 0.0) -> float:
+    """2 per projection weight plus attention over the keys a prompt token sees (its position + 1,
+    cached prefix pages included); the LM head's once-per-prompt cost is left out."""
+    return 2.0 * projection_params(cfg) + attention_flops(cfg, mean_context)
