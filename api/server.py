@@ -24,9 +24,9 @@ def run_api(config: ApiConfig, mounts: Sequence[BaseRoute] = ()) -> None:
         # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler that was in place
         # before: with the default one the process dies by the signal (exit -15) and callers' cleanup
         # (`redjax serve` stopping its workers) never runs. Exit normally instead.
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=10)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
+def exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)

@@ -23,7 +23,7 @@ WATCH_S = 0.5  # how often the workers' processes are looked at
 
 def serve(args, model_dir: str, engine_overrides: dict) -> int:
     from api.config import ApiConfig
-    from api.server import run_api
+    from api.server import exit_on_sigterm, run_api
     from worker.cli import _dashboard_mounts
 
     embedded = None
@@ -39,6 +39,7 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     print(f"redjax: API       http://{api_config.host}:{api_config.port}/v1", flush=True)
     print(f"redjax: dashboard http://{api_config.host}:{api_config.port}/dashboard/", flush=True)
     stopping, exited = threading.Event(), []
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # from now on, as uvicorn will leave it: a clean stop
     threading.Thread(target=_watch, args=(workers, stopping, exited), daemon=True, name="worker-watch").start()
     try:
         run_api(api_config, mounts=_dashboard_mounts(redis_url, api_config.api_key))
