@@ -18,8 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-WATCH_S = 0.5  # how often the workers' processes are looked at
-
 
 def serve(args, model_dir: str, engine_overrides: dict) -> int:
     from api.config import ApiConfig
@@ -40,7 +38,10 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     print(f"redjax: dashboard http://{api_config.host}:{api_config.port}/dashboard/", flush=True)
     stopping, exited = threading.Event(), []
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # from now on, as uvicorn will leave it: a clean stop
-    threading.Thread(target=_watch, args=(workers, stopping, exited), daemon=True, name="worker-watch").start()
+    watch_lock = threading.Lock()  # one watcher stops the stack
+    for i, proc in enumerate(workers):
+        threading.Thread(target=_watch, args=(i, proc, stopping, exited, watch_lock), daemon=True,
+                         name=f"watch-w{i}").start()
     try:
         run_api(api_config, mounts=_dashboard_mounts(redis_url, api_config.api_key))
     except SystemExit:  # SIGTERM (a watcher's or anyone's): stopped as on Ctrl-C
@@ -62,16 +63,16 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     return 1 if exited else 0
 
 
-def _watch(workers: list[subprocess.Popen], stopping: threading.Event, exited: list[int]) -> None:
-    """The first worker that exits while the stack runs stops it (SIGTERM to this process: the API
-    shuts down as on Ctrl-C, then the other workers drain)."""
-    while not stopping.wait(WATCH_S):
-        for i, proc in enumerate(workers):
-            if proc.poll() is not None:
-                exited.append(i)
-                print(f"redjax: worker {i} exited (status {proc.returncode}); stopping", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+def _watch(i: int, proc: subprocess.Popen, stopping: threading.Event, exited: list[int], lock: threading.Lock) -> None:
+    """Waits for worker i; if it exits while the stack runs, and is the first to, stops the stack
+    (SIGTERM to this process: the API shuts down as on Ctrl-C, then the other workers drain)."""
+    proc.wait()
+    with lock:
+        if stopping.is_set() or exited:
+            return
+        exited.append(i)
+    print(f"redjax: worker {i} exited (status {proc.returncode}); stopping", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict) -> subprocess.Popen:
