@@ -42,31 +42,40 @@ def model(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def running_serve(model: Path):
-    """`redjax serve` on a free port, ready (its worker up); yields (process, its worker's pid, its
-    embedded redis-server's pid)."""
+def running_serve(model: Path, workers: int = 1):
+    """`redjax serve` on a free port, ready (its workers up); yields (process, its worker's pid, or
+    their pids with workers > 1, its embedded redis-server's pid)."""
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--model", str(model), "--port", str(port),
-                              *SMALL_ENGINE], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)  # its own process group, as in a terminal
+                              "--workers", str(workers), *SMALL_ENGINE], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as in a terminal
     try:
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200, 180)
+        def up() -> bool:  # every worker's heartbeat in
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
+            return f"redjax:workers_alive {float(workers)}" in metrics
+        wait_until(up, 180)
         children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(serve.pid)}
-        [worker] = [pid for pid, cmd in children.items() if b"worker.cli" in cmd]
+        pids = sorted(pid for pid, cmd in children.items() if b"worker.cli" in cmd)
         [redis] = [pid for pid, cmd in children.items() if b"redis-server" in cmd]
-        yield serve, worker, redis
+        yield serve, (pids[0] if workers == 1 else pids), redis
     finally:
         if serve.poll() is None:
             serve.kill()
             serve.wait()
 
 
-def test_serve_stops_when_its_worker_dies(model):
-    with running_serve(model) as (serve, worker, _):
-        os.kill(worker, signal.SIGKILL)
+def test_serve_goes_on_while_a_worker_is_left_and_stops_when_none_is(model):
+    with running_serve(model, workers=2) as (serve, workers, _):
+        os.kill(workers[0], signal.SIGKILL)
+        wait_until(lambda: not _alive(workers[0]), 30)
+        url = serve.args[serve.args.index("--port") + 1]
+        out = httpx.post(f"http://127.0.0.1:{url}/v1/completions", timeout=60,
+                         json={"model": model.name, "prompt": "hello world", "max_tokens": 4, "temperature": 0})
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4  # the other one served it
+        os.kill(workers[1], signal.SIGKILL)
         out, err = serve.communicate(timeout=90)
     assert serve.returncode == 1, err[-2000:]
-    assert "redjax: worker 0 exited (status -9); stopping" in err
+    assert "exited (status -9); 1 still serving" in err and "exited (status -9); no worker left; stopping" in err
     assert "redjax: stopped" in out
 
 

