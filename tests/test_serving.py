@@ -328,7 +328,7 @@ def test_dashboard_and_metrics_follow_live_traffic(stack, output_dir):
         for t in threads:
             t.join(timeout=60)
     assert figures["fleet-workers"].startswith("1")
-    assert re.fullmatch(r"prefix cache hits: [0-9.]+% of prompt tokens", figures["fleet-prefix"]), figures["fleet-prefix"]
+    assert re.fullmatch(r"prefix hits [0-9.]+%", figures["fleet-prefix"]), figures["fleet-prefix"]
     wait_until(lambda: _metric(stack.url, "redjax:generation_tokens") > before, 10)
 
 

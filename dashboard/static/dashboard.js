@@ -118,7 +118,7 @@
     setText("fleet-requests", fmt.rate(f.requests_per_s));
     setText("fleet-kv", fmt.pct(f.kv_usage));
     $("fleet-kv-bar").style.width = `${((f.kv_usage || 0) * 100).toFixed(1)}%`;
-    setText("fleet-prefix", f.prefix_cache_hit_rate == null ? "no prompts yet" : `prefix cache hits: ${fmt.pct(f.prefix_cache_hit_rate)} of prompt tokens`);
+    setText("fleet-prefix", f.prefix_cache_hit_rate == null ? "no prompts yet" : `prefix hits ${fmt.pct(f.prefix_cache_hit_rate)}`);
     $("queue-oldest").classList.toggle("warn-text", (q.oldest_waiting_age_s || 0) > 10);
     $("queue-rejected").classList.toggle("warn-text", q.rejected > 0);
   }
