@@ -81,6 +81,8 @@ class FleetCollector:
         pages = GaugeMetricFamily(P + "kv_cache_pages_total", "KV-cache pages of a worker.", labels=labels)
         tps = GaugeMetricFamily(P + "generation_tokens_per_second", "A worker's recent output token rate.", labels=labels)
         age = GaugeMetricFamily(P + "worker_heartbeat_age_seconds", "Seconds since a live worker's last heartbeat.", labels=labels)
+        hits = GaugeMetricFamily(P + "prefix_cache_hit_rate", "Share of a worker's recently admitted prompt tokens the "
+                                 "prefix cache served.", labels=labels)
         for w in r.workers:
             up.add_metric([w.name], 1.0 if w.alive else 0.0)
             if w.stats is None:
@@ -92,7 +94,8 @@ class FleetCollector:
             pages.add_metric(values, s.pages_total)
             tps.add_metric(values, s.tokens_per_s)
             age.add_metric(values, max(r.now - s.updated_at, 0.0))
-        yield from (up, alive, running, waiting, kv, pages, tps, age)
+            hits.add_metric(values, s.prefix_cache_hit_rate)
+        yield from (up, alive, running, waiting, kv, pages, tps, age, hits)
 
     def _counters(self, r: FleetReading) -> Iterator[Metric]:
         for field, (name, help_text) in COUNTERS.items():

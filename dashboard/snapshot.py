@@ -115,6 +115,7 @@ def _worker(worker: WorkerReading, now: float) -> dict[str, Any]:
         "tokens_per_s": round(s.tokens_per_s, 3),
         "prompt_tokens_per_s": round(s.prompt_tokens_per_s, 3),
         "mean_batch_size": round(s.mean_batch_size, 3),
+        "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
         "preemptions": s.preemptions,
         "requests_finished": s.requests_finished,
         "heartbeat_age_s": max(now - s.updated_at, 0.0),

@@ -156,6 +156,7 @@ def test_prefix_cache_hits_are_in_usage_and_metrics(stack):
     assert cached > 0 and chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == 0) == first.choices[0].text
     wait_until(lambda: _metric(stack.url, "redjax:prompt_tokens_cached") == before + cached, 10)
+    wait_until(lambda: stack.stats().prefix_cache_hit_rate > 0, 5)  # the worker's heartbeat, its last seconds
 
 
 # ---- 2. concurrency: batched, and token-for-token the offline engine's output ----

@@ -175,6 +175,7 @@ class WorkerStats:
     requests_finished: int  # total since start
     mean_batch_size: float  # sequences per engine step over the last few seconds
     max_num_seqs: int
+    prefix_cache_hit_rate: float = 0.0  # prompt tokens admitted over the last few seconds that the cache served
 
     def encode(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}

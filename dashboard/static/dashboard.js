@@ -188,7 +188,7 @@
         tr.className = "gone";
         cell(tr, "").appendChild(badge("gone", "muted-badge"));
         const rest = cell(tr, "heartbeat expired", "muted");
-        rest.colSpan = 8;
+        rest.colSpan = 9;
         return tr;
       }
       cell(tr, "").appendChild(badge(w.state, w.state === "serving" ? "ok" : w.state === "draining" ? "warn" : "info"));
@@ -204,12 +204,13 @@
       cell(tr, `${w.running} / ${w.max_num_seqs}`, "num");
       cell(tr, fmt.int(w.waiting), "num");
       cell(tr, fmt.rate(w.tokens_per_s), "num");
+      cell(tr, fmt.pct(w.prefix_cache_hit_rate), "num");
       cell(tr, fmt.int(w.preemptions), "num");
       cell(tr, fmt.int(w.requests_finished), "num");
       cell(tr, fmt.age(w.heartbeat_age_s), `num ${w.heartbeat_age_s > 3 ? "warn-text" : ""}`);
       return tr;
     });
-    if (!rows.length) rows.push(emptyRow(10, "No worker has registered yet."));
+    if (!rows.length) rows.push(emptyRow(11, "No worker has registered yet."));
     $("workers").tBodies[0].replaceChildren(...rows);
     const alive = s.workers.filter((w) => w.alive).length;
     setText("workers-summary", `${alive} alive, ${s.workers.length - alive} gone`);

@@ -55,7 +55,7 @@ class Worker:
         self.started_at = time.time()
         self.finished_count = 0
         self._drain_deadline: float | None = None
-        self._window: collections.deque[tuple[float, int, int, int, int]] = collections.deque()
+        self._window: collections.deque[tuple[float, ...]] = collections.deque()
         self._stats_mark = self._stats_counters(time.monotonic())  # where the last stats log line left off
 
     def run(self) -> int:
@@ -251,10 +251,12 @@ class Worker:
         if self._window and now - self._window[-1][0] < REPORT_INTERVAL_S:
             return
         self._window.append((now, engine.num_generated_tokens, engine.num_prompt_tokens, engine.num_steps,
+                             engine.scheduler.num_lookup_tokens, engine.scheduler.num_hit_tokens,
                              engine.num_step_seqs))
         while len(self._window) > 2 and now - self._window[0][0] > STATS_WINDOW_S:
             self._window.popleft()
-        t0, g0, p0, s0, q0 = self._window[0]
+        t0, g0, p0, s0, l0, h0, q0 = self._window[0]
+        lookups = engine.scheduler.num_lookup_tokens - l0
         span = max(now - t0, 1e-6)
         steps = engine.num_steps - s0
         self.io.set_stats(WorkerStats(
@@ -266,6 +268,7 @@ class Worker:
             preemptions=engine.scheduler.num_preemptions, requests_finished=self.finished_count,
             mean_batch_size=round((engine.num_step_seqs - q0) / steps, 2) if steps else 0.0,
             max_num_seqs=engine.config.max_num_seqs,
+            prefix_cache_hit_rate=round((engine.scheduler.num_hit_tokens - h0) / lookups, 4) if lookups else 0.0,
         ))
 
 
