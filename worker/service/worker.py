@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import redis
 
@@ -55,8 +56,8 @@ class Worker:
         self.started_at = time.time()
         self.finished_count = 0
         self._drain_deadline: float | None = None
-        self._window: collections.deque[tuple[float, ...]] = collections.deque()
-        self._stats_mark = self._stats_counters(time.monotonic())  # where the last stats log line left off
+        self._window: collections.deque[_Counters] = collections.deque()
+        self._stats_mark = self._counters(time.monotonic())  # where the last stats log line left off
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
@@ -248,48 +249,56 @@ class Worker:
         """Refresh the stats the heartbeat publishes (a few times per heartbeat interval)."""
         engine, now = self.engine, time.monotonic()
         self._log_stats(now)
-        if self._window and now - self._window[-1][0] < REPORT_INTERVAL_S:
+        if self._window and now - self._window[-1].at < REPORT_INTERVAL_S:
             return
-        self._window.append((now, engine.num_generated_tokens, engine.num_prompt_tokens, engine.num_steps,
-                             engine.scheduler.num_lookup_tokens, engine.scheduler.num_hit_tokens,
-                             engine.num_step_seqs))
-        while len(self._window) > 2 and now - self._window[0][0] > STATS_WINDOW_S:
+        self._window.append(last := self._counters(now))
+        while len(self._window) > 2 and now - self._window[0].at > STATS_WINDOW_S:
             self._window.popleft()
-        t0, g0, p0, s0, l0, h0, q0 = self._window[0]
-        lookups = engine.scheduler.num_lookup_tokens - l0
-        span = max(now - t0, 1e-6)
-        steps = engine.num_steps - s0
+        first = self._window[0]
+        span, steps, lookups = max(now - first.at, 1e-6), last.steps - first.steps, last.lookups - first.lookups
         self.io.set_stats(WorkerStats(
             name=self.config.name, model=self.config.model_name, state=self.state.value, pid=os.getpid(),
             started_at=self.started_at, updated_at=time.time(), pages_used=engine.pages_used,
             pages_total=engine.pages_total, running=engine.num_running, waiting=engine.num_waiting,
-            tokens_per_s=round((engine.num_generated_tokens - g0) / span, 2),
-            prompt_tokens_per_s=round((engine.num_prompt_tokens - p0) / span, 2),
+            tokens_per_s=round((last.generated - first.generated) / span, 2),
+            prompt_tokens_per_s=round((last.prompt - first.prompt) / span, 2),
             preemptions=engine.scheduler.num_preemptions, requests_finished=self.finished_count,
-            mean_batch_size=round((engine.num_step_seqs - q0) / steps, 2) if steps else 0.0,
+            mean_batch_size=round((last.step_seqs - first.step_seqs) / steps, 2) if steps else 0.0,
             max_num_seqs=engine.config.max_num_seqs,
-            prefix_cache_hit_rate=round((engine.scheduler.num_hit_tokens - h0) / lookups, 4) if lookups else 0.0,
+            prefix_cache_hit_rate=round((last.hits - first.hits) / lookups, 4) if lookups else 0.0,
         ))
 
-
-    def _stats_counters(self, now: float) -> tuple[float, int, int, int, int]:
-        scheduler = self.engine.scheduler
-        return (now, self.engine.num_prompt_tokens, self.engine.num_generated_tokens, scheduler.num_lookup_tokens,
-                scheduler.num_hit_tokens)
+    def _counters(self, now: float) -> "_Counters":
+        engine = self.engine
+        return _Counters(now, engine.num_generated_tokens, engine.num_prompt_tokens, engine.num_steps,
+                         engine.num_step_seqs, engine.scheduler.num_lookup_tokens, engine.scheduler.num_hit_tokens)
 
     def _log_stats(self, now: float) -> None:
         """One line every log_stats_interval_s while there is work (counts only, never text)."""
-        interval, (t0, prompt0, gen0, lookup0, hit0) = self.config.log_stats_interval_s, self._stats_mark
-        if interval <= 0 or now - t0 < interval:
+        interval, before = self.config.log_stats_interval_s, self._stats_mark
+        if interval <= 0 or now - before.at < interval:
             return
-        self._stats_mark = mark = self._stats_counters(now)
-        if mark[1:3] == (prompt0, gen0) and not self.active:
+        self._stats_mark = mark = self._counters(now)
+        if (mark.prompt, mark.generated) == (before.prompt, before.generated) and not self.active:
             return  # idle: nothing to say
-        engine, span, lookups = self.engine, now - t0, mark[3] - lookup0
+        engine, span = self.engine, now - before.at
         log.info("worker %s: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV pages %.1f%% used, "
-                 "prefix cache hits %.1f%% of prompt tokens", self.config.name, (mark[1] - prompt0) / span,
-                 (mark[2] - gen0) / span, engine.num_running, engine.num_waiting,
-                 100.0 * engine.pages_used / max(1, engine.pages_total), 100.0 * (mark[4] - hit0) / max(1, lookups))
+                 "prefix cache hits %.1f%% of prompt tokens", self.config.name, (mark.prompt - before.prompt) / span,
+                 (mark.generated - before.generated) / span, engine.num_running, engine.num_waiting,
+                 100.0 * engine.pages_used / max(1, engine.pages_total),
+                 100.0 * (mark.hits - before.hits) / max(1, mark.lookups - before.lookups))
+
+
+class _Counters(NamedTuple):
+    """The engine's running totals at one moment (rates are differences of two)."""
+
+    at: float  # time.monotonic()
+    generated: int
+    prompt: int
+    steps: int
+    step_seqs: int
+    lookups: int  # prompt tokens looked up in the prefix cache
+    hits: int  # of which it served
 
 
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
