@@ -37,21 +37,40 @@ def pages_and_queries(rng, heads, kv_heads, dim, page_size, num_pages, width, ro
     return q, to(k), to(v), jnp.asarray(tables)
 
 
+TUNINGS = [gpu_attention.DEFAULT, gpu_attention.SESSION_17,
+           gpu_attention.Tuning(pages_per_block=3, target_programs=4096)]  # blocks that straddle splits
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: f"{t.pages_per_block}x{t.target_programs}")
 @pytest.mark.parametrize("heads,kv_heads,dim,page_size,window", [
     (8, 2, 32, 16, None),  # 4 query heads per KV head, padded to a 16-row tile
     (4, 4, 16, 32, None),  # no grouping, pages of 32
     (6, 2, 64, 16, 21),  # a sliding window that starts mid-page; 3 heads per group
 ])
-def test_kernel_matches_the_reference(heads, kv_heads, dim, page_size, window):
+def test_kernel_matches_the_reference(heads, kv_heads, dim, page_size, window, tuning):
     rng = np.random.default_rng(0)
     width, rows = 6, 6
     q, k, v, tables = pages_and_queries(rng, heads, kv_heads, dim, page_size, 48, width, rows)
     lens = jnp.asarray([1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5, width * page_size], jnp.int32)
     positions = lens - 1
-    got = decode(q, k, v, tables, positions, lens, window)
+    got = decode(q, k, v, tables, positions, lens, window, tuning=tuning)
     with jax.default_matmul_precision("highest"):  # a GPU's float32 einsum defaults to TF32 (10-bit mantissa)
         ref = pa.paged_attention(q[:, None], k, v, tables, positions[:, None], lens, window)[:, 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_long_contexts_split_over_blocks_of_pages():
+    """Contexts of many blocks, split over several programs each, with a window that ends a split's
+    pages early and rows that stop mid-block: what llama3-8b's 1024/1024 decode does, in miniature."""
+    rng = np.random.default_rng(2)
+    width, rows = 40, 4
+    q, k, v, tables = pages_and_queries(rng, 8, 2, 16, 16, 200, width, rows)
+    lens = jnp.asarray([1, 333, 517, width * 16], jnp.int32)
+    for window in (None, 100):
+        for tuning in TUNINGS:
+            got = decode(q, k, v, tables, lens - 1, lens, window, tuning=tuning)
+            ref = pa.paged_attention(q[:, None], k, v, tables, (lens - 1)[:, None], lens, window)[:, 0]
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5, err_msg=str(tuning))
 
 
 def test_bfloat16_pages_and_padding_rows():
@@ -67,27 +86,45 @@ def test_bfloat16_pages_and_padding_rows():
     assert not got[1].any()
 
 
+@pytest.mark.parametrize("tuning", TUNINGS[:2], ids=lambda t: f"{t.pages_per_block}x{t.target_programs}")
 @pytest.mark.parametrize("dtype,stored,s,n,p", [(jnp.float32, jnp.float32, 64, 1024, 64),
                                                (jnp.bfloat16, pa.BF16_BITS, 64, 1024, 64),
                                                (jnp.bfloat16, pa.BF16_BITS, 1, 1024, 64),
                                                (jnp.bfloat16, pa.BF16_BITS, 64, 3000, 130)])
-def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored, s, n, p):
+def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored, s, n, p, tuning):
     """The llama3-8b decode shape (32 heads, 8 KV heads, head dim 128, pages of 16) lowers for CUDA
     to a Triton custom call (a primitive Triton cannot express fails here, not on the GPU); at
-    batch 1 with its context split over 64 programs per KV head; with a page pool and a page table
+    batch 1 with its context split over many programs per KV head; with a page pool and a page table
     whose sizes are not powers of two (the pool's size follows the GPU's free memory)."""
     kv = 8
     args = (jax.ShapeDtypeStruct((s, 32, 128), dtype), jax.ShapeDtypeStruct((kv, n, 128, 16), stored),
             jax.ShapeDtypeStruct((kv, n, 16, 128), stored), *(jax.ShapeDtypeStruct(x, jnp.int32) for x in ((s, p), (s,), (s,))))
-    lowered = jax.jit(gpu_attention.pallas_decode_attention).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(partial(gpu_attention.pallas_decode_attention, tuning=tuning)).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "redjax_paged_decode_attention"' in text
 
 
-def test_context_splits_fill_the_gpu_at_small_batches_only():
-    assert gpu_attention.context_splits(64, 8, 64) == 1  # 512 programs already
-    assert gpu_attention.context_splits(1, 8, 64) == 64 and gpu_attention.context_splits(1, 8, 16) == 16
-    assert gpu_attention.context_splits(6, 2, 6) == 4  # the tests above: 4 splits of 2 pages, the last empty
+def test_a_row_whose_window_passed_its_context_sees_nothing():
+    """A fused decode row that has stopped steps on past its context: with a sliding window its
+    visible range can end inside the page where the window starts. It gets zeros (no NaN, no
+    garbage weighted in), and the other rows their reference values."""
+    rng = np.random.default_rng(3)
+    q, k, v, tables = pages_and_queries(rng, 8, 2, 16, 16, 96, 40, 2)
+    lens, positions = jnp.asarray([520, 300], jnp.int32), jnp.asarray([625, 299], jnp.int32)
+    ref = pa.paged_attention(q[:, None], k, v, tables, positions[:, None], lens, 100)[:, 0]
+    for tuning in TUNINGS:
+        got = np.asarray(decode(q, k, v, tables, positions, lens, 100, tuning=tuning))
+        assert not got[0].any(), tuning
+        np.testing.assert_allclose(got[1], np.asarray(ref[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_context_splits_fill_the_gpu_up_to_one_block_each():
+    old = gpu_attention.SESSION_17
+    assert gpu_attention.context_splits(64, 8, 64, old) == 1  # 512 programs already
+    assert gpu_attention.context_splits(1, 8, 64, old) == 64 and gpu_attention.context_splits(1, 8, 16, old) == 16
+    assert gpu_attention.context_splits(64, 8, 128) == 4  # the default: ~2048 programs at 1024/1024
+    assert gpu_attention.context_splits(1, 8, 128) == 32  # 32 blocks of 4 pages, one per program
+    assert gpu_attention.context_splits(6, 2, 6) == 2  # the tests above: 2 blocks of 4 pages
 
 
 def test_supported_shapes_and_the_choice():

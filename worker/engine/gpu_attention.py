@@ -24,6 +24,7 @@ it to the reference on the CPU, and check that it lowers to a Triton kernel for 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -34,7 +35,27 @@ from jax.experimental.pallas import triton as pl_triton
 from worker.engine.paged_attention import BF16_BITS, MASKED, AttentionOps, paged_attention
 
 MIN_TILE = 16  # rows, columns and depth of Triton's smallest dot
-TARGET_PROGRAMS = 512  # programs per call to aim for (an H100 has 132 multiprocessors)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the kernel spreads its work. `pages_per_block`: pages one loop iteration reads (their
+    loads issued together, then one online-softmax update); `target_programs`: programs per call
+    to aim for by splitting contexts (never more splits than blocks of pages); `num_warps`,
+    `num_stages`: Triton's. `bench attention` sweeps these on the machine at hand."""
+
+    pages_per_block: int = 4
+    target_programs: int = 2048
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Session 17's measured kernel (1 page per iteration, ~512 programs): 0.7 TB/s of an H200's
+# 3.7 at batch 64 x 1552 context (session 29). The default reads 4 pages (64 tokens) per iteration
+# and splits contexts over ~4x the programs, as flash-decoding kernels do; unmeasured on a GPU as
+# yet: `redjax bench attention` (scripts/gpu_bench.sh attention) compares the two.
+SESSION_17 = Tuning(pages_per_block=1, target_programs=512)
+DEFAULT = Tuning()
 
 
 def supported(head_dim: int, page_size: int) -> bool:
@@ -44,53 +65,66 @@ def supported(head_dim: int, page_size: int) -> bool:
 
 
 def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, window: int, bits: bool,
-            pages_per_split: int):
+            pages_per_split: int, pages_per_block: int):
     # one program: sequence pl.program_id(0), KV head pl.program_id(1), context split pl.program_id(2)
     # tables_ref i32[P]; pos_ref, ctx_ref i32[1]; q_ref [Gp, D]; k_ref [N, D, ps]; v_ref [N, ps, D];
     # out: o_ref f32[Gp, D] (unnormalized), m_ref f32[Gp] (running max), l_ref f32[Gp] (sum of weights)
     gp, d = q_ref.shape
     n, ps = k_ref.shape[0], k_ref.shape[-1]
+    width = tables_ref.shape[0]
     pos, ctx = pos_ref[0], ctx_ref[0]
+    first = pl.program_id(2) * pages_per_split  # this program's pages: [first, first + pages_per_split)
     # keys [lo, hi) are visible; never past the page table (a fused decode row that has stopped
     # keeps stepping with positions beyond its pages; its output is discarded)
-    hi = jnp.minimum(jnp.minimum(pos + 1, ctx), tables_ref.shape[0] * ps)
+    hi = jnp.minimum(jnp.minimum(pos + 1, ctx), width * ps)
     lo = jnp.maximum(pos - window + 1, 0) if window else jnp.int32(0)
-    hi = jnp.maximum(hi, lo)
-    first = pl.program_id(2) * pages_per_split  # this program's pages: [first, first + pages_per_split)
     q = q_ref[...]
     exact = q.dtype == jnp.float32  # float32: full-precision products (no TF32)
     precision = jax.lax.Precision.HIGHEST if exact else None
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    # this program's pages with a visible key: [begin, stop); a block's first page is one of them,
+    # so every block's running max is a real score and its masked keys weigh exactly 0
+    begin = jnp.maximum(lo // ps, first)
+    stop = jnp.minimum(pl.cdiv(hi, ps), first + pages_per_split)
+    stop = jnp.where(hi > lo, jnp.maximum(stop, begin), begin)
 
-    def page(i, carry):
+    def block(b, carry):
         m, l, acc = carry  # f32[Gp], f32[Gp], f32[Gp, D]
-        p = jnp.clip(tables_ref[i], 0, n - 1)  # never read outside the cache
-        k, v = k_ref[p], v_ref[p]  # [D, ps], [ps, D]
-        if bits:
-            k, v = (jax.lax.bitcast_convert_type(x, jnp.bfloat16) for x in (k, v))
-        s = jnp.dot(q, k.astype(q.dtype), precision=precision, preferred_element_type=jnp.float32) * scale  # [Gp, ps]
-        j = i * ps + jnp.arange(ps)
-        s = jnp.where(((j >= lo) & (j < hi))[None, :], s, MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
+        scores, values = [], []
+        for r in range(pages_per_block):  # every page's loads before any softmax update needs them
+            i = begin + b * pages_per_block + r
+            p = jnp.clip(tables_ref[jnp.minimum(i, width - 1)], 0, n - 1)  # never read outside the cache
+            k, v = k_ref[p], v_ref[p]  # [D, ps], [ps, D]
+            if bits:
+                k, v = (jax.lax.bitcast_convert_type(x, jnp.bfloat16) for x in (k, v))
+            s = jnp.dot(q, k.astype(q.dtype), precision=precision, preferred_element_type=jnp.float32) * scale
+            j = i * ps + jnp.arange(ps)
+            visible = (j >= lo) & (j < hi) & (i < stop)  # the last block may run past this program's pages
+            scores.append(jnp.where(visible[None, :], s, MASKED))  # [Gp, ps]
+            values.append(v.astype(q.dtype))
+        m_new = m
+        for s in scores:
+            m_new = jnp.maximum(m_new, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
-        w = jnp.exp(s - m_new[:, None])  # [Gp, ps]
-        l = l * correction + w.sum(axis=-1)
-        acc = acc * correction[:, None] + jnp.dot(w.astype(q.dtype), v.astype(q.dtype), precision=precision,
-                                                  preferred_element_type=jnp.float32)
+        l, acc = l * correction, acc * correction[:, None]
+        for s, v in zip(scores, values):
+            w = jnp.exp(s - m_new[:, None])  # [Gp, ps]; 0 where masked (the block's first page has a key)
+            l = l + w.sum(axis=-1)
+            acc = acc + jnp.dot(w.astype(q.dtype), v, precision=precision, preferred_element_type=jnp.float32)
         return m_new, l, acc
 
     init = (jnp.full((gp,), MASKED, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, d), jnp.float32))
-    begin = jnp.maximum(lo // ps, first)
-    stop = jnp.minimum(pl.cdiv(hi, ps), first + pages_per_split)
-    m, l, acc = jax.lax.fori_loop(begin, jnp.maximum(stop, begin), page, init)
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(stop - begin, pages_per_block), block, init)
     o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def context_splits(rows: int, kv_heads: int, pages: int) -> int:
-    """Programs per (sequence, KV head): enough that a small batch still spreads over a GPU's
-    streaming multiprocessors (~TARGET_PROGRAMS programs in all), never more than one per page."""
+def context_splits(rows: int, kv_heads: int, pages: int, tuning: Tuning = DEFAULT) -> int:
+    """Programs per (sequence, KV head): enough that a batch spreads over a GPU's streaming
+    multiprocessors with several programs on each (~`target_programs` in all), never more than
+    one per block of pages."""
+    blocks = -(-pages // tuning.pages_per_block)
     splits = 1
-    while splits * 2 <= pages and rows * kv_heads * splits * 2 <= TARGET_PROGRAMS:
+    while splits * 2 <= blocks and rows * kv_heads * splits * 2 <= tuning.target_programs:
         splits *= 2
     return splits
 
@@ -105,6 +139,7 @@ def pallas_decode_attention(
     window: int | None = None,
     *,
     interpret: bool = False,
+    tuning: Tuning = DEFAULT,
 ) -> jax.Array:  # [S, H, D]
     """Same contract as `paged_attention.paged_decode_attention`, with zeros for rows that see no key."""
     s, h, d = q.shape
@@ -113,11 +148,13 @@ def pallas_decode_attention(
     gp = max(MIN_TILE, 1 << (g - 1).bit_length())
     qg = jnp.pad(q.reshape(s, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [S, KV, Gp, D]
     p = page_tables.shape[1]
-    splits = context_splits(s, kv, p)
+    splits = context_splits(s, kv, p, tuning)
+    per_split = -(-p // splits)
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda i, j, c: (i, j, c) + (0,) * len(shape))  # noqa: E731
     o, m, l = pl.pallas_call(
-        partial(_kernel, window=int(window or 0), bits=k_pages.dtype == BF16_BITS, pages_per_split=-(-p // splits)),
+        partial(_kernel, window=int(window or 0), bits=k_pages.dtype == BF16_BITS, pages_per_split=per_split,
+                pages_per_block=min(tuning.pages_per_block, per_split)),
         grid=(s, kv, splits),
         in_specs=[
             pl.BlockSpec((None, p), lambda i, j, c: (i, 0)),  # the sequence's page table
@@ -131,7 +168,7 @@ def pallas_decode_attention(
         out_shape=[jax.ShapeDtypeStruct((s, kv, splits, gp, d), jnp.float32),
                    *(jax.ShapeDtypeStruct((s, kv, splits, gp), jnp.float32),) * 2],
         interpret=interpret,
-        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),  # the Triton backend
+        compiler_params=pl_triton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         name="redjax_paged_decode_attention",
     )(i32(page_tables), i32(positions), i32(context_lens), qg, k_pages, v_pages)
     # the splits' softmaxes joined: o [S, KV, C, Gp, D], m and l [S, KV, C, Gp]
