@@ -6,6 +6,9 @@
 # Runs, in the order given:
 #   check          the machine (nvidia-smi, jax's devices) and tests/test_gpu_attention.py (the
 #                  compiled Pallas kernel against the reference)
+#   attention      `bench attention`: one layer's decode attention at 64 x 1552 tokens, jnp, JAX's
+#                  own Pallas kernel and a sweep of the kernel's work splits; the runs after it
+#                  take the fastest correct split (--pallas-tuning)
 #   batch1         1 x 128/128: batch-1 decode against the memory-bandwidth roofline
 #   128-128        64 x 128/128, with transformers on the same GPU and prompts (--compare hf)
 #   1024-128       64 x 1024/128
@@ -32,7 +35,8 @@
 # Environment: PRESET (default llama3-8b), DTYPE (default bfloat16), ATTENTION (default pallas:
 # fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
 # the prompt and output lengths by it), PYTHON (default python3), BENCH_FLAGS (more `bench offline`
-# flags for every run, e.g. "--compile-threads 1").
+# flags for every run, e.g. "--compile-threads 1"), PALLAS_TUNING (the kernel runs' --pallas-tuning,
+# until an `attention` run picks one), ATTENTION_FLAGS (more `bench attention` flags).
 set -uo pipefail
 
 runs=()
@@ -56,6 +60,7 @@ deadline=$((SECONDS + ${DEADLINE_S:-570}))
 scale=${SIZE_SCALE:-1}
 python=${PYTHON:-python3}
 extra=${BENCH_FLAGS:-}  # word-split on purpose: several flags
+tuning=(); [ -z "${PALLAS_TUNING:-}" ] || tuning=(--pallas-tuning "$PALLAS_TUNING")
 mkdir -p "$out"
 log="$out/gpu_bench.log"
 export PYTHONUNBUFFERED=1
@@ -97,7 +102,7 @@ r = json.load(open(sys.argv[1]))
 line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, decode {r['decode_step_ms']:.2f} ms/step "
         f"at {r['decode_roofline_fraction']:.0%} of the roofline (batch {r['decode_mean_batch']:.0f}), "
         f"prefill {r['prefill_roofline_fraction']:.0%}, host {r['host_fraction']:.0%}; "
-        f"attention {r['attention']}, {r['compiles_during_run']} compiles during the run; "
+        f"attention {r['attention']} {r['engine'].get('pallas_tuning') or 'default'}, {r['compiles_during_run']} compiles during the run; "
         f"{r['startup']['variants_compiled_ahead']} variants compiled ahead in {r['startup']['compile_ahead_s']:.0f} s")
 if "ratio" in r:
     line += f"; transformers {r['baseline_output_tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)"
@@ -117,14 +122,41 @@ for run in "${runs[@]}"; do
       timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py >>"$log" 2>&1
       say "check: GPU attention tests exit $? ($(tail -1 "$log"))"
       ;;
-    batch1) bench batch1 1 128 128 --attention "$attention" ;;
+    attention)
+      started=$SECONDS
+      echo "=== attention" >>"$log"
+      # word-split on purpose: several flags
+      if timeout "$(left)" "$python" -m worker.cli bench attention --dummy "$preset" --dtype "$dtype" \
+           --context $((1552 / scale)) --json ${ATTENTION_FLAGS:-} >"$out/attention.json" 2>>"$log"; then
+        picked=$("$python" - "$out/attention.json" "$out/summary.txt" <<'EOF'
+import json, sys
+from worker.bench.attention import fastest
+r = json.load(open(sys.argv[1]))
+with open(sys.argv[2], "a") as summary:
+    for row in r["results"]:
+        line = (f"attention {row['name']}: " + (row["error"] if "error" in row else
+                f"{row['us_per_call']:.0f} us/layer, {row['kv_gbs']:.0f} GB/s ({row['bandwidth_fraction']:.0%}), "
+                f"max err {row['max_abs_error']:.2g}"))
+        print(line, file=sys.stderr)
+        summary.write(line + "\n")
+best = fastest(r)
+print(best["name"].split(" ", 1)[1] if best else "")
+EOF
+)
+        if [ -n "$picked" ] && [ "$attention" = pallas ]; then tuning=(--pallas-tuning "$picked"); fi
+        say "attention: fastest Pallas setting ${picked:-none}; the kernel runs after this use ${tuning[*]:-the default} [$((SECONDS - started)) s]"
+      else
+        say "attention: FAILED (exit $?; see gpu_bench.log)"
+      fi
+      ;;
+    batch1) bench batch1 1 128 128 --attention "$attention" "${tuning[@]}" ;;
     # transformers on the same GPU: leave it half the memory (JAX takes 75 % by default)
-    128-128) XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 bench 128-128 64 128 128 --attention "$attention" \
+    128-128) XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 bench 128-128 64 128 128 --attention "$attention" "${tuning[@]}" \
                --compare hf --hf-batch-size 64 ;;
-    1024-128) bench 1024-128 64 1024 128 --attention "$attention" ;;
-    1024-1024) bench 1024-1024 64 1024 1024 --attention "$attention" ;;
+    1024-128) bench 1024-128 64 1024 128 --attention "$attention" "${tuning[@]}" ;;
+    1024-1024) bench 1024-1024 64 1024 1024 --attention "$attention" "${tuning[@]}" ;;
     1024-1024-jnp) bench 1024-1024-jnp 64 1024 1024 --attention jnp ;;
-    *) say "$run: unknown run (check, batch1, 128-128, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
+    *) say "$run: unknown run (check, attention, batch1, 128-128, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
   esac
 done
 

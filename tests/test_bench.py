@@ -301,11 +301,24 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas",
                   BENCH_FLAGS="--compile-threads 1 --max-num-seqs 32")  # more flags for every run
     assert done.returncode == 0
-    assert done.stdout.startswith("1024-128: FAILED (exit 1") and "needs the GPU backend" in done.stdout
+    assert done.stdout.startswith("1024-128: FAILED (exit 2") and "needs the GPU backend" in done.stdout
     assert "1024-1024-jnp: " in done.stdout and "output tok/s" in done.stdout
     assert not (tmp_path / "b" / "1024-128.json").exists()
     engine = json.loads((tmp_path / "b" / "1024-1024-jnp.json").read_text())["engine"]
     assert (engine["compile_threads"], engine["max_num_seqs"]) == (1, 32)
+    # the attention sweep (through Pallas's interpreter here) hands its fastest setting to the kernel runs after it
+    done = script("attention", "1024-1024", "--out", str(tmp_path / "d"), ATTENTION="pallas",
+                  ATTENTION_FLAGS="--interpret --batch 4 --repeats 1 --tuning 2:2048:4:2 --tuning 1:512:4:2")
+    assert done.returncode == 0, done.stderr
+    sweep = json.loads((tmp_path / "d" / "attention.json").read_text())
+    assert (sweep["context"], sweep["batch"]) == (1552 // 64, 4)
+    assert [r["name"] for r in sweep["results"]] == ["jnp", "cpu-kernel", "pallas 2:2048:4:2", "pallas 1:512:4:2"]
+    assert all(r["max_abs_error"] < 1e-5 for r in sweep["results"]), sweep["results"]
+    picked = min(sweep["results"][2:], key=lambda r: r["us_per_call"])["name"].split()[1]
+    assert f"attention: fastest Pallas setting {picked}; the kernel runs after this use --pallas-tuning {picked}" in done.stdout
+    assert f"=== 1024-1024: 64 x 16/16 --attention pallas --pallas-tuning {picked}" in (tmp_path / "d" / "gpu_bench.log").read_text()
+    summary = (tmp_path / "d" / "summary.txt").read_text()
+    assert "attention pallas 1:512:4:2: " in summary and " us/layer, " in summary
     # past the deadline: killed and reported
     done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
     assert done.returncode == 0

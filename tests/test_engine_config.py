@@ -59,3 +59,14 @@ def test_compile_threads_from_the_cli_and_the_environment():
     env = {"REDJAX_COMPILE_THREADS": "2"}
     assert WorkerConfig.from_env({"model_dir": "m"}, environ=env).engine.compile_threads == 2
     assert EngineConfig().compile_threads is None  # half the host's cores, at most 8
+
+
+def test_pallas_tuning_from_the_cli_and_the_environment():
+    overrides = _engine_overrides(_worker_args("--pallas-tuning", "8:4096:8:3"))
+    assert overrides["pallas_tuning"] == "8:4096:8:3"
+    assert _engine_overrides(_worker_args(*engine_argv(overrides))) == overrides  # what `redjax serve` passes on
+    engine = WorkerConfig.from_env({"model_dir": "m"}, environ={"REDJAX_PALLAS_TUNING": "2:1024:4:2"}).engine
+    assert engine.tuning() == (2, 1024, 4, 2) and EngineConfig().tuning() is None
+    for bad in ("4:2048:4", "4:2048:3:2", "0:2048:4:2", "a:b:c:d", ""):
+        with pytest.raises(ValueError, match="pallas_tuning must be PAGES:PROGRAMS:WARPS:STAGES"):
+            EngineConfig(pallas_tuning=bad)

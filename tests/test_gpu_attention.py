@@ -15,7 +15,7 @@ import pytest
 from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
 from worker.engine import gpu_attention, paged_attention as pa
-from worker.engine.attention_choice import choose_attention
+from worker.engine.attention_choice import AttentionUnavailable, choose_attention
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
@@ -138,6 +138,12 @@ def test_supported_shapes_and_the_choice():
         with pytest.raises(ValueError, match="needs the GPU backend"):
             choose_attention("pallas", 1, 128, 16, jnp.float32, jnp.float32)
     assert choose_attention("jnp", 1, 128, 16, jnp.float32, jnp.float32) is pa.JNP
+    with pytest.raises(AttentionUnavailable, match="pallas_tuning applies to the Pallas decode kernel, and this "
+                                                   "engine runs jnp attention"):
+        choose_attention("jnp", 1, 128, 16, jnp.float32, jnp.float32, (4, 2048, 4, 2))
+    if ON_GPU:
+        tuned = choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, (8, 4096, 8, 3))
+        assert tuned.name == "pallas" and tuned.decode.keywords["tuning"] == gpu_attention.Tuning(8, 4096, 8, 3)
     assert EngineConfig(attention="pallas").attention == "pallas"
     with pytest.raises(ValueError, match="attention must be auto, kernel, pallas or jnp"):
         EngineConfig(attention="triton")

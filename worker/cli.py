@@ -53,11 +53,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampler", choices=["auto", "kernel", "jnp"],
                    help="sampled rows' top-k/top-p cutoffs and draws: compiled CPU kernels when available (auto), "
                         "required (kernel), or jnp")
+    g.add_argument("--pallas-tuning", metavar="PAGES:PROGRAMS:WARPS:STAGES",
+                   help="the GPU decode kernel's work split (default 4:2048:4:2; `redjax bench attention` times "
+                        "settings); only with the Pallas kernel")
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "enable_prefix_cache", "tensor_parallel",
-               "attention", "matmul", "sampler", "compile_threads")
+               "attention", "matmul", "sampler", "compile_threads", "pallas_tuning")
 
 
 def _decode_steps(value: str) -> int | None:
@@ -151,8 +154,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, in order")
     _engine_flags(p)
 
-    p = sub.add_parser("bench", help="benchmarks: the offline engine, a serving endpoint, or the stack against the engine")
-    p.add_argument("mode", choices=["offline", "serve", "stack"])
+    p = sub.add_parser("bench", help="benchmarks: the offline engine, a serving endpoint, the stack against the engine, "
+                                     "or one layer's decode attention")
+    p.add_argument("mode", choices=["offline", "serve", "stack", "attention"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return top
 
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_generate(args) -> int:
     from tqdm import tqdm
 
+    from worker.engine.attention_choice import AttentionUnavailable
     from worker.engine.config import EngineConfig
     from worker.engine.llm import LLM
     from worker.engine.sampling_params import SamplingParams
@@ -185,7 +190,10 @@ def cmd_generate(args) -> int:
         config = EngineConfig(**_engine_overrides(args))
     except ValueError as exc:
         usage_error("generate", str(exc))
-    llm = LLM(resolve_model(args.model), config)
+    try:
+        llm = LLM(resolve_model(args.model), config)
+    except AttentionUnavailable as exc:
+        usage_error("generate", str(exc))
     bar = tqdm(total=len(args.prompt), desc="generating", unit="prompt", file=sys.stderr,
                disable=len(args.prompt) < 8 or not sys.stderr.isatty())
     results = llm.generate(args.prompt, params, progress=lambda done, total: bar.update(1))
@@ -211,6 +219,7 @@ def log_to_stderr(level: str) -> None:
 def cmd_worker(args) -> int:
     import redis
 
+    from worker.engine.attention_choice import AttentionUnavailable
     from worker.engine.llm_engine import LLMEngine
     from worker.service.worker import Worker
 
@@ -229,7 +238,10 @@ def cmd_worker(args) -> int:
 
         jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    engine = LLMEngine.from_path(config.model_dir, config.engine)
+    try:
+        engine = LLMEngine.from_path(config.model_dir, config.engine)
+    except AttentionUnavailable as exc:
+        usage_error("worker", str(exc))
     client = redis.Redis.from_url(config.redis_url)
     return Worker(config, engine, client).run()
 

@@ -1,4 +1,4 @@
-"""`redjax bench offline|serve ...`: parse the mode's flags, run it, print the report."""
+"""`redjax bench offline|serve|stack|attention ...`: parse the mode's flags, run it, print the report."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from worker.cli import _engine_flags, _engine_overrides, engine_argv, log_to_std
 
 
 def run(mode: str, argv: list[str]) -> int:
+    if mode == "attention":
+        from worker.bench import attention
+
+        return attention.run(argv)
     return {"offline": offline, "serve": serve, "stack": stack}[mode](argv)
 
 
@@ -78,6 +82,7 @@ def offline(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     log_to_stderr(args.log_level)
     from worker.bench.offline import Workload, WorkloadError, bench_offline
+    from worker.engine.attention_choice import AttentionUnavailable
     from worker.models.config import ModelConfig, ModelConfigError
 
     if args.dummy:
@@ -99,7 +104,7 @@ def offline(argv: list[str]) -> int:
     try:
         report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf",
                                args.hf_batch_size, args.rounds)
-    except WorkloadError as exc:
+    except (WorkloadError, AttentionUnavailable) as exc:
         parser.error(str(exc))
     if args.json:
         print(json.dumps(report))

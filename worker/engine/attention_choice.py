@@ -23,14 +23,31 @@ from worker.engine.paged_attention import JNP, AttentionOps, storage_dtype
 log = logging.getLogger(__name__)
 
 
-def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtype, kv_dtype) -> AttentionOps:
+class AttentionUnavailable(ValueError):
+    """The settings ask for an attention this machine or model cannot run: the CLIs report it as
+    a usage error before serving anything."""
+
+
+def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtype, kv_dtype,
+                     tuning: tuple[int, int, int, int] | None = None) -> AttentionOps:
+    """The attention for these settings; `tuning` (EngineConfig.pallas_tuning) applies to the Pallas
+    kernel alone, and is an error where another attention runs."""
+    ops = _choose(mode, tensor_parallel, head_dim, page_size, dtype, kv_dtype)
+    if tuning is None:
+        return ops
+    if ops is not gpu_attention.PALLAS:
+        raise AttentionUnavailable(f"pallas_tuning applies to the Pallas decode kernel, and this engine runs {ops.name} attention")
+    return gpu_attention.tuned(gpu_attention.Tuning(*tuning))
+
+
+def _choose(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtype, kv_dtype) -> AttentionOps:
     if mode == "jnp":
         return JNP
     backend = jax.default_backend()
     if mode == "kernel" or (mode == "auto" and backend == "cpu"):
         usable = backend == "cpu" and tensor_parallel == 1  # the FFI call is not partitioned
         if mode == "kernel" and not usable:
-            raise ValueError("attention='kernel' needs the CPU backend and tensor_parallel 1")
+            raise AttentionUnavailable("attention='kernel' needs the CPU backend and tensor_parallel 1")
         if usable and cpu_attention.load():
             return cpu_attention.KERNEL
         if mode == "kernel":
@@ -38,7 +55,7 @@ def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: 
         return JNP
     usable = backend == "gpu" and tensor_parallel == 1 and gpu_attention.supported(head_dim, page_size)
     if mode == "pallas" and not usable:
-        raise ValueError("attention='pallas' needs the GPU backend, tensor_parallel 1, and head dim and page size "
+        raise AttentionUnavailable("attention='pallas' needs the GPU backend, tensor_parallel 1, and head dim and page size "
                          "powers of two >= 16")
     if usable and pallas_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name):
         return gpu_attention.PALLAS

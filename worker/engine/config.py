@@ -47,6 +47,9 @@ class EngineConfig:
     sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
     # on the CPU backend of one device if they build, else jnp (a sort of the vocabulary and Gumbel noise
     # over it: fast on accelerators, slow on XLA's CPU backend); "kernel": those or an error; "jnp"
+    pallas_tuning: str | None = None  # the Pallas decode kernel's work split, "PAGES:PROGRAMS:WARPS:STAGES"
+    # (pages read per loop iteration, programs to aim for, Triton's warps and stages; gpu_attention.Tuning);
+    # None: its defaults. `redjax bench attention` times settings on the GPU at hand
 
     def __post_init__(self) -> None:
         checks = {
@@ -65,10 +68,16 @@ class EngineConfig:
             "attention must be auto, kernel, pallas or jnp": self.attention in ("auto", "kernel", "pallas", "jnp"),
             "matmul must be auto, kernel or xla": self.matmul in ("auto", "kernel", "xla"),
             "sampler must be auto, kernel or jnp": self.sampler in ("auto", "kernel", "jnp"),
+            "pallas_tuning must be PAGES:PROGRAMS:WARPS:STAGES, positive integers, warps a power of two":
+                self.pallas_tuning is None or parse_tuning(self.pallas_tuning) is not None,
         }
         for message, ok in checks.items():
             if not ok:
                 raise ValueError(message)
+
+    def tuning(self) -> tuple[int, int, int, int] | None:
+        """pallas_tuning as numbers (None: the kernel's defaults)."""
+        return None if self.pallas_tuning is None else parse_tuning(self.pallas_tuning)
 
     def for_backend(self, backend: str) -> "EngineConfig":
         """This config with the defaults that depend on the JAX backend ("cpu", "gpu", ...) filled in."""
@@ -85,3 +94,14 @@ class EngineConfig:
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
+
+
+def parse_tuning(text: str) -> tuple[int, int, int, int] | None:
+    """"4:2048:4:2" -> (4, 2048, 4, 2); None if malformed."""
+    try:
+        values = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        return None
+    if len(values) != 4 or min(values) < 1 or values[2] & (values[2] - 1):
+        return None
+    return values  # type: ignore[return-value]

@@ -180,3 +180,9 @@ def pallas_decode_attention(
 
 
 PALLAS = AttentionOps("pallas", pallas_decode_attention, paged_attention, reads_own_context=False)
+
+
+def tuned(tuning: Tuning) -> AttentionOps:
+    """The kernel with another work split (EngineConfig.pallas_tuning)."""
+    return AttentionOps("pallas", partial(pallas_decode_attention, tuning=tuning), paged_attention,
+                        reads_own_context=False)

@@ -1,0 +1,52 @@
+"""`redjax bench attention` on the CPU: every implementation the backend has, and the Pallas
+kernel's settings through Pallas's interpreter, on the same random pages, each held to the jnp
+reference; the report's arithmetic; the pick of the fastest setting skips wrong results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.bench import attention
+from worker.cli import main
+
+
+def test_reports_each_implementation_against_the_reference(capsys):
+    assert main(["bench", "attention", "--dummy", "llama-100m", "--batch", "3", "--context", "70", "--dtype",
+                 "bfloat16", "--tuning", "4:2048:4:2", "--tuning", "3:64:4:2", "--interpret", "--repeats", "1",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["batch"], report["context"], report["table_width"], report["interpret"]) == (3, 70, 8, True)
+    # llama-100m: 4 KV heads of 64: 3 rows x 70 tokens of keys and values in bfloat16
+    assert report["kv_bytes_per_call"] == 3 * 70 * 2 * 4 * 64 * 2
+    rows = {r["name"]: r for r in report["results"]}
+    assert list(rows) == ["jnp", "cpu-kernel", "pallas 4:2048:4:2", "pallas 3:64:4:2"]
+    for r in rows.values():
+        assert r["max_abs_error"] < 2e-2, r  # bfloat16 pages and queries; float32 sums
+        assert r["kv_gbs"] == pytest.approx(report["kv_bytes_per_call"] / r["us_per_call"] / 1e3)
+        assert r["step_ms"] == pytest.approx(r["us_per_call"] * report["num_layers"] / 1e3)
+    assert rows["jnp"]["max_abs_error"] == 0.0  # the reference itself
+
+
+def test_the_table_and_usage_errors(capsys):
+    assert main(["bench", "attention", "--dummy", "llama-tiny", "--batch", "2", "--context", "33", "--repeats", "1",
+                 "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama-tiny decode attention, one layer: 2 rows x 33 tokens, pages of 16 (4-page tables)")
+    assert "\njnp " in out and "fastest Pallas setting" not in out  # no Pallas on a CPU without --interpret
+    for flags, message in ((["--tuning", "4:2048"], "expected PAGES:PROGRAMS:WARPS:STAGES"),
+                           (["--page-size", "8"], "powers of two >= 16"), (["--dummy", "nope"], "unknown preset")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "attention", *flags])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_fastest_setting_must_also_be_right():
+    rows = [{"name": "jnp", "us_per_call": 50.0, "max_abs_error": 0.0},
+            {"name": "pallas 8:4096:8:2", "us_per_call": 10.0, "max_abs_error": 3.0},  # fast and wrong
+            {"name": "pallas 4:2048:4:2", "us_per_call": 20.0, "max_abs_error": 1e-3},
+            {"name": "pallas 1:512:4:2", "us_per_call": 30.0, "max_abs_error": 1e-3},
+            {"name": "pallas 2:2048:4:2", "error": "CompilationError: out of shared memory"}]
+    assert attention.fastest({"results": rows})["name"] == "pallas 4:2048:4:2"
+    assert attention.fastest({"results": rows[:2]}) is None
