@@ -312,9 +312,10 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     assert done.returncode == 0, done.stderr
     sweep = json.loads((tmp_path / "d" / "attention.json").read_text())
     assert (sweep["context"], sweep["batch"]) == (1552 // 64, 4)
-    assert [r["name"] for r in sweep["results"]] == ["jnp", "cpu-kernel", "pallas 2:2048:4:2", "pallas 1:512:4:2"]
+    assert [r["name"] for r in sweep["results"]] == ["jnp", "cpu-kernel", "pallas 2:2048:4:2", "pallas 1:512:4:2",
+                                                     "jax-pallas"]
     assert all(r["max_abs_error"] < 1e-5 for r in sweep["results"]), sweep["results"]
-    picked = min(sweep["results"][2:], key=lambda r: r["us_per_call"])["name"].split()[1]
+    picked = min(sweep["results"][2:4], key=lambda r: r["us_per_call"])["name"].split()[1]
     assert f"attention: fastest Pallas setting {picked}; the kernel runs after this use --pallas-tuning {picked}" in done.stdout
     assert f"=== 1024-1024: 64 x 16/16 --attention pallas --pallas-tuning {picked}" in (tmp_path / "d" / "gpu_bench.log").read_text()
     summary = (tmp_path / "d" / "summary.txt").read_text()

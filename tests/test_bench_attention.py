@@ -21,7 +21,7 @@ def test_reports_each_implementation_against_the_reference(capsys):
     # llama-100m: 4 KV heads of 64: 3 rows x 70 tokens of keys and values in bfloat16
     assert report["kv_bytes_per_call"] == 3 * 70 * 2 * 4 * 64 * 2
     rows = {r["name"]: r for r in report["results"]}
-    assert list(rows) == ["jnp", "cpu-kernel", "pallas 4:2048:4:2", "pallas 3:64:4:2"]
+    assert list(rows) == ["jnp", "cpu-kernel", "pallas 4:2048:4:2", "pallas 3:64:4:2", "jax-pallas"]
     for r in rows.values():
         assert r["max_abs_error"] < 2e-2, r  # bfloat16 pages and queries; float32 sums
         assert r["kv_gbs"] == pytest.approx(report["kv_bytes_per_call"] / r["us_per_call"] / 1e3)

@@ -12,10 +12,10 @@ values, each read once) and its share of the measured copy bandwidth, and each r
 difference from the jnp reference, so a kernel that is fast and wrong shows as such.
 
 Implementations: "jnp" (the reference, gathering blocks of pages), "pallas B:T:W:S" (the engine's
-kernel with a `gpu_attention.Tuning`; on a GPU, or through Pallas's interpreter with --interpret),
-"cpu-kernel" (CPU), and on a GPU "jax-pallas", JAX's own Pallas paged attention
-(`jax.experimental.pallas.ops.gpu.paged_attention`, its default settings), a kernel nobody here
-wrote, on the same pages in its layout.
+kernel with a `gpu_attention.Tuning`), "cpu-kernel" (CPU), and "jax-pallas", JAX's own Pallas
+paged attention (`jax.experimental.pallas.ops.gpu.paged_attention`, its default settings), a
+kernel nobody here wrote, on the same pages in its layout. The Pallas ones run on a GPU, or on
+any backend through Pallas's interpreter with --interpret (a check of the results only).
 """
 
 from __future__ import annotations
@@ -112,17 +112,21 @@ def implementations(tunings: list[str], interpret: bool) -> dict:
         for text in tunings:
             tuning = gpu_attention.Tuning(*parse_tuning(text))
             impls[f"pallas {text}"] = partial(gpu_attention.pallas_decode_attention, tuning=tuning, interpret=interpret)
-    if backend == "gpu":
-        impls["jax-pallas"] = _jax_pallas
+    if backend == "gpu" or interpret:
+        impls["jax-pallas"] = partial(_jax_pallas, interpret=interpret)
     return impls
 
 
-def _jax_pallas(q, k, v, tables, positions, lens):
-    """JAX's own kernel: keys as [KV, N, ps, D] (the engine's are [KV, N, D, ps]) in the compute
-    dtype, whole tables; the transposition is done once, outside the timed calls."""
+def _jax_pallas(q, k, v, tables, positions, lens, *, interpret: bool):
+    """JAX's own kernel, at its default settings where the table allows (16 splits of the table, 8
+    pages a block): keys as [KV, N, ps, D] (the engine's are [KV, N, D, ps]) in the compute dtype;
+    the transposition is done once, outside the timed calls."""
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-    return jax_paged.paged_attention(q, k, v, tables, lens)
+    splits = min(16, tables.shape[1])
+    q = (q * q.shape[-1] ** -0.5).astype(q.dtype)  # it leaves the 1/sqrt(D) of the scores to the caller
+    return jax_paged.paged_attention(q, k, v, tables, lens, k_splits=splits,
+                                     pages_per_compute_block=min(8, tables.shape[1] // splits), interpret=interpret)
 
 
 def _jax_layout(inputs: dict, dtype: str) -> tuple[jax.Array, jax.Array]:
