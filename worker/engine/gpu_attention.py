@@ -5,9 +5,12 @@ copy before its two matmuls, so every step moves the running sequences' K/V thro
 three times (read, write the copy, read it again). Here each program walks a run of one
 sequence's page table for one KV head and reads each page once, straight from the cache, with an
 online softmax, stopping at the sequence's own context (a short sequence in a batch of long ones
-costs only its own pages). A small batch splits each context over several programs (at batch 1
-the 8 KV heads of llama3-8b alone would keep 8 of an H100's 132 multiprocessors busy); their
-partial softmaxes are joined afterwards.
+costs only its own pages). Each loop iteration reads a block of pages, all their loads issued
+before the softmax update that needs them, and each context is split over several programs
+(`Tuning`), whose partial softmaxes are joined afterwards: one page at a time over one program
+per row and KV head left a GPU waiting on memory latency (session 29's H200 read the KV at ~0.7
+TB/s of 3.7 so), and at batch 1 the 8 KV heads of llama3-8b alone would keep 8 of an H100's 132
+multiprocessors busy.
 
 Layout (paged_attention.py): keys [KV, N, D, page_size] (transposed pages), values
 [KV, N, page_size, D]; bfloat16 pages arrive as their bit patterns (uint16). The query heads that
