@@ -42,6 +42,13 @@ def test_offline_reports_throughput(tiny_model):
                 "matmul_gflops", "decode_roofline_fraction", "prefill_roofline_fraction", "decode_host_fraction"):
         assert report[key] > 0, key
     assert "ratio" not in report
+    for phase in (report["decode_phase"], report["prefill_phase"]):  # host time by part, adding up to the whole
+        parts = [phase[f"{part}_s"] for part in ("schedule", "build", "launch", "postprocess")]
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(phase["host_s"], abs=1e-5), phase
+        assert phase["host_s"] + phase["wait_s"] <= phase["wall_s"]
+    # (a call counts for the batch it reads back, with the next one's launch: each part shows in some phase)
+    assert all(report["decode_phase"][f"{part}_s"] + report["prefill_phase"][f"{part}_s"] > 0
+               for part in ("schedule", "build", "launch", "postprocess"))
     # the warm-up's variants were planned and compiled ahead; the measured run compiled none
     startup = report["startup"]
     assert startup["variants_compiled_ahead"] >= 2 and startup["compile_ahead_s"] > 0 and startup["warmup_s"] > 0
@@ -120,6 +127,8 @@ def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_mode
 def test_offline_text_summary(tiny_model):
     code, out = run_bench("offline", "--model", str(tiny_model), *TINY[:-1], "--decode-steps", "1")
     assert code == 0 and "output tokens/s" in out and "host" in out
+    assert re.search(r"decode: .* host [\d.]+% of step time \(per call, ms: schedule [\d.]+, build [\d.]+, launch "
+                     r"[\d.]+, postprocess [\d.]+\)", out), out
     assert re.search(r"startup: calibration [\d.]+ s, \d+ step variants compiled ahead in [\d.]+ s", out), out
 
 

@@ -129,13 +129,14 @@ def offline(argv: list[str]) -> int:
         print(f"  decode: {r['decode_step_ms']:.2f} ms/step at batch {r['decode_mean_batch']:.1f} (ideal "
               f"{r['decode_ideal_step_ms']:.2f} ms = max of {r['decode_memory_step_ms']:.2f} ms memory, "
               f"{r['decode_compute_step_ms']:.2f} ms compute): roofline {r['decode_roofline_fraction']:.1%}, "
-              f"host {r['decode_host_fraction']:.1%} of step time")
+              f"host {r['decode_host_fraction']:.1%} of step time ({_host_parts(r['decode_phase'])})")
         if r["decode_shared_kv_fraction"]:
             print(f"  ({r['decode_shared_kv_fraction']:.1%} of the context decode read sits in pages the prefix cache "
                   "shares: counted once a step in the memory ideal)")
     if "prefill_token_us" in r:
         print(f"  prefill: {r['prefill_token_us']:.1f} us/token (ideal {r['prefill_ideal_token_us']:.1f} us): "
-              f"roofline {r['prefill_roofline_fraction']:.1%}, host {r['prefill_host_fraction']:.1%}")
+              f"roofline {r['prefill_roofline_fraction']:.1%}, host {r['prefill_host_fraction']:.1%} "
+              f"({_host_parts(r['prefill_phase'])})")
     if r["cpu"] is not None:
         print(f"  CPU of the first round, {cpu_usage.describe(r['cpu'])}")
     if "ratio" in r:
@@ -174,6 +175,14 @@ def _offline_requests(parser: argparse.ArgumentParser, args, model: str | None):
         parser.error(f"--prompts-file: {exc}")
     prompts = _read_prompts_file(parser, args, tokenizer if sharegpt else None)
     return tuple((tuple(tokenizer.encode(p.text)), p.output_len or args.output_len) for p in prompts)
+
+
+def _host_parts(phase: dict) -> str:
+    """Host milliseconds per call, by part."""
+    calls = max(phase["calls"], 1)
+    parts = ", ".join(f"{part} {phase[part + '_s'] / calls * 1e3:.2f}" for part in ("schedule", "build", "launch",
+                                                                                   "postprocess"))
+    return f"per call, ms: {parts}"
 
 
 def _lengths(r: dict) -> str:

@@ -2,8 +2,10 @@
 
 Thin wrappers are installed on one engine instance (never on the classes or modules), so the
 engine's behaviour is unchanged: `scheduler.schedule`, `runner.dispatch` (batch building plus
-the asynchronous jit launch) and `_postprocess`, whose wrapper first waits for the device
-(what `_postprocess` would do first anyway) so that wait is not counted as host work.
+the asynchronous jit launch, `runner._run`, timed on its own) and `_postprocess`, whose wrapper
+first waits for the device (what `_postprocess` would do first anyway) so that wait is not
+counted as host work. Each phase keeps the four parts' sums as well as their total, so a host
+share that is too large says where it goes (session 29's H200 spent ~12 ms of host time a call).
 
 With async overlap, call k schedules batch k and reads back batch k-1, so each call is
 attributed to the batch it reads back (the first call, reading nothing, to the one it schedules).
@@ -23,7 +25,11 @@ class PhaseTimes:
 
     calls: int = 0
     wall_s: float = 0.0
-    host_s: float = 0.0  # schedule + dispatch + postprocess (device wait excluded)
+    host_s: float = 0.0  # schedule + dispatch + postprocess (device wait excluded); of which:
+    schedule_s: float = 0.0  # the scheduler's decisions
+    build_s: float = 0.0  # the device batch's inputs (dispatch less its launch)
+    launch_s: float = 0.0  # the jitted step's call (argument handling, the asynchronous launch)
+    postprocess_s: float = 0.0  # tokens read back, detokenized, stop checks, outputs
     wait_s: float = 0.0  # blocked on the device
     decode_steps: int = 0  # fused steps count each
     prefill_tokens: int = 0
@@ -41,19 +47,20 @@ class StepProbe:
     prefill: PhaseTimes = field(default_factory=PhaseTimes)  # any batch with a prefill chunk
     page_size: int = 0  # the engine's, set by install
     _repeated: dict = field(default_factory=dict)  # id(batch) -> its repeated pages, taken when scheduled
-    _host: float = 0.0
+    _parts: dict = field(default_factory=dict)  # this step's host seconds by part
     _wait: float = 0.0
     _scheduled: object = None
     _read_back: object = None
 
     def install(self, engine) -> "StepProbe":
         schedule, dispatch, postprocess = engine.scheduler.schedule, engine.runner.dispatch, engine._postprocess
+        launch = engine.runner._run
         self.page_size = engine.config.page_size
 
         def timed_schedule(*args, **kwargs):
             t0 = time.perf_counter()
             batch = schedule(*args, **kwargs)
-            self._host += time.perf_counter() - t0
+            self._count("schedule", time.perf_counter() - t0)
             self._scheduled = batch
             if batch is not None and batch.is_pure_decode:  # while the tables are whole: a finished sequence's are emptied
                 self._repeated[id(batch)] = _repeated_pages(batch)
@@ -62,8 +69,16 @@ class StepProbe:
         def timed_dispatch(batch):
             t0 = time.perf_counter()
             flight = dispatch(batch)
-            self._host += time.perf_counter() - t0
+            self._count("build", time.perf_counter() - t0)  # less the launch, counted apart below
             return flight
+
+        def timed_launch(*args):
+            t0 = time.perf_counter()
+            out = launch(*args)
+            seconds = time.perf_counter() - t0
+            self._count("launch", seconds)
+            self._count("build", -seconds)
+            return out
 
         def timed_postprocess(flight):
             t0 = time.perf_counter()
@@ -71,18 +86,22 @@ class StepProbe:
             t1 = time.perf_counter()
             out = postprocess(flight)
             self._wait += t1 - t0
-            self._host += time.perf_counter() - t1
+            self._count("postprocess", time.perf_counter() - t1)
             self._read_back = flight.batch
             return out
 
         engine.scheduler.schedule = timed_schedule
         engine.runner.dispatch = timed_dispatch
+        engine.runner._run = timed_launch
         engine._postprocess = timed_postprocess
         return self
 
+    def _count(self, part: str, seconds: float) -> None:
+        self._parts[part] = self._parts.get(part, 0.0) + seconds
+
     def step(self, engine) -> list:
         """One engine.step(), timed and attributed."""
-        self._host = self._wait = 0.0
+        self._parts, self._wait = {}, 0.0
         self._scheduled = self._read_back = None
         t0 = time.perf_counter()
         outputs = engine.step()
@@ -96,7 +115,9 @@ class StepProbe:
         phase = self.decode if batch.is_pure_decode else self.prefill
         phase.calls += 1
         phase.wall_s += wall
-        phase.host_s += self._host
+        for part, seconds in self._parts.items():
+            setattr(phase, f"{part}_s", getattr(phase, f"{part}_s") + seconds)
+            phase.host_s += seconds
         phase.wait_s += self._wait
         if not counted:  # the same batch is counted when it is read back
             return
