@@ -35,8 +35,8 @@ from worker.engine.config import parse_tuning
 from worker.models.config import ModelConfig, ModelConfigError
 
 # the work splits a sweep tries by default: session 17's, the default, and neighbours of each knob
-SWEEP = ("1:512:4:2", "1:2048:4:2", "2:2048:4:2", "4:1024:4:2", "4:2048:4:2", "4:4096:4:2", "4:2048:8:2",
-         "4:2048:4:3", "8:2048:4:2", "8:4096:8:2")
+SWEEP = ("1:512:4:2", "1:2048:4:2", "2:2048:4:2", "4:1024:4:2", "4:2048:4:2", "4:4096:4:2", "4:2048:2:2",
+         "4:2048:8:2", "4:2048:4:3", "8:2048:4:2", "8:4096:8:2")
 
 
 def parser() -> argparse.ArgumentParser:
