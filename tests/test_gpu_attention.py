@@ -199,3 +199,22 @@ def test_bfloat16_engine_with_the_kernel_tracks_the_jnp_path(tokenizer, tmp_path
         # the same bfloat16 inputs and float32 sums: equal here, a little apart on a GPU (the kernel
         # with its scale 10 % off moves them by 0.005-0.027, 0.01 on average)
         assert max(diffs) < 1e-2 and sum(diffs) / len(diffs) < 3e-3, diffs
+
+
+@pytest.mark.parametrize("tuning", [None, (8, 4096, 8, 3)])
+def test_the_startup_probe_runs_the_engines_work_split(monkeypatch, tuning):
+    """`auto` takes the kernel only after running it once with the engine's own split; here through
+    the interpreter (a CPU cannot compile it, and says so with False)."""
+    from worker.engine import attention_choice
+
+    seen, kernel = [], gpu_attention.pallas_decode_attention
+
+    def interpreted(*args, tuning, **kwargs):
+        seen.append(tuning)
+        return kernel(*args, tuning=tuning, interpret=True, **kwargs)
+
+    if not ON_GPU:
+        assert not attention_choice.pallas_compiles.__wrapped__(128, 16, "bfloat16", "bfloat16", tuning)
+    monkeypatch.setattr(gpu_attention, "pallas_decode_attention", interpreted)
+    assert attention_choice.pallas_compiles.__wrapped__(128, 16, "bfloat16", "bfloat16", tuning)
+    assert seen == [gpu_attention.DEFAULT if tuning is None else gpu_attention.Tuning(*tuning)]
