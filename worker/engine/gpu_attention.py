@@ -174,12 +174,13 @@ def pallas_decode_attention(
         compiler_params=pl_triton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         name="redjax_paged_decode_attention",
     )(i32(page_tables), i32(positions), i32(context_lens), qg, k_pages, v_pages)
-    # the splits' softmaxes joined: o [S, KV, C, Gp, D], m and l [S, KV, C, Gp]
+    # the splits' softmaxes joined, over the G real query heads: o [S, KV, C, G, D], m and l [S, KV, C, G]
+    o, m, l = o[:, :, :, :g], m[..., :g], l[..., :g]
     weight = jnp.exp(m - m.max(axis=2, keepdims=True))  # a split that saw no key: l = 0, weight irrelevant
-    total = (l * weight).sum(axis=2)  # [S, KV, Gp]
+    total = (l * weight).sum(axis=2)  # [S, KV, G]
     out = (o * weight[..., None]).sum(axis=2) / jnp.maximum(total, 1e-30)[..., None]
     out = jnp.where(total[..., None] > 0, out, 0.0)  # a padding row (no visible key) gets zeros, like the CPU kernel
-    return out[:, :, :g].reshape(s, h, d).astype(q.dtype)
+    return out.reshape(s, h, d).astype(q.dtype)
 
 
 PALLAS = AttentionOps("pallas", pallas_decode_attention, paged_attention, reads_own_context=False)
