@@ -213,8 +213,9 @@ def test_the_startup_probe_runs_the_engines_work_split(monkeypatch, tuning):
         seen.append(tuning)
         return kernel(*args, tuning=tuning, interpret=True, **kwargs)
 
+    settings = gpu_attention.DEFAULT if tuning is None else gpu_attention.Tuning(*tuning)
     if not ON_GPU:
-        assert not attention_choice.pallas_compiles.__wrapped__(128, 16, "bfloat16", "bfloat16", tuning)
+        assert not attention_choice.pallas_compiles.__wrapped__(128, 16, "bfloat16", "bfloat16", settings)
     monkeypatch.setattr(gpu_attention, "pallas_decode_attention", interpreted)
-    assert attention_choice.pallas_compiles.__wrapped__(128, 16, "bfloat16", "bfloat16", tuning)
+    assert attention_choice.pallas_compiles.__wrapped__(128, 16, "bfloat16", "bfloat16", settings)
     assert seen == [gpu_attention.DEFAULT if tuning is None else gpu_attention.Tuning(*tuning)]

@@ -112,7 +112,6 @@ def implementations(tunings: list[str], interpret: bool) -> dict:
         for text in tunings:
             tuning = gpu_attention.Tuning(*parse_tuning(text))
             impls[f"pallas {text}"] = partial(gpu_attention.pallas_decode_attention, tuning=tuning, interpret=interpret)
-    if backend == "gpu" or interpret:
         impls["jax-pallas"] = partial(_jax_pallas, interpret=interpret)
     return impls
 

@@ -32,14 +32,15 @@ def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: 
                      tuning: tuple[int, int, int, int] | None = None) -> AttentionOps:
     """The attention for these settings; `tuning` (EngineConfig.pallas_tuning) applies to the Pallas
     kernel alone, and is an error where another attention runs."""
-    ops = _choose(mode, tensor_parallel, head_dim, page_size, dtype, kv_dtype, tuning)
+    settings = None if tuning is None else gpu_attention.Tuning(*tuning)
+    ops = _choose(mode, tensor_parallel, head_dim, page_size, dtype, kv_dtype, settings)
     if tuning is not None and ops.name != gpu_attention.PALLAS.name:
         raise AttentionUnavailable(f"pallas_tuning applies to the Pallas decode kernel, and this engine runs {ops.name} attention")
     return ops
 
 
 def _choose(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtype, kv_dtype,
-            tuning: tuple[int, int, int, int] | None) -> AttentionOps:
+            tuning: gpu_attention.Tuning | None) -> AttentionOps:
     if mode == "jnp":
         return JNP
     backend = jax.default_backend()
@@ -56,8 +57,9 @@ def _choose(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtyp
     if mode == "pallas" and not usable:
         raise AttentionUnavailable("attention='pallas' needs the GPU backend, tensor_parallel 1, and head dim and page size "
                          "powers of two >= 16")
-    if usable and pallas_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name, tuning):
-        return gpu_attention.PALLAS if tuning is None else gpu_attention.tuned(gpu_attention.Tuning(*tuning))
+    if usable and pallas_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name,
+                                  tuning or gpu_attention.DEFAULT):
+        return gpu_attention.PALLAS if tuning is None else gpu_attention.tuned(tuning)
     if mode == "pallas":
         raise RuntimeError("the Pallas attention kernel did not compile on this GPU (see the log)")
     return JNP
@@ -65,20 +67,19 @@ def _choose(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtyp
 
 @lru_cache(maxsize=8)
 def pallas_compiles(head_dim: int, page_size: int, dtype: str, kv_dtype: str,
-                    tuning: tuple[int, int, int, int] | None = None) -> bool:
+                    tuning: gpu_attention.Tuning = gpu_attention.DEFAULT) -> bool:
     """Compile and run the kernel once on a small problem of the model's shapes and dtypes and
     the engine's work split (tables two blocks of pages wide, so a block is as many pages as it
     will be): a GPU or Triton version it does not build for costs a log line, not the engine."""
-    settings = gpu_attention.DEFAULT if tuning is None else gpu_attention.Tuning(*tuning)
     stored = storage_dtype(kv_dtype)
-    kv, s, width = 1, 2, 2 * settings.pages_per_block
+    kv, s, width = 1, 2, 2 * tuning.pages_per_block
     q = jnp.zeros((s, 4, head_dim), dtype)
     k = jnp.zeros((kv, s * width, head_dim, page_size), stored)
     v = jnp.zeros((kv, s * width, page_size, head_dim), stored)
     tables = jnp.asarray(np.arange(s * width, dtype=np.int32).reshape(s, width))
     lens = jnp.asarray([width * page_size, 1], jnp.int32)
     try:
-        out = jax.jit(partial(gpu_attention.pallas_decode_attention, tuning=settings))(q, k, v, tables, lens - 1, lens)
+        out = jax.jit(partial(gpu_attention.pallas_decode_attention, tuning=tuning))(q, k, v, tables, lens - 1, lens)
         jax.block_until_ready(out)
         return True
     except Exception:  # noqa: BLE001: whatever Triton or the driver reports, the engine keeps jnp
