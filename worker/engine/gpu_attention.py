@@ -10,7 +10,7 @@ before the softmax update that needs them, and each context is split over severa
 (`Tuning`), whose partial softmaxes are joined afterwards: one page at a time over one program
 per row and KV head left a GPU waiting on memory latency (session 29's H200 read the KV at ~0.7
 TB/s of 3.7 so), and at batch 1 the 8 KV heads of llama3-8b alone would keep 8 of an H100's 132
-multiprocessors busy.
+multiprocessors busy. Session 30's H200 read it at 84 % of the bandwidth with the default split.
 
 Layout (paged_attention.py): keys [KV, N, D, page_size] (transposed pages), values
 [KV, N, page_size, D]; bfloat16 pages arrive as their bit patterns (uint16). The query heads that
@@ -48,15 +48,15 @@ class Tuning:
     `num_stages`: Triton's. `bench attention` sweeps these on the machine at hand."""
 
     pages_per_block: int = 4
-    target_programs: int = 2048
+    target_programs: int = 1024
     num_warps: int = 4
     num_stages: int = 2
 
 
-# Session 17's measured kernel (1 page per iteration, ~512 programs): 0.7 TB/s of an H200's
-# 3.7 at batch 64 x 1552 context (session 29). The default reads 4 pages (64 tokens) per iteration
-# and splits contexts over ~4x the programs, as flash-decoding kernels do; unmeasured on a GPU as
-# yet: `redjax bench attention` (scripts/gpu_bench.sh attention) compares the two.
+# Session 17's kernel (1 page per iteration, ~512 programs). `bench attention` on session 30's
+# H200, one llama3-8b layer at 64 x 1552 tokens with a bfloat16 query: 175 us (63 % of the
+# bandwidth) for it, 130 us (84 %) for the default (4 pages of 64 tokens per iteration, ~1024
+# programs), 134 us at ~2048 programs, 256 us for JAX's own Pallas paged-attention kernel.
 SESSION_17 = Tuning(pages_per_block=1, target_programs=512)
 DEFAULT = Tuning()
 
@@ -149,14 +149,20 @@ def pallas_decode_attention(
     kv, n, _, ps = k_pages.shape
     g = h // kv
     gp = max(MIN_TILE, 1 << (g - 1).bit_length())
-    qg = jnp.pad(q.reshape(s, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [S, KV, Gp, D]
+    bits = k_pages.dtype == BF16_BITS
+    # bfloat16 pages: the products in bfloat16 on the tensor cores, whatever the query's dtype (the
+    # model's projections hand over float32, which made every product a float32 one at full
+    # precision: the engine's calls took several times what the same shape took with a bfloat16
+    # query in `bench attention`). A bfloat16 model in transformers rounds its queries the same way.
+    compute = jnp.bfloat16 if bits else q.dtype
+    qg = jnp.pad(q.astype(compute).reshape(s, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [S, KV, Gp, D]
     p = page_tables.shape[1]
     splits = context_splits(s, kv, p, tuning)
     per_split = -(-p // splits)
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     part = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda i, j, c: (i, j, c) + (0,) * len(shape))  # noqa: E731
     o, m, l = pl.pallas_call(
-        partial(_kernel, window=int(window or 0), bits=k_pages.dtype == BF16_BITS, pages_per_split=per_split,
+        partial(_kernel, window=int(window or 0), bits=bits, pages_per_split=per_split,
                 pages_per_block=min(tuning.pages_per_block, per_split)),
         grid=(s, kv, splits),
         in_specs=[
