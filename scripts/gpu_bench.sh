@@ -36,7 +36,9 @@
 # fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
 # the prompt and output lengths by it), PYTHON (default python3), BENCH_FLAGS (more `bench offline`
 # flags for every run, e.g. "--compile-threads 1"), PALLAS_TUNING (the kernel runs' --pallas-tuning,
-# until an `attention` run picks one), ATTENTION_FLAGS (more `bench attention` flags).
+# until an `attention` run picks one), ATTENTION_FLAGS (more `bench attention` flags), PROFILE (a directory: each
+# `bench offline` run also traces 8 steady decode calls of one more round into PROFILE/RUN and reports
+# device time per decode step by kind; summary.txt gets the kinds and the top kernels).
 set -uo pipefail
 
 runs=()
@@ -85,10 +87,12 @@ left() { echo $((deadline - SECONDS > 1 ? deadline - SECONDS : 1)); }
 bench() {
   local name=$1 n=$2 input=$(($3 / scale)) output=$(($4 / scale))
   shift 4
-  local json="$out/$name.json" started=$SECONDS
+  local json="$out/$name.json" started=$SECONDS profile=()
+  [ -z "${PROFILE:-}" ] || profile=(--profile "$PROFILE/$name")
   echo "=== $name: $n x $input/$output $*" >>"$log"
   timeout "$(left)" "$python" -m worker.cli bench offline --dummy "$preset" --dtype "$dtype" \
-    --num-prompts "$n" --input-len "$input" --output-len "$output" --json --log-level info "$@" $extra >"$json" 2>>"$log"
+    --num-prompts "$n" --input-len "$input" --output-len "$output" --json --log-level info "$@" "${profile[@]}" $extra \
+    >"$json" 2>>"$log"
   local rc=$?
   if [ $rc -ne 0 ]; then
     rm -f "$json"
@@ -107,6 +111,9 @@ line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, decode {r[
 if "ratio" in r:
     line += f"; transformers {r['baseline_output_tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)"
 print(line + f" [{sys.argv[3]} s]")
+if "profile" in r:
+    from worker.bench.profile import table
+    print("\n".join(f"{sys.argv[2]} " + text for text in table(r["profile"])[:8]))
 EOF
 )"
 }

@@ -329,6 +329,13 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     assert f"=== 1024-1024: 64 x 16/16 --attention pallas --pallas-tuning {picked}" in (tmp_path / "d" / "gpu_bench.log").read_text()
     summary = (tmp_path / "d" / "summary.txt").read_text()
     assert "attention pallas 1:512:4:2: " in summary and " us/layer, " in summary
+    # PROFILE: the run's report and summary get the traced decode calls' kernels
+    done = script("batch1", "--out", str(tmp_path / "e"), SIZE_SCALE="4", PROFILE=str(tmp_path / "prof"),
+                  BENCH_FLAGS="--decode-steps 2")  # 16 decode calls: 8 traced
+    assert done.returncode == 0, done.stderr
+    traced = json.loads((tmp_path / "e" / "batch1.json").read_text())["profile"]
+    assert traced["calls"] == 8 and traced["trace"].startswith(str(tmp_path / "prof" / "batch1"))
+    assert "batch1 profile: 8 decode calls (" in done.stdout and "batch1   by kind: " in done.stdout
     # past the deadline: killed and reported
     done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
     assert done.returncode == 0

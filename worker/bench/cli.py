@@ -49,6 +49,10 @@ def offline_parser() -> argparse.ArgumentParser:
                         "prompts), tried on the first round's prompts")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the run (and the baseline, alternating) on fresh prompts; report medians")
+    p.add_argument("--profile", metavar="DIR", help="after the timed rounds, one more round with --profile-calls of "
+                   "its steady decode calls traced by the JAX profiler into DIR (Perfetto JSON); the report adds "
+                   "device time per decode step by kernel and kind (attention, matmul, copy, scatter, other)")
+    p.add_argument("--profile-calls", type=int, default=8, metavar="N", help="decode calls to trace (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="stderr logging (info: each phase's duration and each step variant compiled)")
@@ -90,8 +94,8 @@ def offline(argv: list[str]) -> int:
             ModelConfig.preset(args.dummy)
         except (ModelConfigError, OSError) as exc:
             parser.error(str(exc))
-    if min(args.num_prompts, args.input_len or 1, args.output_len) < 1:
-        parser.error("--num-prompts, --input-len and --output-len must be at least 1")
+    if min(args.num_prompts, args.input_len or 1, args.output_len, args.profile_calls) < 1:
+        parser.error("--num-prompts, --input-len, --output-len and --profile-calls must be at least 1")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
     _check_prompt_source(parser, args)
@@ -102,8 +106,8 @@ def offline(argv: list[str]) -> int:
                     args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file,
                     args.prefix_len)
     try:
-        report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf",
-                               args.hf_batch_size, args.rounds)
+        report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf", args.hf_batch_size,
+                               args.rounds, (args.profile, args.profile_calls) if args.profile else None)
     except (WorkloadError, AttentionUnavailable) as exc:
         parser.error(str(exc))
     if args.json:
@@ -151,6 +155,10 @@ def offline(argv: list[str]) -> int:
         print(f"  round {i + 1}: {f['output_tokens_per_s']:.1f} output tokens/s{base}")
     if r["rounds"] > 1:
         print(f"  (medians over {r['rounds']} rounds)")
+    if "profile" in r:
+        from worker.bench.profile import table
+
+        print("\n".join("  " + line for line in table(r["profile"])))
     return 0
 
 

@@ -144,17 +144,24 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int | li
     """Submit every prompt at once and step until all finish; -> (seconds, output ids per prompt).
     `output_len`: one for all, or each prompt's. Greedy unless `work` says how to sample (request i
     then has seed i)."""
-    lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
-    work = work or Workload(len(prompts), 0, max(lens, default=0))
-    outputs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    for i, (ids, n) in enumerate(zip(prompts, lens, strict=True)):
-        outputs[f"{tag}-{i}"] = []
-        engine.add_request(f"{tag}-{i}", ids, work.params(n, i))
+    outputs = submit(engine, prompts, output_len, work, tag)
     while engine.has_unfinished():
         for out in probe.step(engine) if probe else engine.step():
             outputs[out.request_id] += out.token_ids
     return time.perf_counter() - t0, list(outputs.values())
+
+
+def submit(engine: LLMEngine, prompts: list[list[int]], output_len: int | list[int], work: Workload | None,
+           tag: str) -> dict[str, list[int]]:
+    """Add every prompt as a request -> an empty output list per request id, in prompt order."""
+    lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
+    work = work or Workload(len(prompts), 0, max(lens, default=0))
+    outputs: dict[str, list[int]] = {}
+    for i, (ids, n) in enumerate(zip(prompts, lens, strict=True)):
+        outputs[f"{tag}-{i}"] = []
+        engine.add_request(f"{tag}-{i}", ids, work.params(n, i))
+    return outputs
 
 
 def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
@@ -176,12 +183,14 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
 
 
 def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
-                  compare_hf: bool = False, hf_batch_size: int | None = None, rounds: int = 1) -> dict:
+                  compare_hf: bool = False, hf_batch_size: int | None = None, rounds: int = 1,
+                  profile: tuple[str, int] | None = None) -> dict:
     """Run the workload `rounds` times (each round on fresh prompts from an empty prefix cache, which
     serves only what the round's prompts share), with --compare hf transformers right after each
     round on the same prompts.
     Throughputs are medians over rounds and the ratio the median of the per-round ratios: on a
-    shared VM a neighbour's burst then moves one round, not the answer."""
+    shared VM a neighbour's burst then moves one round, not the answer. `profile` (directory,
+    calls): one more round afterwards, with that many of its steady decode calls traced (profile.py)."""
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
     with tempfile.TemporaryDirectory(prefix="redjax-bench-") as tmp:
@@ -189,11 +198,18 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
         save_to = Path(tmp) / "model" if compare_hf and preset else None
         engine, weights_dir = make_engine(model_dir, preset, overrides, work, save_to)
         work.check(engine.model_config.vocab_size, engine.max_model_len)
-        return _bench(engine, weights_dir, model_dir, preset, work, compare_hf, hf_batch_size, rounds)
+        report, probe = _bench(engine, weights_dir, model_dir, preset, work, compare_hf, hf_batch_size, rounds)
+        if profile:
+            from worker.bench.profile import profile_decode
+
+            engine.allocator.uncache(engine.allocator.cache_entries())
+            prompts = work.round_prompts(engine.model_config.vocab_size, rounds)
+            report["profile"] = profile_decode(engine, probe, prompts, work.output_lens, work, *profile)
+        return report
 
 
 def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, compare_hf: bool, hf_batch_size: int | None,
-           rounds: int) -> dict:
+           rounds: int) -> tuple[dict, StepProbe]:
     cfg = engine.model_config
     dtype = engine.config.dtype or cfg.dtype
     itemsize = jnp.dtype(DTYPES[dtype]).itemsize
@@ -278,7 +294,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
             report["greedy_match_fraction"] = min(f["greedy_match_fraction"] for f in per_round)
     if rounds > 1:
         report["per_round"] = per_round
-    return report
+    return report, probe  # the probe: for a profiled round after this
 
 
 def auto_batch_sizes(num_prompts: int) -> list[int]:

@@ -1,0 +1,138 @@
+"""`bench offline --profile DIR`: where a steady decode step's device time goes, kernel by kernel.
+
+After the timed rounds, one more round of the same workload runs. Once two engine calls in a row
+are pure decode (every prompt prefilled), the JAX profiler traces the next `calls` calls; the
+trace (Perfetto JSON, for ui.perfetto.dev or TensorBoard) stays in DIR. The summary groups the
+trace's device events by kernel name, each with its share of the traced device time, its
+milliseconds per decode step and its kind (the decode attention kernel, matrix products, copies,
+scatters, the rest). On a CPU, where XLA runs its ops on host threads, those threads' op events
+stand in for a device's.
+
+The timed figures are not touched: the profiled round comes after them, and the profiler's
+overhead stays in it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+
+# a kernel's kind: the first whose words appear in its lowercased name
+KINDS = (
+    ("attention", ("paged_decode_attention", "attention")),
+    ("matmul", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot")),
+    ("copy", ("copy", "memcpy", "memset", "transpose")),
+    ("scatter", ("scatter", "dynamic_update_slice", "dynamic-update-slice")),
+)
+# host-thread events that are bookkeeping, not an XLA op (the CPU fallback)
+HOST_NOISE = ("threadpool", "await", "end: ", "thunkexecutor", "execute")
+TOP = 15  # kernels listed by name; the rest are summed into their kinds only
+
+
+def family(name: str) -> str:
+    """An op's name without XLA's numbering ("fusion.12", "loop_add_fusion_3" -> "fusion",
+    "loop_add_fusion"): one layer's instance of an op is summed with the other layers'."""
+    return re.sub(r"([._]\d+)+$", "", name)
+
+
+def kind(name: str) -> str:
+    lower = name.lower()
+    return next((k for k, words in KINDS if any(w in lower for w in words)), "other")
+
+
+def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[int], work, directory: str,
+                   calls: int) -> dict:
+    """Run `prompts` to the end, tracing `calls` steady decode calls -> the trace's summary."""
+    from worker.bench.offline import WorkloadError, submit
+
+    outputs = submit(engine, prompts, output_lens, work, tag="profile")
+    pure_in_a_row, traced, tracing, steps0 = 0, 0, False, 0
+    while engine.has_unfinished():
+        prefill_calls = probe.prefill.calls
+        for out in probe.step(engine):
+            outputs[out.request_id] += out.token_ids
+        pure_in_a_row = pure_in_a_row + 1 if probe.prefill.calls == prefill_calls else 0
+        if tracing:
+            traced += 1
+            if traced == calls or not engine.has_unfinished():
+                jax.effects_barrier()
+                jax.profiler.stop_trace()
+                tracing = False
+                steps = probe.decode.decode_steps - steps0
+        elif traced == 0 and pure_in_a_row >= 2:
+            jax.profiler.start_trace(directory, create_perfetto_trace=True)
+            tracing, steps0 = True, probe.decode.decode_steps
+    if traced == 0:
+        raise WorkloadError("the profiled round never reached two decode-only calls in a row: nothing was traced "
+                         "(longer outputs, or fewer prompts than --max-num-seqs, give it some)")
+    summary = summarize(newest_trace(directory), steps)
+    return {"directory": directory, "calls": traced, **summary}
+
+
+def newest_trace(directory: str) -> Path:
+    traces = sorted(Path(directory).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}")
+    return traces[-1]
+
+
+def summarize(trace: Path, decode_steps: int) -> dict:
+    """Device time by kernel (numbering dropped: `family`) and by kind, per decode step and as
+    shares of the traced total, with each kernel's launches per step."""
+    with gzip.open(trace, "rt") as f:
+        data = json.load(f)
+    ops = op_events(data["traceEvents"] if isinstance(data, dict) else data)
+    total = sum(us for us, _ in ops.values()) or 1.0
+    steps = max(decode_steps, 1)
+
+    def row(us: float, calls: int) -> dict:
+        return {"ms_per_step": us / 1e3 / steps, "share": us / total, "calls_per_step": calls / steps}
+
+    by_kind: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for name, (us, calls) in ops.items():
+        by_kind[kind(name)][0] += us
+        by_kind[kind(name)][1] += calls
+    top = sorted(ops.items(), key=lambda item: -item[1][0])[:TOP]
+    return {
+        "trace": str(trace), "decode_steps": decode_steps, "device_ms_per_step": total / 1e3 / steps,
+        "by_kind": {k: row(*v) for k, v in sorted(by_kind.items(), key=lambda item: -item[1][0])},
+        "top": [{"name": name, "kind": kind(name), **row(*v)} for name, v in top],
+    }
+
+
+def op_events(events: list[dict]) -> dict[str, tuple[float, int]]:
+    """(microseconds, events) by op family on the device's kernel lines: a GPU's streams (not the
+    lines that repeat them per XLA op or module), else, on a CPU, XLA's host threads."""
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    device = {key: name for key, name in threads.items() if processes.get(key[0], "").startswith("/device:")}
+    streams = {key for key, name in device.items() if "stream" in name.lower()}
+    if streams:
+        lines, noise = streams, ()
+    else:
+        lines = {key for key, name in threads.items() if name.startswith("tf_XLA")}
+        noise = HOST_NOISE
+    out: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise):
+            entry = out[family(e["name"])]
+            entry[0] += float(e.get("dur", 0.0))
+            entry[1] += 1
+    return {name: (us, calls) for name, (us, calls) in out.items()}
+
+
+def table(profile: dict) -> list[str]:
+    lines = [f"profile: {profile['calls']} decode calls ({profile['decode_steps']} steps) traced to "
+             f"{profile['directory']}; device time {profile['device_ms_per_step']:.2f} ms per step",
+             "  by kind: " + ", ".join(f"{k} {r['ms_per_step']:.2f} ms ({r['share']:.0%})"
+                                      for k, r in profile["by_kind"].items())]
+    for r in profile["top"]:
+        lines.append(f"  {r['ms_per_step']:>8.3f} ms {r['share']:>6.1%} {r['calls_per_step']:>6.1f}/step  {r['kind']:<9} "
+                     f"{r['name'][:80]}")
+    return lines
