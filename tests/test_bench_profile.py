@@ -80,3 +80,20 @@ def test_names_and_kinds():
     assert profile.kind("cutlass_80_tensorop_bf16_s16816gemm") == "matmul" and profile.kind("nvjet_hsh") == "matmul"
     assert profile.kind("input_scatter_fusion") == "scatter" and profile.kind("copy.4") == "copy"
     assert profile.kind("loop_multiply_fusion") == "other"
+
+
+def test_the_profiled_round_ends_after_its_trace_with_nothing_left_behind(tmp_path):
+    """Once its calls are traced the round's requests are aborted: the engine is idle, every page
+    is free again (the prefix cache emptied), and only the traced calls were stepped past the trace."""
+    from worker.bench.offline import Workload, make_engine
+    from worker.bench.probe import StepProbe
+
+    work = Workload(num_prompts=4, input_len=16, output_len=200)
+    engine, _ = make_engine(None, "llama-tiny", {"decode_steps": 2}, work)
+    probe = StepProbe().install(engine)
+    prompts = work.round_prompts(engine.model_config.vocab_size, 0)
+    p = profile.profile_decode(engine, probe, prompts, work.output_lens, work, str(tmp_path), calls=3)
+    assert p["calls"] == 3 and not engine.has_unfinished()
+    assert probe.decode.decode_steps < 2 * 20  # far short of the 200 tokens the requests asked for
+    engine.allocator.uncache(engine.allocator.cache_entries())
+    assert engine.pages_used == 0

@@ -9,7 +9,8 @@ scatters, the rest). On a CPU, where XLA runs its ops on host threads, those thr
 stand in for a device's.
 
 The timed figures are not touched: the profiled round comes after them, and the profiler's
-overhead stays in it.
+overhead stays in it. Once traced, the round's requests are aborted (on a lent GPU its remaining
+tens of seconds would say nothing new).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
                 jax.profiler.stop_trace()
                 tracing = False
                 steps = probe.decode.decode_steps - steps0
+                for request_id in outputs:  # the rest of the round tells nothing new (device time is scarce)
+                    engine.abort(request_id)
         elif traced == 0 and pure_in_a_row >= 2:
             jax.profiler.start_trace(directory, create_perfetto_trace=True)
             tracing, steps0 = True, probe.decode.decode_steps
