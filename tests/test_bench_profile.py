@@ -57,20 +57,41 @@ def gpu_trace(path, events):
 
 
 def test_summary_of_a_gpu_trace_counts_stream_kernels_once(tmp_path):
-    x = lambda name, dur, tid=7, pid=1: {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": 0, "dur": dur}  # noqa: E731
-    events = [x("redjax_paged_decode_attention", 100) for _ in range(4)]  # 2 steps x 2 layers
-    events += [x("sm90_xmma_gemm_bf16bf16_bf16f32", 150), x("nvjet_tst_128x64", 150),
-               x("loop_add_fusion_3", 30), x("loop_add_fusion_12", 30), x("copy_fusion_1", 40)]
-    events += [x("fusion.3", 600, tid=8), x("PjitFunction(step)", 5000, tid=1, pid=2)]  # repeats and host time
-    s = profile.summarize(gpu_trace(tmp_path / "t.json.gz", events), decode_steps=2)
-    assert s["device_ms_per_step"] == pytest.approx(0.4)  # 800 us of kernels over 2 steps
-    assert s["by_kind"]["attention"] == pytest.approx({"ms_per_step": 0.2, "share": 0.5, "calls_per_step": 2.0})
-    assert s["by_kind"]["matmul"]["ms_per_step"] == pytest.approx(0.15)
-    assert s["by_kind"]["other"]["ms_per_step"] == pytest.approx(0.03)
-    assert s["by_kind"]["copy"]["share"] == pytest.approx(40 / 800)
-    assert s["top"][0]["name"] == "redjax_paged_decode_attention"
-    assert {"name": "loop_add_fusion", "kind": "other", "ms_per_step": pytest.approx(0.03),
-            "share": pytest.approx(60 / 800), "calls_per_step": 1.0} in s["top"]
+    """Two decode steps of two layers, kernels back to back on one stream with a 10 us launch gap
+    after each, and one 500 us wait on the host between the steps; the per-op line repeating the
+    stream's kernels and the host's own events must not count."""
+    kernels = ["redjax_paged_decode_attention", "sm90_xmma_gemm_bf16bf16_bf16f32", "loop_add_fusion_3",
+               "redjax_paged_decode_attention", "nvjet_tst_128x64", "loop_add_fusion_12", "copy_fusion_1"]
+    durations = [100, 150, 30, 100, 150, 30, 40]  # one step: 600 us of kernels
+    events, t = [], 0.0
+    for step in range(2):
+        for name, dur in zip(kernels, durations):
+            events.append({"ph": "X", "name": name, "pid": 1, "tid": 7, "ts": t, "dur": dur})
+            t += dur + 10
+        t += 500 - 10 if step == 0 else 0
+    events += [{"ph": "X", "name": "fusion.3", "pid": 1, "tid": 8, "ts": 0, "dur": 600},
+               {"ph": "X", "name": "PjitFunction(step)", "pid": 2, "tid": 1, "ts": 0, "dur": 5000}]
+    s = profile.summarize(gpu_trace(tmp_path / "t.json.gz", events), decode_steps=5, num_layers=2)
+    assert (s["decode_steps"], s["steps_from"]) == (2, "attention kernels")  # 4 attention kernels / 2 layers
+    assert s["device_ms_per_step"] == pytest.approx(0.6)
+    assert s["by_kind"]["attention"] == pytest.approx({"ms_per_step": 0.2, "share": 1 / 3, "calls_per_step": 2.0})
+    assert s["by_kind"]["matmul"]["ms_per_step"] == pytest.approx(0.3)
+    assert s["by_kind"]["other"]["ms_per_step"] == pytest.approx(0.06)
+    assert s["by_kind"]["copy"]["share"] == pytest.approx(80 / 1200)
+    assert s["top"][0]["name"] in ("redjax_paged_decode_attention", "sm90_xmma_gemm_bf16bf16_bf16f32")
+    assert {"name": "loop_add_fusion", "kind": "other", "ms_per_step": pytest.approx(0.06),
+            "share": pytest.approx(120 / 1200), "calls_per_step": 2.0} in s["top"]
+    # 12 launch gaps of 10 us and one host wait of 500 us over a span of 1200 + 120 + 500 us
+    assert s["short_gaps_ms_per_step"] == pytest.approx(0.12 / 2) and s["long_gaps"] == 1
+    assert s["long_gaps_ms_per_step"] == pytest.approx(0.25)
+    assert s["span_ms_per_step"] == pytest.approx(1.82 / 2) and s["busy_fraction"] == pytest.approx(1200 / 1820)
+    # without the layer count (or on the jnp path, no kernel to count) the engine's step count
+    assert profile.summarize(tmp_path / "t.json.gz", decode_steps=5)["decode_steps"] == 5
+
+
+def test_busy_time_merges_overlapping_kernels():
+    assert profile.busy_time([(0, 10), (5, 20), (25, 30), (130, 140)]) == (140, 35, 5, 100, 1)
+    assert profile.busy_time([]) == (0.0, 0.0, 0.0, 0.0, 0)
 
 
 def test_names_and_kinds():

@@ -5,8 +5,9 @@ are pure decode (every prompt prefilled), the JAX profiler traces the next `call
 trace (Perfetto JSON, for ui.perfetto.dev or TensorBoard) stays in DIR. The summary groups the
 trace's device events by kernel name, each with its share of the traced device time, its
 milliseconds per decode step and its kind (the decode attention kernel, matrix products, copies,
-scatters, the rest). On a CPU, where XLA runs its ops on host threads, those threads' op events
-stand in for a device's.
+scatters, the rest), and says how busy the device was across the window: the idle gaps between
+kernels, short ones (launch latency) apart from long ones (the device waiting on the host). On a
+CPU, where XLA runs its ops on host threads, those threads' op events stand in for a device's.
 
 The timed figures are not touched: the profiled round comes after them, and the profiler's
 overhead stays in it. Once traced, the round's requests are aborted (on a lent GPU its remaining
@@ -61,7 +62,9 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
         if tracing:
             traced += 1
             if traced == calls or not engine.has_unfinished():
-                jax.effects_barrier()
+                flight = getattr(engine, "_inflight", None)  # launched in the window: traced whole
+                if flight is not None:
+                    jax.block_until_ready(flight.out)
                 jax.profiler.stop_trace()
                 tracing = False
                 steps = probe.decode.decode_steps - steps0
@@ -73,7 +76,7 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
     if traced == 0:
         raise WorkloadError("the profiled round never reached two decode-only calls in a row: nothing was traced "
                          "(longer outputs, or fewer prompts than --max-num-seqs, give it some)")
-    summary = summarize(newest_trace(directory), steps)
+    summary = summarize(newest_trace(directory), steps, engine.model_config.num_layers)
     return {"directory": directory, "calls": traced, **summary}
 
 
@@ -84,33 +87,75 @@ def newest_trace(directory: str) -> Path:
     return traces[-1]
 
 
-def summarize(trace: Path, decode_steps: int) -> dict:
+def summarize(trace: Path, decode_steps: int, num_layers: int = 0) -> dict:
     """Device time by kernel (numbering dropped: `family`) and by kind, per decode step and as
-    shares of the traced total, with each kernel's launches per step."""
+    shares of the traced total, with each kernel's launches per step; and how busy the device
+    was from its first traced kernel to its last, with the idle gaps between kernels split into
+    short ones (under GAP_US: launch latency) and long ones (the device waiting on the host).
+
+    Steps: where the decode attention kernel shows (a GPU's Pallas kernel, once a layer a step),
+    its launches over `num_layers`, exact whatever the window caught; else `decode_steps`, the
+    steps of the calls the engine read back in the window."""
     with gzip.open(trace, "rt") as f:
         data = json.load(f)
-    ops = op_events(data["traceEvents"] if isinstance(data, dict) else data)
+    ops, intervals = op_events(data["traceEvents"] if isinstance(data, dict) else data)
     total = sum(us for us, _ in ops.values()) or 1.0
-    steps = max(decode_steps, 1)
-
-    def row(us: float, calls: int) -> dict:
-        return {"ms_per_step": us / 1e3 / steps, "share": us / total, "calls_per_step": calls / steps}
-
     by_kind: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for name, (us, calls) in ops.items():
         by_kind[kind(name)][0] += us
         by_kind[kind(name)][1] += calls
+    attention_calls = by_kind["attention"][1] if "attention" in by_kind else 0
+    counted = attention_calls and num_layers and attention_calls % num_layers == 0
+    steps = attention_calls // num_layers if counted else max(decode_steps, 1)
+
+    def row(us: float, calls: int) -> dict:
+        return {"ms_per_step": us / 1e3 / steps, "share": us / total, "calls_per_step": calls / steps}
+
     top = sorted(ops.items(), key=lambda item: -item[1][0])[:TOP]
+    span, busy, short, long, long_count = busy_time(intervals)
     return {
-        "trace": str(trace), "decode_steps": decode_steps, "device_ms_per_step": total / 1e3 / steps,
+        "trace": str(trace), "decode_steps": steps, "steps_from": "attention kernels" if counted else "engine",
+        "device_ms_per_step": total / 1e3 / steps,
+        "span_ms_per_step": span / 1e3 / steps, "busy_fraction": busy / span if span else 0.0,
+        "short_gaps_ms_per_step": short / 1e3 / steps, "long_gaps_ms_per_step": long / 1e3 / steps,
+        "long_gaps": long_count,
         "by_kind": {k: row(*v) for k, v in sorted(by_kind.items(), key=lambda item: -item[1][0])},
         "top": [{"name": name, "kind": kind(name), **row(*v)} for name, v in top],
     }
 
 
-def op_events(events: list[dict]) -> dict[str, tuple[float, int]]:
+GAP_US = 50.0  # an idle gap between kernels shorter than this is launch latency, longer the host
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> tuple[float, float, float, float, int]:
+    """(start, end) microseconds of kernels -> (span, busy, short gaps, long gaps, long-gap count)."""
+    if not intervals:
+        return 0.0, 0.0, 0.0, 0.0, 0
+    intervals = sorted(intervals)
+    busy = short = long = 0.0
+    count = 0
+    start, end = intervals[0]
+    for a, b in intervals[1:]:
+        if a <= end:  # overlapping kernels (several streams) are busy once
+            end = max(end, b)
+            continue
+        busy += end - start
+        gap = a - end
+        if gap < GAP_US:
+            short += gap
+        else:
+            long += gap
+            count += 1
+        start, end = a, b
+    busy += end - start
+    span = max(b for _, b in intervals) - intervals[0][0]
+    return span, busy, short, long, count
+
+
+def op_events(events: list[dict]) -> tuple[dict[str, tuple[float, int]], list[tuple[float, float]]]:
     """(microseconds, events) by op family on the device's kernel lines: a GPU's streams (not the
-    lines that repeat them per XLA op or module), else, on a CPU, XLA's host threads."""
+    lines that repeat them per XLA op or module), else, on a CPU, XLA's host threads; and each
+    event's (start, end)."""
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -122,17 +167,23 @@ def op_events(events: list[dict]) -> dict[str, tuple[float, int]]:
         lines = {key for key, name in threads.items() if name.startswith("tf_XLA")}
         noise = HOST_NOISE
     out: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    intervals = []
     for e in events:
         if e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise):
+            dur = float(e.get("dur", 0.0))
             entry = out[family(e["name"])]
-            entry[0] += float(e.get("dur", 0.0))
+            entry[0] += dur
             entry[1] += 1
-    return {name: (us, calls) for name, (us, calls) in out.items()}
+            intervals.append((float(e["ts"]), float(e["ts"]) + dur))
+    return {name: (us, calls) for name, (us, calls) in out.items()}, intervals
 
 
 def table(profile: dict) -> list[str]:
     lines = [f"profile: {profile['calls']} decode calls ({profile['decode_steps']} steps) traced to "
              f"{profile['directory']}; device time {profile['device_ms_per_step']:.2f} ms per step",
+             f"  first kernel to last: {profile['span_ms_per_step']:.2f} ms per step, busy "
+             f"{profile['busy_fraction']:.0%}; idle gaps under {GAP_US:.0f} us {profile['short_gaps_ms_per_step']:.2f} ms, "
+             f"longer {profile['long_gaps_ms_per_step']:.2f} ms per step ({profile['long_gaps']} of them)",
              "  by kind: " + ", ".join(f"{k} {r['ms_per_step']:.2f} ms ({r['share']:.0%})"
                                       for k, r in profile["by_kind"].items())]
     for r in profile["top"]:
