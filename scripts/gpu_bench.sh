@@ -113,7 +113,7 @@ if "ratio" in r:
 print(line + f" [{sys.argv[3]} s]")
 if "profile" in r:
     from worker.bench.profile import table
-    print("\n".join(f"{sys.argv[2]} " + text for text in table(r["profile"])[:8]))
+    print("\n".join(f"{sys.argv[2]} " + text for text in table(r["profile"])[:9]))
 EOF
 )"
 }
