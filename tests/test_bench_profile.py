@@ -87,6 +87,9 @@ def test_summary_of_a_gpu_trace_counts_stream_kernels_once(tmp_path):
     assert s["span_ms_per_step"] == pytest.approx(1.82 / 2) and s["busy_fraction"] == pytest.approx(1200 / 1820)
     # without the layer count (or on the jnp path, no kernel to count) the engine's step count
     assert profile.summarize(tmp_path / "t.json.gz", decode_steps=5)["decode_steps"] == 5
+    # a window that cut a step: its kernels count in proportion (3 attention launches: 1.5 steps)
+    cut = profile.summarize(gpu_trace(tmp_path / "cut.json.gz", events[1:7 + 7]), decode_steps=5, num_layers=2)
+    assert cut["decode_steps"] == pytest.approx(1.5)
 
 
 def test_busy_time_merges_overlapping_kernels():

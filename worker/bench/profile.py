@@ -94,8 +94,8 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0) -> dict:
     short ones (under GAP_US: launch latency) and long ones (the device waiting on the host).
 
     Steps: where the decode attention kernel shows (a GPU's Pallas kernel, once a layer a step),
-    its launches over `num_layers`, exact whatever the window caught; else `decode_steps`, the
-    steps of the calls the engine read back in the window."""
+    its launches over `num_layers` (a fraction where the window cut a step: that step's kernels
+    count in proportion); else `decode_steps`, the steps of the calls read back in the window."""
     with gzip.open(trace, "rt") as f:
         data = json.load(f)
     ops, intervals = op_events(data["traceEvents"] if isinstance(data, dict) else data)
@@ -105,8 +105,8 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0) -> dict:
         by_kind[kind(name)][0] += us
         by_kind[kind(name)][1] += calls
     attention_calls = by_kind["attention"][1] if "attention" in by_kind else 0
-    counted = attention_calls and num_layers and attention_calls % num_layers == 0
-    steps = attention_calls // num_layers if counted else max(decode_steps, 1)
+    counted = bool(attention_calls and num_layers)
+    steps = attention_calls / num_layers if counted else max(decode_steps, 1)
 
     def row(us: float, calls: int) -> dict:
         return {"ms_per_step": us / 1e3 / steps, "share": us / total, "calls_per_step": calls / steps}
@@ -179,7 +179,7 @@ def op_events(events: list[dict]) -> tuple[dict[str, tuple[float, int]], list[tu
 
 
 def table(profile: dict) -> list[str]:
-    lines = [f"profile: {profile['calls']} decode calls ({profile['decode_steps']} steps) traced to "
+    lines = [f"profile: {profile['calls']} decode calls ({profile['decode_steps']:.1f} steps) traced to "
              f"{profile['directory']}; device time {profile['device_ms_per_step']:.2f} ms per step",
              f"  first kernel to last: {profile['span_ms_per_step']:.2f} ms per step, busy "
              f"{profile['busy_fraction']:.0%}; idle gaps under {GAP_US:.0f} us {profile['short_gaps_ms_per_step']:.2f} ms, "
