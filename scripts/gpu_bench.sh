@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md ("GPU results"), on a machine with one NVIDIA GPU.
 #
-#   scripts/gpu_bench.sh RUN... [--out OUTDIR] [--cache-in DIR] [--cache-out]
+#   scripts/gpu_bench.sh RUN... [--out OUTDIR] [--cache-in DIR] [--cache-out] [--autotune-out]
 #
 # Runs, in the order given:
 #   check          the machine (nvidia-smi, jax's devices) and tests/test_gpu_attention.py (the
@@ -31,6 +31,10 @@
 # unpacks DIR/jax-cache.tgz.* into the cache before the runs (keep the cache's path: XLA's compile
 # options, part of every cache key, name it). Leave the call ~20 s past DEADLINE_S
 # for the packing (without DEADLINE_S, the runs stop 20 s before the default's 570).
+# The compiled programs of an 8B model may not fit in what a call brings back; XLA's autotuning
+# results, ~90 % of a first compile's time on a GPU (session 29), are small: --autotune-out packs
+# only them (the cache's xla_gpu_per_fusion_autotune_cache_dir) as OUTDIR/xla-autotune.tgz, and
+# --cache-in DIR restores DIR/xla-autotune.tgz too. They hold for the same GPU model and XLA.
 #
 # Environment: PRESET (default llama3-8b), DTYPE (default bfloat16), ATTENTION (default pallas:
 # fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
@@ -45,20 +49,22 @@ runs=()
 out=${OUT:-gpu-results}
 cache_in=
 cache_out=
+autotune_out=
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift 2 ;;
     --cache-in) cache_in=$2; shift 2 ;;
     --cache-out) cache_out=1; shift ;;
+    --autotune-out) autotune_out=1; shift ;;
     *) runs+=("$1"); shift ;;
   esac
 done
-[ ${#runs[@]} -gt 0 ] || { echo "usage: scripts/gpu_bench.sh RUN... [--out OUTDIR] [--cache-in DIR] [--cache-out]" >&2; exit 2; }
+[ ${#runs[@]} -gt 0 ] || { echo "usage: scripts/gpu_bench.sh RUN... [--out OUTDIR] [--cache-in DIR] [--cache-out] [--autotune-out]" >&2; exit 2; }
 preset=${PRESET:-llama3-8b}
 dtype=${DTYPE:-bfloat16}
 attention=${ATTENTION:-pallas}
 deadline=$((SECONDS + ${DEADLINE_S:-570}))
-[ -z "$cache_out" ] || deadline=$((deadline - 20))  # time to pack the cache within the call
+[ -z "$cache_out$autotune_out" ] || deadline=$((deadline - 20))  # time to pack the cache within the call
 scale=${SIZE_SCALE:-1}
 python=${PYTHON:-python3}
 extra=${BENCH_FLAGS:-}  # word-split on purpose: several flags
@@ -72,10 +78,14 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COM
 say() { echo "$*" | tee -a "$out/summary.txt"; }
 
 mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+autotune=$JAX_COMPILATION_CACHE_DIR/xla_gpu_per_fusion_autotune_cache_dir  # where jax points XLA's
 if [ -n "$cache_in" ]; then
   if compgen -G "$cache_in/jax-cache.tgz.*" >/dev/null; then
     cat "$cache_in"/jax-cache.tgz.* | tar xz -C "$JAX_COMPILATION_CACHE_DIR" \
       && say "cache: restored $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries from $cache_in"
+  elif [ -f "$cache_in/xla-autotune.tgz" ]; then
+    mkdir -p "$autotune" && tar xzf "$cache_in/xla-autotune.tgz" -C "$autotune" \
+      && say "cache: restored $(find "$autotune" -type f | wc -l) autotuning results from $cache_in"
   else
     say "cache: nothing to restore in $cache_in"
   fi
@@ -171,4 +181,9 @@ if [ -n "$cache_out" ]; then
   rm -f "$out"/jax-cache.tgz.*
   tar cz -C "$JAX_COMPILATION_CACHE_DIR" . | split -b 15M - "$out/jax-cache.tgz."
   say "cache: $(ls "$JAX_COMPILATION_CACHE_DIR" | wc -l) entries saved as $(ls "$out"/jax-cache.tgz.* | wc -l) part(s) in $out"
+fi
+if [ -n "$autotune_out" ]; then
+  mkdir -p "$autotune"
+  tar czf "$out/xla-autotune.tgz" -C "$autotune" .
+  say "cache: $(find "$autotune" -type f | wc -l) autotuning results saved as $out/xla-autotune.tgz ($(du -k "$out/xla-autotune.tgz" | cut -f1) KiB)"
 fi

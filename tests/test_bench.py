@@ -371,3 +371,16 @@ def test_gpu_bench_compile_cache_travels_between_invocations(tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == saved  # every program was found there, none compiled again
     empty = script("--out", str(tmp_path / "c"), "--cache-in", str(tmp_path / "nothing"))
     assert empty.stdout.startswith("cache: nothing to restore in "), empty.stdout
+    # XLA's autotuning results alone (a GPU writes them under the cache; here two stand-ins)
+    tuned = cache / "xla_gpu_per_fusion_autotune_cache_dir"
+    for name in ("a1.textproto", "b2.textproto"):
+        (tuned / name).parent.mkdir(exist_ok=True)
+        (tuned / name).write_text(f"result {name}")
+    only = script("--out", str(tmp_path / "d"), "--autotune-out")
+    assert only.returncode == 0, only.stderr
+    assert only.stdout.splitlines()[-1].startswith(f"cache: 2 autotuning results saved as {tmp_path / 'd'}/xla-autotune.tgz")
+    assert not list((tmp_path / "d").glob("jax-cache.tgz.*"))
+    shutil.rmtree(cache)
+    back = script("--out", str(tmp_path / "e"), "--cache-in", str(tmp_path / "d"))
+    assert back.stdout.splitlines()[0] == f"cache: restored 2 autotuning results from {tmp_path / 'd'}"
+    assert (tuned / "b2.textproto").read_text() == "result b2.textproto"
