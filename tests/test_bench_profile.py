@@ -26,6 +26,13 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     assert sum(k["share"] for k in p["by_kind"].values()) == pytest.approx(1.0)
     assert sum(k["ms_per_step"] for k in p["by_kind"].values()) == pytest.approx(p["device_ms_per_step"])
     assert report["output_tokens"] == 4 * 80  # the timed round is reported as before
+    # the CPU kernels are named by their targets, so the kinds and the step count come out as on a GPU
+    assert {"attention", "matmul"} <= set(p["by_kind"]) and p["steps_from"] == "attention kernels"
+    names = {r["name"] for r in p["top"]}
+    assert {"redjax_paged_attention", "redjax_panel_matmul"} <= names, names
+    # 2 layers of 7 projections and the output head: the traced steps are whole decode steps
+    # (within 2 %: the window may cut a step between its attention and its products)
+    assert next(r for r in p["top"] if r["name"] == "redjax_panel_matmul")["calls_per_step"] == pytest.approx(15, rel=0.02)
 
 
 def test_text_report_lists_the_kernels(tmp_path, capsys):
@@ -97,12 +104,22 @@ def test_busy_time_merges_overlapping_kernels():
     assert profile.busy_time([]) == (0.0, 0.0, 0.0, 0.0, 0)
 
 
+def test_op_targets_name_kernel_calls_unless_programs_disagree():
+    one = ('  %ffi_call.41 = f32[64,256]{1,0} custom-call(%a, %b), custom_call_target="redjax_rms_norm", x=1\n'
+           '  %ffi_call.42 = f32[64,256]{1,0} custom-call(%c), custom_call_target="redjax_panel_matmul"\n'
+           '  %fusion.3 = f32[4]{0} fusion(%d), kind=kLoop\n')
+    other = '  %ffi_call.42 = f32[8]{0} custom-call(%e), custom_call_target="redjax_paged_attention"\n'
+    assert profile.op_targets([one]) == {"ffi_call.41": "redjax_rms_norm", "ffi_call.42": "redjax_panel_matmul"}
+    assert profile.op_targets([one, other]) == {"ffi_call.41": "redjax_rms_norm"}
+
+
 def test_names_and_kinds():
     assert profile.family("fusion.12") == "fusion" and profile.family("loop_add_fusion_3") == "loop_add_fusion"
     assert profile.family("redjax_paged_decode_attention") == "redjax_paged_decode_attention"
     assert profile.kind("redjax_paged_decode_attention") == "attention"
     assert profile.kind("cutlass_80_tensorop_bf16_s16816gemm") == "matmul" and profile.kind("nvjet_hsh") == "matmul"
     assert profile.kind("input_scatter_fusion") == "scatter" and profile.kind("copy.4") == "copy"
+    assert profile.kind("redjax_kv_write") == "scatter" and profile.kind("redjax_paged_attention") == "attention"
     assert profile.kind("loop_multiply_fusion") == "other"
 
 

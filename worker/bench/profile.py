@@ -7,7 +7,8 @@ trace's device events by kernel name, each with its share of the traced device t
 milliseconds per decode step and its kind (the decode attention kernel, matrix products, copies,
 scatters, the rest), and says how busy the device was across the window: the idle gaps between
 kernels, short ones (launch latency) apart from long ones (the device waiting on the host). On a
-CPU, where XLA runs its ops on host threads, those threads' op events stand in for a device's.
+CPU, where XLA runs its ops on host threads, those threads' op events stand in for a device's,
+and each kernel call (`ffi_call.N` there) is named by its target in the compiled programs.
 
 The timed figures are not touched: the profiled round comes after them, and the profiler's
 overhead stays in it. Once traced, the round's requests are aborted (on a lent GPU its remaining
@@ -29,7 +30,7 @@ KINDS = (
     ("attention", ("paged_decode_attention", "attention")),
     ("matmul", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot")),
     ("copy", ("copy", "memcpy", "memset", "transpose")),
-    ("scatter", ("scatter", "dynamic_update_slice", "dynamic-update-slice")),
+    ("scatter", ("scatter", "dynamic_update_slice", "dynamic-update-slice", "kv_write")),
 )
 # host-thread events that are bookkeeping, not an XLA op (the CPU fallback)
 HOST_NOISE = ("threadpool", "await", "end: ", "thunkexecutor", "execute")
@@ -76,8 +77,22 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
     if traced == 0:
         raise WorkloadError("the profiled round never reached two decode-only calls in a row: nothing was traced "
                          "(longer outputs, or fewer prompts than --max-num-seqs, give it some)")
-    summary = summarize(newest_trace(directory), steps, engine.model_config.num_layers)
+    # a GPU trace names its kernels; a CPU one names HLO ops, whose targets the programs hold
+    targets = op_targets(c.as_text() for c in engine.runner.ready.values()) if jax.default_backend() == "cpu" else {}
+    summary = summarize(newest_trace(directory), steps, engine.model_config.num_layers, targets)
     return {"directory": directory, "calls": traced, **summary}
+
+
+def op_targets(texts) -> dict[str, str]:
+    """HLO op name -> its custom call's target, from compiled programs' text; a name that two
+    programs give different targets is left out (the trace cannot say which program ran it)."""
+    found: dict[str, str] = {}
+    clashes = set()
+    for text in texts:
+        for name, target in re.findall(r'%([\w.\-]+) = [^\n]*?custom_call_target="([^"]+)"', text):
+            if found.setdefault(name, target) != target:
+                clashes.add(name)
+    return {name: target for name, target in found.items() if name not in clashes}
 
 
 def newest_trace(directory: str) -> Path:
@@ -87,7 +102,7 @@ def newest_trace(directory: str) -> Path:
     return traces[-1]
 
 
-def summarize(trace: Path, decode_steps: int, num_layers: int = 0) -> dict:
+def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict[str, str] | None = None) -> dict:
     """Device time by kernel (numbering dropped: `family`) and by kind, per decode step and as
     shares of the traced total, with each kernel's launches per step; and how busy the device
     was from its first traced kernel to its last, with the idle gaps between kernels split into
@@ -98,7 +113,7 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0) -> dict:
     count in proportion); else `decode_steps`, the steps of the calls read back in the window."""
     with gzip.open(trace, "rt") as f:
         data = json.load(f)
-    ops, intervals = op_events(data["traceEvents"] if isinstance(data, dict) else data)
+    ops, intervals = op_events(data["traceEvents"] if isinstance(data, dict) else data, targets or {})
     total = sum(us for us, _ in ops.values()) or 1.0
     by_kind: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for name, (us, calls) in ops.items():
@@ -152,10 +167,11 @@ def busy_time(intervals: list[tuple[float, float]]) -> tuple[float, float, float
     return span, busy, short, long, count
 
 
-def op_events(events: list[dict]) -> tuple[dict[str, tuple[float, int]], list[tuple[float, float]]]:
-    """(microseconds, events) by op family on the device's kernel lines: a GPU's streams (not the
-    lines that repeat them per XLA op or module), else, on a CPU, XLA's host threads; and each
-    event's (start, end)."""
+def op_events(events: list[dict], targets: dict[str, str]) -> tuple[dict[str, tuple[float, int]],
+                                                                    list[tuple[float, float]]]:
+    """(microseconds, events) by op family (an op named in `targets`: by its target) on the
+    device's kernel lines: a GPU's streams (not the lines that repeat them per XLA op or module),
+    else, on a CPU, XLA's host threads; and each event's (start, end)."""
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -171,7 +187,7 @@ def op_events(events: list[dict]) -> tuple[dict[str, tuple[float, int]], list[tu
     for e in events:
         if e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise):
             dur = float(e.get("dur", 0.0))
-            entry = out[family(e["name"])]
+            entry = out[family(targets.get(e["name"], e["name"]))]
             entry[0] += dur
             entry[1] += 1
             intervals.append((float(e["ts"]), float(e["ts"]) + dur))
