@@ -124,6 +124,8 @@ print(line + f" [{sys.argv[3]} s]")
 if "profile" in r:
     from worker.bench.profile import table
     print("\n".join(f"{sys.argv[2]} " + text for text in table(r["profile"])[:9]))
+if "profile_error" in r:
+    print(f"{sys.argv[2]} profile: failed ({r['profile_error']})")
 EOF
 )"
 }

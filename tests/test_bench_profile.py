@@ -138,3 +138,17 @@ def test_the_profiled_round_ends_after_its_trace_with_nothing_left_behind(tmp_pa
     assert probe.decode.decode_steps < 2 * 20  # far short of the 200 tokens the requests asked for
     engine.allocator.uncache(engine.allocator.cache_entries())
     assert engine.pages_used == 0
+
+
+def test_a_profiler_that_fails_leaves_the_timed_figures(tmp_path, capsys, monkeypatch):
+    """On a lent GPU the timed run is what the call was for: a profiler that cannot trace there costs
+    the profile, not the report."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no profiler plugin")
+
+    monkeypatch.setattr(profile.jax.profiler, "start_trace", broken)
+    assert main(["bench", "offline", "--dummy", "llama-tiny", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "48", "--profile", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["profile_error"] == "RuntimeError: no profiler plugin" and "profile" not in report
+    assert report["output_tokens"] == 2 * 48 and report["output_tokens_per_s"] > 0

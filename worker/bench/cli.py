@@ -159,6 +159,8 @@ def offline(argv: list[str]) -> int:
         from worker.bench.profile import table
 
         print("\n".join("  " + line for line in table(r["profile"])))
+    if "profile_error" in r:
+        print(f"  profile: failed ({r['profile_error']}); the figures above stand")
     return 0
 
 

@@ -204,7 +204,13 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
 
             engine.allocator.uncache(engine.allocator.cache_entries())
             prompts = work.round_prompts(engine.model_config.vocab_size, rounds)
-            report["profile"] = profile_decode(engine, probe, prompts, work.output_lens, work, *profile)
+            try:
+                report["profile"] = profile_decode(engine, probe, prompts, work.output_lens, work, *profile)
+            except WorkloadError:
+                raise
+            except Exception as exc:  # noqa: BLE001: the timed figures stand without a trace (a GPU call's worth)
+                log.warning("the profile failed: %s: %s", type(exc).__name__, exc)
+                report["profile_error"] = f"{type(exc).__name__}: {exc}"
         return report
 
 
