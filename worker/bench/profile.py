@@ -27,7 +27,7 @@ import jax
 
 # a kernel's kind: the first whose words appear in its lowercased name
 KINDS = (
-    ("attention", ("paged_decode_attention", "attention")),
+    ("attention", ("attention",)),
     ("matmul", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot")),
     ("copy", ("copy", "memcpy", "memset", "transpose")),
     ("scatter", ("scatter", "dynamic_update_slice", "dynamic-update-slice", "kv_write")),
