@@ -23,7 +23,7 @@ from worker.models.loader import load_model
 
 ON_GPU = jax.default_backend() == "gpu"
 decode = partial(gpu_attention.pallas_decode_attention, interpret=not ON_GPU)
-KERNEL = gpu_attention.PALLAS if ON_GPU else pa.AttentionOps("pallas-interpret", decode, pa.paged_attention,
+KERNEL = gpu_attention.PALLAS if ON_GPU else pa.AttentionOps("pallas-interpret", decode, gpu_attention.prefill_attention,
                                                               reads_own_context=False)
 
 
@@ -87,9 +87,9 @@ def test_bfloat16_pages_and_padding_rows():
     assert not got[1].any()
 
 
-def kernel_products(q: jax.Array, stored) -> list:
-    """The operand dtypes and precision of every matrix product inside the kernel, for a query of
-    q's dtype over llama3-8b-shaped pages held as `stored`."""
+def kernel_products(q: jax.Array, stored, fn=gpu_attention.pallas_decode_attention) -> list:
+    """The operand dtypes and precision of every matrix product inside `fn` (the decode kernel),
+    for a query of q's dtype over llama3-8b-shaped pages held as `stored`."""
     import jax.extend as jex
 
     def walk(jaxpr):
@@ -101,8 +101,9 @@ def kernel_products(q: jax.Array, stored) -> list:
                         yield from walk(getattr(x, "jaxpr", x))
 
     pages = [jax.ShapeDtypeStruct(shape, stored) for shape in ((8, 64, 128, 16), (8, 64, 16, 128))]
-    ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((4, 16), (4,), (4,))]
-    jaxpr = jax.make_jaxpr(gpu_attention.pallas_decode_attention)(q, *pages, *ints).jaxpr
+    rows = q.shape[:-2]  # [S] or [S, Q]
+    ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((rows[0], 16), rows, rows[:1])]
+    jaxpr = jax.make_jaxpr(fn)(q, *pages, *ints).jaxpr
     return [(tuple(str(x.aval.dtype) for x in e.invars), e.params["precision"]) for e in walk(jaxpr)
             if e.primitive.name == "dot_general"]
 
@@ -124,6 +125,33 @@ def test_a_float32_query_over_bfloat16_pages_multiplies_in_bfloat16():
     assert got.dtype == jnp.float32
     rounded = decode(q.astype(jnp.bfloat16), k, v, tables, lens - 1, lens)  # what a bfloat16 model's query gives
     np.testing.assert_allclose(np.asarray(got), np.asarray(rounded, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_prefill_rows_over_bfloat16_pages_multiply_in_bfloat16():
+    """Prefill rows run the reference, with the decode kernel's rounding: over bfloat16 pages a
+    float32 query and the softmax weights enter their products as bfloat16 (the result is the
+    reference's on the query rounded to bfloat16); over float32 pages the products stay float32."""
+    f32 = jax.ShapeDtypeStruct((2, 8, 32, 128), jnp.float32)
+    prefill = gpu_attention.prefill_attention
+    products = kernel_products(f32, pa.BF16_BITS, prefill)
+    assert len(products) == 2 and all(p[0] == ("bfloat16", "bfloat16") for p in products), products
+    exact = kernel_products(f32, jnp.float32, prefill)
+    assert len(exact) == 2 and all(p[0] == ("float32", "float32") for p in exact), exact
+    rng = np.random.default_rng(5)
+    q, k, v, tables = pages_and_queries(rng, 8, 2, 32, 16, 40, 4, 6, stored=pa.BF16_BITS)
+    q = q.reshape(2, 3, 8, 32)  # 2 rows of 3 query tokens
+    lens = jnp.asarray([37, 64], jnp.int32)
+    positions = lens[:, None] - 3 + jnp.arange(3)[None, :]
+    tables = tables.reshape(2, 12)[:, :4]
+    got = prefill(q, k, v, tables, positions, lens)
+    assert got.dtype == jnp.float32
+    rounded = pa.paged_attention(q.astype(jnp.bfloat16), k, v, tables, positions, lens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rounded, np.float32))
+    exact_ref = pa.paged_attention(q, k, v, tables, positions, lens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(exact_ref), rtol=3e-2, atol=3e-2)
+    f32_pages = [pa.page_values(x).astype(jnp.float32) for x in (k, v)]
+    np.testing.assert_array_equal(np.asarray(prefill(q, *f32_pages, tables, positions, lens)),
+                                  np.asarray(pa.paged_attention(q, *f32_pages, tables, positions, lens)))
 
 
 @pytest.mark.parametrize("tuning", TUNINGS[:2], ids=lambda t: f"{t.pages_per_block}x{t.target_programs}")

@@ -19,7 +19,8 @@ each page costs two [16, D] x [D, ps] / [16, ps] x [ps, D] products. Page size a
 powers of two of at least 16 (`supported`); otherwise the engine keeps the jnp path.
 
 Prefill rows use the reference (`paged_attention.paged_attention`): there the products of the
-queries dominate, and XLA's fused einsums serve them.
+queries dominate, and XLA's fused einsums serve them; over bfloat16 pages with bfloat16 operands,
+as the kernel's (`prefill_attention`).
 
 `interpret=True` runs the same kernel through Pallas's interpreter on any backend: the tests hold
 it to the reference on the CPU, and check that it lowers to a Triton kernel for CUDA.
@@ -189,10 +190,30 @@ def pallas_decode_attention(
     return out.reshape(s, h, d).astype(q.dtype)
 
 
-PALLAS = AttentionOps("pallas", pallas_decode_attention, paged_attention, reads_own_context=False)
+def prefill_attention(
+    q: jax.Array,  # [S, Q, H, D]
+    k_pages: jax.Array,  # [KV, N, D, page_size]
+    v_pages: jax.Array,  # [KV, N, page_size, D]
+    page_tables: jax.Array,  # i32[S, P]
+    positions: jax.Array,  # i32[S, Q]
+    context_lens: jax.Array,  # i32[S]
+    window: int | None = None,
+) -> jax.Array:  # [S, Q, H, D]
+    """Prefill rows through the reference (`paged_attention`), rounding as the decode kernel does:
+    over bfloat16 pages the query and the softmax weights go into their products as bfloat16 (the
+    tensor cores; float32 operands made them TF32 or full-precision float32 products, with float32
+    copies of the gathered pages), the sums stay float32. A bfloat16 model in transformers rounds
+    the same way. Float32 pages keep the reference's float32 products."""
+    if k_pages.dtype != BF16_BITS or q.dtype == jnp.bfloat16:
+        return paged_attention(q, k_pages, v_pages, page_tables, positions, context_lens, window)
+    out = paged_attention(q.astype(jnp.bfloat16), k_pages, v_pages, page_tables, positions, context_lens, window)
+    return out.astype(q.dtype)
+
+
+PALLAS = AttentionOps("pallas", pallas_decode_attention, prefill_attention, reads_own_context=False)
 
 
 def tuned(tuning: Tuning) -> AttentionOps:
     """The kernel with another work split (EngineConfig.pallas_tuning)."""
-    return AttentionOps("pallas", partial(pallas_decode_attention, tuning=tuning), paged_attention,
+    return AttentionOps("pallas", partial(pallas_decode_attention, tuning=tuning), prefill_attention,
                         reads_own_context=False)
