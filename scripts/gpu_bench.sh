@@ -41,8 +41,9 @@
 # the prompt and output lengths by it), PYTHON (default python3), BENCH_FLAGS (more `bench offline`
 # flags for every run, e.g. "--compile-threads 1"), PALLAS_TUNING (the kernel runs' --pallas-tuning,
 # until an `attention` run picks one), ATTENTION_FLAGS (more `bench attention` flags), PROFILE (a directory: each
-# `bench offline` run also traces 8 steady decode calls of one more round into PROFILE/RUN and reports
-# device time per decode step by kind; summary.txt gets the kinds and the top kernels).
+# `bench offline` run also traces 8 calls with prompt chunks and 8 steady decode calls of one more
+# round into PROFILE/RUN/prefill and PROFILE/RUN/decode, and reports device time per prefill call and
+# per decode step by kind; summary.txt gets the kinds and the top kernels of both).
 set -uo pipefail
 
 runs=()
@@ -123,7 +124,9 @@ if "ratio" in r:
 print(line + f" [{sys.argv[3]} s]")
 if "profile" in r:
     from worker.bench.profile import table
-    print("\n".join(f"{sys.argv[2]} " + text for text in table(r["profile"])[:9]))
+    lines = table(r["profile"])
+    at = next((i for i, text in enumerate(lines) if text.startswith("prefill:")), len(lines))
+    print("\n".join(f"{sys.argv[2]} " + text for text in lines[:min(at, 9)] + lines[at:at + 9]))
 if "profile_error" in r:
     print(f"{sys.argv[2]} profile: failed ({r['profile_error']})")
 EOF

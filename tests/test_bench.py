@@ -336,6 +336,7 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     traced = json.loads((tmp_path / "e" / "batch1.json").read_text())["profile"]
     assert traced["calls"] == 8 and traced["trace"].startswith(str(tmp_path / "prof" / "batch1"))
     assert "batch1 profile: 8 decode calls (" in done.stdout and "batch1   by kind: " in done.stdout
+    assert "batch1 prefill: not traced (" in done.stdout  # one prompt: admitted whole in the first call
     # past the deadline: killed and reported
     done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
     assert done.returncode == 0

@@ -21,7 +21,9 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     p = report["profile"]
     assert p["calls"] == 3 and p["decode_steps"] >= 3  # fused decode: several steps a call
-    assert (out / "plugins").is_dir() and p["trace"].endswith("perfetto_trace.json.gz")
+    assert (out / "decode" / "plugins").is_dir() and p["trace"].endswith("perfetto_trace.json.gz")
+    # 4 prompts of 16 tokens fit in one call, and the first call is never traced: no prefill window
+    assert "prefill" not in p and "one call" in p["prefill_error"]
     assert p["device_ms_per_step"] > 0 and p["top"] and p["by_kind"]
     assert sum(k["share"] for k in p["by_kind"].values()) == pytest.approx(1.0)
     assert sum(k["ms_per_step"] for k in p["by_kind"].values()) == pytest.approx(p["device_ms_per_step"])
@@ -35,11 +37,29 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     assert next(r for r in p["top"] if r["name"] == "redjax_panel_matmul")["calls_per_step"] == pytest.approx(15, rel=0.02)
 
 
+def test_prefill_calls_are_traced_whole(tmp_path, capsys):
+    """8 prompts of 64 tokens through 128-token steps: the calls after the first that hold prompt
+    chunks are traced, the step in flight waited for at both ends, so each traced call is one whole
+    step (llama-tiny: 2 layers of 7 projections and the head, 2 attention calls)."""
+    out = tmp_path / "trace"
+    assert main(["bench", "offline", "--dummy", "llama-tiny", "--num-prompts", "8", "--input-len", "64",
+                 "--output-len", "40", "--max-num-batched-tokens", "128", "--profile", str(out),
+                 "--profile-calls", "3", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["profile"]["prefill"]
+    assert (out / "prefill" / "plugins").is_dir() and p["calls"] == 3
+    assert 64 <= p["prompt_tokens_per_step"] <= 128 and p["decode_rows_per_step"] < 8
+    assert p["device_us_per_prompt_token"] == pytest.approx(
+        p["device_ms_per_step"] * 1e3 / p["prompt_tokens_per_step"])
+    calls = {r["name"]: r["calls_per_step"] for r in p["top"]}
+    assert calls["redjax_panel_matmul"] == 15 and calls["redjax_paged_attention"] == 2, calls
+
+
 def test_text_report_lists_the_kernels(tmp_path, capsys):
     assert main(["bench", "offline", "--dummy", "llama-tiny", "--num-prompts", "2", "--input-len", "8",
                  "--output-len", "48", "--profile", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "decode calls" in text and "ms per step" in text and "by kind:" in text and "/step" in text
+    assert "prefill: not traced" in text
 
 
 def test_nothing_to_trace_is_a_usage_error(tmp_path, capsys):

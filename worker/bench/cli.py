@@ -50,9 +50,11 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the run (and the baseline, alternating) on fresh prompts; report medians")
     p.add_argument("--profile", metavar="DIR", help="after the timed rounds, one more round with --profile-calls of "
-                   "its steady decode calls traced by the JAX profiler into DIR (Perfetto JSON); the report adds "
-                   "device time per decode step by kernel and kind (attention, matmul, copy, scatter, other)")
-    p.add_argument("--profile-calls", type=int, default=8, metavar="N", help="decode calls to trace (default 8)")
+                   "its calls holding prompt chunks and as many steady decode calls traced by the JAX profiler into "
+                   "DIR/prefill and DIR/decode (Perfetto JSON); the report adds device time per prefill call and "
+                   "per decode step by kernel and kind (attention, matmul, copy, scatter, other)")
+    p.add_argument("--profile-calls", type=int, default=8, metavar="N",
+                   help="prefill calls and decode calls to trace (default 8 each)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="stderr logging (info: each phase's duration and each step variant compiled)")

@@ -96,6 +96,11 @@ class StepProbe:
         engine._postprocess = timed_postprocess
         return self
 
+    @property
+    def last_scheduled(self):
+        """The batch the last `step()` scheduled (and launched), or None."""
+        return self._scheduled
+
     def _count(self, part: str, seconds: float) -> None:
         self._parts[part] = self._parts.get(part, 0.0) + seconds
 

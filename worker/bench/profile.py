@@ -1,14 +1,18 @@
-"""`bench offline --profile DIR`: where a steady decode step's device time goes, kernel by kernel.
+"""`bench offline --profile DIR`: where a prefill call's and a steady decode step's device time
+goes, kernel by kernel.
 
-After the timed rounds, one more round of the same workload runs. Once two engine calls in a row
-are pure decode (every prompt prefilled), the JAX profiler traces the next `calls` calls; the
-trace (Perfetto JSON, for ui.perfetto.dev or TensorBoard) stays in DIR. The summary groups the
-trace's device events by kernel name, each with its share of the traced device time, its
-milliseconds per decode step and its kind (the decode attention kernel, matrix products, copies,
-scatters, the rest), and says how busy the device was across the window: the idle gaps between
-kernels, short ones (launch latency) apart from long ones (the device waiting on the host). On a
-CPU, where XLA runs its ops on host threads, those threads' op events stand in for a device's,
-and each kernel call (`ffi_call.N` there) is named by its target in the compiled programs.
+After the timed rounds, one more round of the same workload runs. From its second call that holds
+prompt chunks, the JAX profiler traces `calls` such calls into DIR/prefill (the step in flight
+waited for at both ends, so the trace holds exactly those calls' batches); once two engine calls
+in a row are pure decode (every prompt prefilled), it traces the next `calls` calls into
+DIR/decode. The traces (Perfetto JSON, for ui.perfetto.dev or TensorBoard) stay there. Each
+summary groups the trace's device events by kernel name, each with its share of the traced
+device time, its milliseconds per decode step (per call for prefill) and its kind (the decode
+attention kernel, matrix products, copies, scatters, the rest), and says how busy the device was
+across the window: the idle gaps between kernels, short ones (launch latency) apart from long
+ones (the device waiting on the host). On a CPU, where XLA runs its ops on host threads, those
+threads' op events stand in for a device's, and each kernel call (`ffi_call.N` there) is named by
+its target in the compiled programs.
 
 The timed figures are not touched: the profiled round comes after them, and the profiler's
 overhead stays in it. Once traced, the round's requests are aborted (on a lent GPU its remaining
@@ -50,37 +54,111 @@ def kind(name: str) -> str:
 
 def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[int], work, directory: str,
                    calls: int) -> dict:
-    """Run `prompts` to the end, tracing `calls` steady decode calls -> the trace's summary."""
+    """Run `prompts` to the end, tracing `calls` calls that hold prompt chunks into DIR/prefill,
+    then `calls` steady decode calls into DIR/decode -> the decode trace's summary, with the
+    prefill one under "prefill" (or why there was none under "prefill_error")."""
     from worker.bench.offline import WorkloadError, submit
 
     outputs = submit(engine, prompts, output_lens, work, tag="profile")
+    prefill = PrefillWindow(engine, probe, str(Path(directory) / "prefill"), calls)
     pure_in_a_row, traced, tracing, steps0 = 0, 0, False, 0
     while engine.has_unfinished():
+        prefill.before_call()
         prefill_calls = probe.prefill.calls
         for out in probe.step(engine):
             outputs[out.request_id] += out.token_ids
+        prefill.after_call()
         pure_in_a_row = pure_in_a_row + 1 if probe.prefill.calls == prefill_calls else 0
         if tracing:
             traced += 1
             if traced == calls or not engine.has_unfinished():
-                flight = getattr(engine, "_inflight", None)  # launched in the window: traced whole
-                if flight is not None:
-                    jax.block_until_ready(flight.out)
+                _settle(engine)  # launched in the window: traced whole
                 jax.profiler.stop_trace()
                 tracing = False
                 steps = probe.decode.decode_steps - steps0
                 for request_id in outputs:  # the rest of the round tells nothing new (device time is scarce)
                     engine.abort(request_id)
-        elif traced == 0 and pure_in_a_row >= 2:
-            jax.profiler.start_trace(directory, create_perfetto_trace=True)
+        elif traced == 0 and pure_in_a_row >= 2 and not prefill.tracing:
+            jax.profiler.start_trace(str(Path(directory) / "decode"), create_perfetto_trace=True)
             tracing, steps0 = True, probe.decode.decode_steps
+    prefill.close()
     if traced == 0:
         raise WorkloadError("the profiled round never reached two decode-only calls in a row: nothing was traced "
                          "(longer outputs, or fewer prompts than --max-num-seqs, give it some)")
     # a GPU trace names its kernels; a CPU one names HLO ops, whose targets the programs hold
     targets = op_targets(c.as_text() for c in engine.runner.ready.values()) if jax.default_backend() == "cpu" else {}
-    summary = summarize(newest_trace(directory), steps, engine.model_config.num_layers, targets)
-    return {"directory": directory, "calls": traced, **summary}
+    layers = engine.model_config.num_layers
+    summary = summarize(newest_trace(str(Path(directory) / "decode")), steps, layers, targets)
+    report = {"directory": directory, "calls": traced, **summary}
+    if prefill.batches:
+        report["prefill"] = prefill.summary(targets)
+    else:
+        report["prefill_error"] = prefill.why_not()
+    return report
+
+
+def _settle(engine) -> None:
+    """Wait for the step in flight, so a trace starts or ends on the device's call boundary."""
+    flight = getattr(engine, "_inflight", None)
+    if flight is not None:
+        jax.block_until_ready(flight.out)
+
+
+class PrefillWindow:
+    """Traces `calls` engine calls whose batches hold prompt chunks (prefill, with whatever decode
+    rows run beside them), from the second such call on: the first admits the first prompts alone.
+    The step in flight is waited for at both ends, so the trace holds exactly the batches the
+    window's calls launched, and each one's prompt tokens and decode rows are known."""
+
+    def __init__(self, engine, probe, directory: str, calls: int):
+        self.engine, self.probe, self.directory, self.calls = engine, probe, directory, calls
+        self.tracing = False
+        self.done = False
+        self.calls_before = probe.prefill.calls  # the timed rounds' (the probe counts on)
+        self.batches: list[tuple[int, int]] = []  # (prompt tokens, decode rows) of each traced batch
+
+    def _prompts_left(self) -> bool:
+        """Whether the next batch will hold a prompt chunk: prompts wait or are part computed."""
+        scheduler = self.engine.scheduler
+        return bool(scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)
+
+    def before_call(self) -> None:
+        if self.tracing and not self._prompts_left():
+            self.close()
+        elif not self.tracing and not self.done and self.probe.prefill.calls > self.calls_before and self._prompts_left():
+            _settle(self.engine)
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.tracing = True
+
+    def after_call(self) -> None:
+        if not self.tracing:
+            return
+        batch = self.probe.last_scheduled
+        if batch is not None and batch.chunks:
+            self.batches.append((sum(c.num_tokens for c in batch.chunks if not c.is_decode),
+                                 sum(1 for c in batch.chunks if c.is_decode)))
+        if len(self.batches) >= self.calls:
+            self.close()
+
+    def close(self) -> None:
+        if self.tracing:
+            _settle(self.engine)
+            jax.profiler.stop_trace()
+            self.tracing, self.done = False, True
+
+    def why_not(self) -> str:
+        return ("no call held prompt chunks after the first: every prompt was admitted in one call "
+                "(more or longer prompts give the profile some)")
+
+    def summary(self, targets: dict[str, str]) -> dict:
+        """Device time per batch (the summary's "steps" are the traced batches) and per prompt token."""
+        batches = len(self.batches)
+        tokens = sum(t for t, _ in self.batches)
+        s = summarize(newest_trace(self.directory), batches, 0, targets)
+        s.update(calls=batches, prompt_tokens_per_step=tokens / batches,
+                 decode_rows_per_step=sum(r for _, r in self.batches) / batches,
+                 device_us_per_prompt_token=s["device_ms_per_step"] * 1e3 * batches / max(tokens, 1))
+        return s
 
 
 def op_targets(texts) -> dict[str, str]:
@@ -196,13 +274,26 @@ def op_events(events: list[dict], targets: dict[str, str]) -> tuple[dict[str, tu
 
 def table(profile: dict) -> list[str]:
     lines = [f"profile: {profile['calls']} decode calls ({profile['decode_steps']:.1f} steps) traced to "
-             f"{profile['directory']}; device time {profile['device_ms_per_step']:.2f} ms per step",
-             f"  first kernel to last: {profile['span_ms_per_step']:.2f} ms per step, busy "
-             f"{profile['busy_fraction']:.0%}; idle gaps under {GAP_US:.0f} us {profile['short_gaps_ms_per_step']:.2f} ms, "
-             f"longer {profile['long_gaps_ms_per_step']:.2f} ms per step ({profile['long_gaps']} of them)",
+             f"{profile['directory']}/decode; device time {profile['device_ms_per_step']:.2f} ms per step",
+             *_kernels(profile, "step")]
+    p = profile.get("prefill")
+    if p:
+        lines += [f"prefill: {p['calls']} calls with prompt chunks ({p['prompt_tokens_per_step']:.0f} prompt tokens and "
+                  f"{p['decode_rows_per_step']:.1f} decode rows each) traced to {profile['directory']}/prefill; "
+                  f"device time {p['device_ms_per_step']:.2f} ms per call, {p['device_us_per_prompt_token']:.2f} us "
+                  "per prompt token", *_kernels(p, "call")]
+    elif "prefill_error" in profile:
+        lines.append(f"prefill: not traced ({profile['prefill_error']})")
+    return lines
+
+
+def _kernels(summary: dict, unit: str) -> list[str]:
+    lines = [f"  first kernel to last: {summary['span_ms_per_step']:.2f} ms per {unit}, busy "
+             f"{summary['busy_fraction']:.0%}; idle gaps under {GAP_US:.0f} us {summary['short_gaps_ms_per_step']:.2f} ms, "
+             f"longer {summary['long_gaps_ms_per_step']:.2f} ms per {unit} ({summary['long_gaps']} of them)",
              "  by kind: " + ", ".join(f"{k} {r['ms_per_step']:.2f} ms ({r['share']:.0%})"
-                                      for k, r in profile["by_kind"].items())]
-    for r in profile["top"]:
-        lines.append(f"  {r['ms_per_step']:>8.3f} ms {r['share']:>6.1%} {r['calls_per_step']:>6.1f}/step  {r['kind']:<9} "
-                     f"{r['name'][:80]}")
+                                      for k, r in summary["by_kind"].items())]
+    for r in summary["top"]:
+        lines.append(f"  {r['ms_per_step']:>8.3f} ms {r['share']:>6.1%} {r['calls_per_step']:>6.1f}/{unit:<4}  "
+                     f"{r['kind']:<9} {r['name'][:80]}")
     return lines
