@@ -204,9 +204,8 @@ def prefill_attention(
     tensor cores; float32 operands made them TF32 or full-precision float32 products, with float32
     copies of the gathered pages), the sums stay float32. A bfloat16 model in transformers rounds
     the same way. Float32 pages keep the reference's float32 products."""
-    if k_pages.dtype != BF16_BITS or q.dtype == jnp.bfloat16:
-        return paged_attention(q, k_pages, v_pages, page_tables, positions, context_lens, window)
-    out = paged_attention(q.astype(jnp.bfloat16), k_pages, v_pages, page_tables, positions, context_lens, window)
+    compute = jnp.bfloat16 if k_pages.dtype == BF16_BITS else q.dtype
+    out = paged_attention(q.astype(compute), k_pages, v_pages, page_tables, positions, context_lens, window)
     return out.astype(q.dtype)
 
 
