@@ -14,7 +14,7 @@ import pytest
 
 from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import gpu_attention, paged_attention as pa
+from worker.engine import gpu_attention, gpu_prefill, paged_attention as pa
 from worker.engine.attention_choice import AttentionUnavailable, choose_attention
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
@@ -23,7 +23,7 @@ from worker.models.loader import load_model
 
 ON_GPU = jax.default_backend() == "gpu"
 decode = partial(gpu_attention.pallas_decode_attention, interpret=not ON_GPU)
-KERNEL = gpu_attention.PALLAS if ON_GPU else pa.AttentionOps("pallas-interpret", decode, gpu_attention.prefill_attention,
+KERNEL = gpu_attention.PALLAS if ON_GPU else pa.AttentionOps("pallas-interpret", decode, gpu_prefill.prefill_attention,
                                                               reads_own_context=False)
 
 
@@ -132,7 +132,7 @@ def test_prefill_rows_over_bfloat16_pages_multiply_in_bfloat16():
     float32 query and the softmax weights enter their products as bfloat16 (the result is the
     reference's on the query rounded to bfloat16); over float32 pages the products stay float32."""
     f32 = jax.ShapeDtypeStruct((2, 8, 32, 128), jnp.float32)
-    prefill = gpu_attention.prefill_attention
+    prefill = gpu_prefill.prefill_attention
     products = kernel_products(f32, pa.BF16_BITS, prefill)
     assert len(products) == 2 and all(p[0] == ("bfloat16", "bfloat16") for p in products), products
     exact = kernel_products(f32, jnp.float32, prefill)

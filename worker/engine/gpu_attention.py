@@ -20,7 +20,7 @@ powers of two of at least 16 (`supported`); otherwise the engine keeps the jnp p
 
 Prefill rows use the reference (`paged_attention.paged_attention`): there the products of the
 queries dominate, and XLA's fused einsums serve them; over bfloat16 pages with bfloat16 operands,
-as the kernel's (`prefill_attention`).
+as the kernel's (gpu_prefill.py, which also holds a Pallas prefill kernel an engine can take).
 
 `interpret=True` runs the same kernel through Pallas's interpreter on any backend: the tests hold
 it to the reference on the CPU, and check that it lowers to a Triton kernel for CUDA.
@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from worker.engine.paged_attention import BF16_BITS, MASKED, AttentionOps, paged_attention
+from worker.engine.gpu_prefill import prefill_attention
+from worker.engine.paged_attention import BF16_BITS, MASKED, AttentionOps
 
 MIN_TILE = 16  # rows, columns and depth of Triton's smallest dot
 
@@ -188,25 +189,6 @@ def pallas_decode_attention(
     out = (o * weight[..., None]).sum(axis=2) / jnp.maximum(total, 1e-30)[..., None]
     out = jnp.where(total[..., None] > 0, out, 0.0)  # a padding row (no visible key) gets zeros, like the CPU kernel
     return out.reshape(s, h, d).astype(q.dtype)
-
-
-def prefill_attention(
-    q: jax.Array,  # [S, Q, H, D]
-    k_pages: jax.Array,  # [KV, N, D, page_size]
-    v_pages: jax.Array,  # [KV, N, page_size, D]
-    page_tables: jax.Array,  # i32[S, P]
-    positions: jax.Array,  # i32[S, Q]
-    context_lens: jax.Array,  # i32[S]
-    window: int | None = None,
-) -> jax.Array:  # [S, Q, H, D]
-    """Prefill rows through the reference (`paged_attention`), rounding as the decode kernel does:
-    over bfloat16 pages the query and the softmax weights go into their products as bfloat16 (the
-    tensor cores; float32 operands made them TF32 or full-precision float32 products, with float32
-    copies of the gathered pages), the sums stay float32. A bfloat16 model in transformers rounds
-    the same way. Float32 pages keep the reference's float32 products."""
-    compute = jnp.bfloat16 if k_pages.dtype == BF16_BITS else q.dtype
-    out = paged_attention(q.astype(compute), k_pages, v_pages, page_tables, positions, context_lens, window)
-    return out.astype(q.dtype)
 
 
 PALLAS = AttentionOps("pallas", pallas_decode_attention, prefill_attention, reads_own_context=False)

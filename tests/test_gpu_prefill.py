@@ -1,0 +1,96 @@
+"""The Pallas/Triton prefill attention kernel (worker/engine/gpu_prefill.py) against the jnp
+reference (itself held to torch in test_paged_attention.py), and lowered for CUDA to check it
+becomes one Triton kernel. On a GPU the kernel runs compiled; elsewhere (CI) through Pallas's
+interpreter, which runs the same kernel code."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from worker.engine import gpu_prefill, paged_attention as pa
+
+ON_GPU = jax.default_backend() == "gpu"
+prefill = partial(gpu_prefill.pallas_prefill_attention, interpret=not ON_GPU)
+
+
+def rows_of_chunks(rng, heads, kv_heads, dim, page_size, num_pages, width, contexts, chunk, stored=jnp.float32):
+    """Pages full of garbage (only what the tables and lengths name may be read) and one prefill row
+    per context: the row's last `chunk` tokens as its queries, padded to `chunk` where shorter."""
+    k = rng.standard_normal((kv_heads, num_pages, dim, page_size), dtype=np.float32) * 3
+    v = rng.standard_normal((kv_heads, num_pages, page_size, dim), dtype=np.float32) * 3
+    to = (lambda x: pa.stored(jnp.asarray(x), pa.BF16_BITS)) if stored == pa.BF16_BITS else jnp.asarray
+    rows = len(contexts)
+    tables = rng.permutation(np.arange(1, num_pages))[: rows * width].reshape(rows, width).astype(np.int32)
+    q = rng.standard_normal((rows, chunk, heads, dim), dtype=np.float32)
+    lens = np.asarray(contexts, np.int32)
+    positions = np.maximum(lens[:, None] - chunk, 0) + np.arange(chunk)[None, :]  # past the context: padding
+    return (jnp.asarray(q), to(k), to(v), jnp.asarray(tables), jnp.asarray(positions.astype(np.int32)),
+            jnp.asarray(lens))
+
+
+def valid(positions, lens):
+    """The query tokens that exist (position inside the context); padding queries are free."""
+    return np.asarray(positions) < np.asarray(lens)[:, None]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,page_size,window,chunk", [
+    (8, 2, 32, 16, None, 16),  # 4 query heads per KV head: 4 x 16 rows a program
+    (4, 4, 16, 32, None, 8),  # no grouping, pages of 32, a chunk shorter than a program's block
+    (6, 2, 64, 16, 21, 16),  # a sliding window that starts mid-page; 3 heads per group (padded to 4)
+    (8, 2, 32, 16, None, 40),  # a chunk that is not a multiple of the block (padded inside)
+])
+def test_kernel_matches_the_reference(heads, kv_heads, dim, page_size, window, chunk):
+    rng = np.random.default_rng(0)
+    # a row from the start, a row deep in its context, a row whose chunk is partly padding, a padding row
+    contexts = [chunk, 5 * page_size + 3, chunk // 2 + 1, 0]
+    q, k, v, tables, positions, lens = rows_of_chunks(rng, heads, kv_heads, dim, page_size, 40, 8, contexts, chunk)
+    got = np.asarray(prefill(q, k, v, tables, positions, lens, window))
+    ref = np.asarray(pa.paged_attention(q, k, v, tables, positions, lens, window))
+    keep = valid(positions, lens)
+    np.testing.assert_allclose(got[keep], ref[keep], rtol=1e-5, atol=1e-5)
+    assert not got[3].any()  # a row with no context sees nothing: zeros
+
+
+def test_bfloat16_pages_round_like_the_reference_on_a_rounded_query():
+    """Over bfloat16 pages a float32 query enters the products as bfloat16 (as
+    `gpu_prefill.prefill_attention`, the reference with that rounding, does)."""
+    rng = np.random.default_rng(1)
+    q, k, v, tables, positions, lens = rows_of_chunks(rng, 8, 2, 32, 16, 40, 8, [70, 16, 33], 16,
+                                                      stored=pa.BF16_BITS)
+    got = prefill(q, k, v, tables, positions, lens)
+    assert got.dtype == jnp.float32
+    ref = np.asarray(gpu_prefill.prefill_attention(q, k, v, tables, positions, lens))
+    keep = valid(positions, lens)
+    np.testing.assert_allclose(np.asarray(got)[keep], ref[keep], rtol=2e-2, atol=2e-2)  # bfloat16 weights, rounded apart
+
+
+def test_a_long_context_over_many_blocks_of_pages():
+    """A chunk of 32 tokens at the end of a 1000-token context: 63 pages of 16, over 16 loop
+    iterations of 4 pages, the last one partly past the row's table."""
+    rng = np.random.default_rng(2)
+    q, k, v, tables, positions, lens = rows_of_chunks(rng, 8, 2, 32, 16, 200, 63, [1000, 520], 32)
+    got = np.asarray(prefill(q, k, v, tables, positions, lens))
+    ref = np.asarray(pa.paged_attention(q, k, v, tables, positions, lens))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stored,rows,chunk,n,p", [(pa.BF16_BITS, 1, 1024, 1024, 128),
+                                                   (pa.BF16_BITS, 16, 64, 3000, 130),
+                                                   (jnp.float32, 4, 256, 1024, 64)])
+def test_lowers_to_one_triton_kernel_for_cuda(stored, rows, chunk, n, p):
+    """The llama3-8b prefill shapes of a 1024-token step (32 heads, 8 KV heads, head dim 128, pages
+    of 16: one row of 1024 tokens, or 16 rows of 64), with the model's float32 queries, lower for
+    CUDA to a single Triton kernel (a primitive Triton cannot express fails here, not on the GPU)."""
+    q = jax.ShapeDtypeStruct((rows, chunk, 32, 128), jnp.float32)
+    k = jax.ShapeDtypeStruct((8, n, 128, 16), stored)
+    v = jax.ShapeDtypeStruct((8, n, 16, 128), stored)
+    ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((rows, p), (rows, chunk), (rows,))]
+    fn = jax.jit(gpu_prefill.pallas_prefill_attention)
+    text = fn.trace(q, k, v, *ints).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1, text[:2000]
+    assert "redjax_paged_prefill_attention" in text
