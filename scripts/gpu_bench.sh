@@ -7,8 +7,10 @@
 #   check          the machine (nvidia-smi, jax's devices) and tests/test_gpu_attention.py (the
 #                  compiled Pallas kernel against the reference)
 #   attention      `bench attention`: one layer's decode attention at 64 x 1552 tokens, jnp, JAX's
-#                  own Pallas kernel and a sweep of the kernel's work splits; the runs after it
-#                  take the fastest correct split (--pallas-tuning)
+#                  own Pallas kernel and a sweep of the kernel's work splits, and its prefill
+#                  attention (2 rows x 512 tokens) through the reference and the Pallas prefill
+#                  kernel; the runs after it take the fastest correct split (--pallas-tuning) and
+#                  the prefill kernel where it is faster (--pallas-prefill)
 #   batch1         1 x 128/128: batch-1 decode against the memory-bandwidth roofline
 #   128-128        64 x 128/128, with transformers on the same GPU and prompts (--compare hf)
 #   1024-128       64 x 1024/128
@@ -40,7 +42,8 @@
 # fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
 # the prompt and output lengths by it), PYTHON (default python3), BENCH_FLAGS (more `bench offline`
 # flags for every run, e.g. "--compile-threads 1"), PALLAS_TUNING (the kernel runs' --pallas-tuning,
-# until an `attention` run picks one), ATTENTION_FLAGS (more `bench attention` flags), PROFILE (a directory: each
+# until an `attention` run picks one), PALLAS_PREFILL (1: the kernel runs take --pallas-prefill, until an
+# `attention` run finds whether the prefill kernel beats the reference), ATTENTION_FLAGS (more `bench attention` flags), PROFILE (a directory: each
 # `bench offline` run also traces 8 calls with prompt chunks and 8 steady decode calls of one more
 # round into PROFILE/RUN/prefill and PROFILE/RUN/decode, and reports device time per prefill call and
 # per decode step by kind; summary.txt gets the kinds and the top kernels of both).
@@ -70,6 +73,7 @@ scale=${SIZE_SCALE:-1}
 python=${PYTHON:-python3}
 extra=${BENCH_FLAGS:-}  # word-split on purpose: several flags
 tuning=(); [ -z "${PALLAS_TUNING:-}" ] || tuning=(--pallas-tuning "$PALLAS_TUNING")
+[ -z "${PALLAS_PREFILL:-}" ] || tuning+=(--pallas-prefill)
 mkdir -p "$out"
 log="$out/gpu_bench.log"
 export PYTHONUNBUFFERED=1
@@ -117,7 +121,8 @@ r = json.load(open(sys.argv[1]))
 line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, decode {r['decode_step_ms']:.2f} ms/step "
         f"at {r['decode_roofline_fraction']:.0%} of the roofline (batch {r['decode_mean_batch']:.0f}), "
         f"prefill {r['prefill_roofline_fraction']:.0%}, host {r['host_fraction']:.0%}; "
-        f"attention {r['attention']} {r['engine'].get('pallas_tuning') or 'default'}, {r['compiles_during_run']} compiles during the run; "
+        f"attention {r['attention']} {r['engine'].get('pallas_tuning') or 'default'}"
+        f"{', prefill kernel' if r['engine'].get('pallas_prefill') else ''}, {r['compiles_during_run']} compiles during the run; "
         f"{r['startup']['variants_compiled_ahead']} variants compiled ahead in {r['startup']['compile_ahead_s']:.0f} s")
 if "ratio" in r:
     line += f"; transformers {r['baseline_output_tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)"
@@ -149,10 +154,11 @@ for run in "${runs[@]}"; do
       echo "=== attention" >>"$log"
       # word-split on purpose: several flags
       if timeout "$(left)" "$python" -m worker.cli bench attention --dummy "$preset" --dtype "$dtype" \
-           --context $((1552 / scale)) --json ${ATTENTION_FLAGS:-} >"$out/attention.json" 2>>"$log"; then
+           --context $((1552 / scale)) --prefill-chunk $((512 / scale)) --prefill-context $((1024 / scale)) \
+           --json ${ATTENTION_FLAGS:-} >"$out/attention.json" 2>>"$log"; then
         picked=$("$python" - "$out/attention.json" "$out/summary.txt" <<'EOF'
 import json, sys
-from worker.bench.attention import fastest
+from worker.bench.attention import fastest, prefill_kernel_wins
 r = json.load(open(sys.argv[1]))
 with open(sys.argv[2], "a") as summary:
     for row in r["results"]:
@@ -161,12 +167,23 @@ with open(sys.argv[2], "a") as summary:
                 f"max err {row['max_abs_error']:.2g}"))
         print(line, file=sys.stderr)
         summary.write(line + "\n")
+    for row in r["prefill"]["results"]:
+        line = (f"attention prefill {row['name']}: " + (row["error"] if "error" in row else
+                f"{row['us_per_call']:.0f} us/layer, {row['tflops']:.0f} TFLOP/s, max err {row['max_abs_error']:.2g}"))
+        print(line, file=sys.stderr)
+        summary.write(line + "\n")
 best = fastest(r)
-print(best["name"].split(" ", 1)[1] if best else "")
+kernel = not r["interpret"] and prefill_kernel_wins(r)  # interpreted calls time the interpreter
+print((best["name"].split(" ", 1)[1] if best else "-") + (" prefill" if kernel else ""))
 EOF
 )
-        if [ -n "$picked" ] && [ "$attention" = pallas ]; then tuning=(--pallas-tuning "$picked"); fi
-        say "attention: fastest Pallas setting ${picked:-none}; the kernel runs after this use ${tuning[*]:-the default} [$((SECONDS - started)) s]"
+        read -r picked prefill_pick <<<"$picked"
+        [ "$picked" != - ] || picked=
+        if [ "$attention" = pallas ]; then
+          tuning=(); [ -z "$picked" ] || tuning=(--pallas-tuning "$picked")
+          [ -z "$prefill_pick" ] || tuning+=(--pallas-prefill)
+        fi
+        say "attention: fastest Pallas setting ${picked:-none}, prefill kernel ${prefill_pick:+faster than the reference}${prefill_pick:-not faster}; the kernel runs after this use ${tuning[*]:-the defaults} [$((SECONDS - started)) s]"
       else
         say "attention: FAILED (exit $?; see gpu_bench.log)"
       fi

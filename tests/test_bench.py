@@ -307,10 +307,11 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
         assert f"{report['output_tokens_per_s']:.0f} output tok/s" in line
         assert f"{report['startup']['variants_compiled_ahead']} variants compiled ahead in " in line
     # the kernel on a machine without a GPU: that run fails with the engine's reason, the next goes on
-    done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas",
+    done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas", PALLAS_PREFILL="1",
                   BENCH_FLAGS="--compile-threads 1 --max-num-seqs 32")  # more flags for every run
     assert done.returncode == 0
     assert done.stdout.startswith("1024-128: FAILED (exit 2") and "needs the GPU backend" in done.stdout
+    assert "=== 1024-128: 64 x 16/2 --attention pallas --pallas-prefill" in (tmp_path / "b" / "gpu_bench.log").read_text()
     assert "1024-1024-jnp: " in done.stdout and "output tok/s" in done.stdout
     assert not (tmp_path / "b" / "1024-128.json").exists()
     engine = json.loads((tmp_path / "b" / "1024-1024-jnp.json").read_text())["engine"]
@@ -325,10 +326,17 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
                                                      "jax-pallas"]
     assert all(r["max_abs_error"] < 1e-5 for r in sweep["results"]), sweep["results"]
     picked = min(sweep["results"][2:4], key=lambda r: r["us_per_call"])["name"].split()[1]
-    assert f"attention: fastest Pallas setting {picked}; the kernel runs after this use --pallas-tuning {picked}" in done.stdout
-    assert f"=== 1024-1024: 64 x 16/16 --attention pallas --pallas-tuning {picked}" in (tmp_path / "d" / "gpu_bench.log").read_text()
+    # interpreted, the prefill kernel's time is the interpreter's: never taken on it
+    assert (f"attention: fastest Pallas setting {picked}, prefill kernel not faster; the kernel runs after this use "
+            f"--pallas-tuning {picked}") in done.stdout
+    assert f"=== 1024-1024: 64 x 16/16 --attention pallas --pallas-tuning {picked}\n" in (tmp_path / "d" / "gpu_bench.log").read_text()
     summary = (tmp_path / "d" / "summary.txt").read_text()
     assert "attention pallas 1:512:4:2: " in summary and " us/layer, " in summary
+    prefill = sweep["prefill"]
+    assert (prefill["rows"], prefill["chunk"], prefill["context"]) == (2, 512 // 64, 1024 // 64)
+    assert [r["name"] for r in prefill["results"]] == ["reference", "pallas"]
+    assert all(r["max_abs_error"] < 0.05 for r in prefill["results"]), prefill["results"]  # bfloat16 pages
+    assert "attention prefill reference: " in summary and "attention prefill pallas: " in summary
     # PROFILE: the run's report and summary get the traced decode calls' kernels
     done = script("batch1", "--out", str(tmp_path / "e"), SIZE_SCALE="4", PROFILE=str(tmp_path / "prof"),
                   BENCH_FLAGS="--decode-steps 2")  # 16 decode calls: 8 traced

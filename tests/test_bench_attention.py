@@ -27,6 +27,16 @@ def test_reports_each_implementation_against_the_reference(capsys):
         assert r["kv_gbs"] == pytest.approx(report["kv_bytes_per_call"] / r["us_per_call"] / 1e3)
         assert r["step_ms"] == pytest.approx(r["us_per_call"] * report["num_layers"] / 1e3)
     assert rows["jnp"]["max_abs_error"] == 0.0  # the reference itself
+    # prefill: 2 rows of 35 query tokens ending at token 70 (half the context) over the same 8-page tables
+    p = report["prefill"]
+    assert (p["rows"], p["chunk"], p["context"], p["table_width"]) == (2, 35, 70, 8)
+    # llama-100m: 12 heads of 64; query i of a chunk sees 36 + i keys; QK and PV, 2 FLOPs a multiply-add
+    assert p["flops_per_call"] == 4 * 12 * 64 * 2 * sum(range(36, 71))
+    prefill = {r["name"]: r for r in p["results"]}
+    assert list(prefill) == ["reference", "pallas"]
+    for r in prefill.values():
+        assert r["max_abs_error"] < 2e-2, r  # bfloat16 operands against float32 products
+        assert r["tflops"] == pytest.approx(p["flops_per_call"] / r["us_per_call"] / 1e6)
 
 
 def test_the_table_and_usage_errors(capsys):
@@ -35,8 +45,12 @@ def test_the_table_and_usage_errors(capsys):
     out = capsys.readouterr().out
     assert out.startswith("llama-tiny decode attention, one layer: 2 rows x 33 tokens, pages of 16 (4-page tables)")
     assert "\njnp " in out and "fastest Pallas setting" not in out  # no Pallas on a CPU without --interpret
+    assert "prefill attention, one layer: 2 rows x 16 query tokens ending at token 33 (4-page tables)" in out
+    assert "\nreference " in out and "\npallas " not in out and "--pallas-prefill" not in out
     for flags, message in ((["--tuning", "4:2048"], "expected PAGES:PROGRAMS:WARPS:STAGES"),
-                           (["--page-size", "8"], "powers of two >= 16"), (["--dummy", "nope"], "unknown preset")):
+                           (["--page-size", "8"], "powers of two >= 16"), (["--dummy", "nope"], "unknown preset"),
+                           (["--context", "100", "--prefill-context", "200"], "--prefill-context must be at least"),
+                           (["--prefill-chunk", "600", "--prefill-context", "500"], "--prefill-context must be at least --prefill-chunk")):
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "attention", *flags])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -50,3 +64,15 @@ def test_the_fastest_setting_must_also_be_right():
             {"name": "pallas 2:2048:4:2", "error": "CompilationError: out of shared memory"}]
     assert attention.fastest({"results": rows})["name"] == "pallas 4:2048:4:2"
     assert attention.fastest({"results": rows[:2]}) is None
+
+
+def test_the_prefill_kernel_is_taken_only_when_right_and_faster():
+    def report(kernel: dict) -> dict:
+        return {"prefill": {"results": [{"name": "reference", "us_per_call": 100.0, "max_abs_error": 1e-3},
+                                        {"name": "pallas", **kernel}]}}
+
+    assert attention.prefill_kernel_wins(report({"us_per_call": 60.0, "max_abs_error": 1e-3}))
+    assert not attention.prefill_kernel_wins(report({"us_per_call": 60.0, "max_abs_error": 3.0}))  # fast and wrong
+    assert not attention.prefill_kernel_wins(report({"us_per_call": 160.0, "max_abs_error": 1e-3}))
+    assert not attention.prefill_kernel_wins(report({"error": "CompilationError: out of shared memory"}))
+    assert not attention.prefill_kernel_wins({"results": []})  # no prefill timing at all

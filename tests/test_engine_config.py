@@ -70,3 +70,13 @@ def test_pallas_tuning_from_the_cli_and_the_environment():
     for bad in ("4:2048:4", "4:2048:3:2", "0:2048:4:2", "a:b:c:d", ""):
         with pytest.raises(ValueError, match="pallas_tuning must be PAGES:PROGRAMS:WARPS:STAGES"):
             EngineConfig(pallas_tuning=bad)
+
+
+def test_pallas_prefill_from_the_cli_and_the_environment():
+    overrides = _engine_overrides(_worker_args("--pallas-prefill"))
+    assert overrides["pallas_prefill"] is True and "--pallas-prefill" in engine_argv(overrides)
+    assert _engine_overrides(_worker_args(*engine_argv(overrides))) == overrides  # what `redjax serve` passes on
+    assert "pallas_prefill" not in _engine_overrides(_worker_args())
+    env = {"REDJAX_PALLAS_PREFILL": "1"}
+    assert WorkerConfig.from_env({"model_dir": "m"}, environ=env).engine.pallas_prefill is True
+    assert EngineConfig().pallas_prefill is False

@@ -54,13 +54,16 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="sampled rows' top-k/top-p cutoffs and draws: compiled CPU kernels when available (auto), "
                         "required (kernel), or jnp")
     g.add_argument("--pallas-tuning", metavar="PAGES:PROGRAMS:WARPS:STAGES",
-                   help="the GPU decode kernel's work split (default 4:2048:4:2; `redjax bench attention` times "
+                   help="the GPU decode kernel's work split (default 4:1024:4:2; `redjax bench attention` times "
                         "settings); only with the Pallas kernel")
+    g.add_argument("--pallas-prefill", action="store_const", const=True,
+                   help="prefill rows through the Pallas prefill kernel instead of the reference (`redjax bench "
+                        "attention` times both); only with the Pallas kernel")
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "enable_prefix_cache", "tensor_parallel",
-               "attention", "matmul", "sampler", "compile_threads", "pallas_tuning")
+               "attention", "matmul", "sampler", "compile_threads", "pallas_tuning", "pallas_prefill")
 
 
 def _decode_steps(value: str) -> int | None:
@@ -98,9 +101,11 @@ def engine_argv(overrides: dict) -> list[str]:
     """The engine flags that give `overrides` (from `_engine_overrides`) to a child process."""
     argv: list[str] = []
     for key, value in overrides.items():
-        if isinstance(value, bool):
-            if not value:
-                argv.append({"async_overlap": "--no-async-overlap", "enable_prefix_cache": "--no-prefix-cache"}[key])
+        if isinstance(value, bool):  # a flag that gives the value other than the default
+            flag = {("async_overlap", False): "--no-async-overlap", ("enable_prefix_cache", False): "--no-prefix-cache",
+                    ("pallas_prefill", True): "--pallas-prefill"}.get((key, value))
+            if flag:
+                argv.append(flag)
         else:
             argv += ["--" + key.replace("_", "-"), str(value)]
     return argv

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from worker.bench import roofline
-from worker.engine import gpu_attention, paged_attention as pa
+from worker.engine import gpu_attention, gpu_prefill, paged_attention as pa
 from worker.engine.config import parse_tuning
 from worker.models.config import ModelConfig, ModelConfigError
 
@@ -54,6 +54,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tuning", action="append", metavar="PAGES:PROGRAMS:WARPS:STAGES",
                    help="a Pallas work split to time (repeatable; default: a sweep of "
                         f"{len(SWEEP)} around the default)")
+    p.add_argument("--prefill-rows", type=int, default=2, help="prefill rows in the prefill timing (default 2)")
+    p.add_argument("--prefill-chunk", type=int, help="query tokens a prefill row holds (default: half of "
+                   "--prefill-context, at most 512)")
+    p.add_argument("--prefill-context", type=int,
+                   help="where each prefill row's chunk ends (default 1024, at most --context: with 512-token chunks "
+                        "the second half of a 1024-token prompt); its page table is as wide as the decode rows' (a "
+                        "mixed step's rows share one width)")
     p.add_argument("--interpret", action="store_true", help="run the Pallas kernels through Pallas's interpreter "
                    "(any backend: a check of their results, far too slow to time)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds of 10 calls; the best is reported")
@@ -73,10 +80,21 @@ def run(argv: list[str]) -> int:
     bad = [t for t in tunings if parse_tuning(t) is None]
     if bad:
         p.error(f"--tuning {bad[0]!r}: expected PAGES:PROGRAMS:WARPS:STAGES, positive integers, warps a power of two")
-    if min(args.batch, args.context, args.repeats) < 1 or not gpu_attention.supported(cfg.head_dim, args.page_size):
-        p.error("--batch, --context and --repeats must be >= 1, and head dim and --page-size powers of two >= 16")
+    if args.prefill_context is None:
+        args.prefill_context = min(1024, args.context)
+    if args.prefill_chunk is None:
+        args.prefill_chunk = max(1, min(512, args.prefill_context // 2))
+    if min(args.batch, args.context, args.repeats, args.prefill_rows, args.prefill_chunk) < 1 \
+            or not gpu_attention.supported(cfg.head_dim, args.page_size):
+        p.error("--batch, --context, --repeats, --prefill-rows and --prefill-chunk must be >= 1, and head dim and "
+                "--page-size powers of two >= 16")
+    if not args.prefill_chunk <= args.prefill_context <= args.context:
+        p.error("--prefill-context must be at least --prefill-chunk and at most --context")
     report = bench_attention(cfg, args.dummy, args.batch, args.context, args.page_size, args.dtype, tunings,
                              args.interpret, args.repeats, args.seed)
+    report["prefill"] = bench_prefill(cfg, args.prefill_rows, args.prefill_chunk, args.prefill_context,
+                                      report["table_width"], args.page_size, args.dtype, args.interpret, args.repeats,
+                                      args.seed)
     print(json.dumps(report, indent=2) if args.json else table(report))
     return 0
 
@@ -186,6 +204,48 @@ def bench_attention(cfg: ModelConfig, preset: str, batch: int, context: int, pag
     }
 
 
+def bench_prefill(cfg: ModelConfig, rows: int, chunk: int, context: int, width: int, page_size: int, dtype: str,
+                  interpret: bool, repeats: int, seed: int) -> dict:
+    """One layer's prefill attention: `rows` rows of `chunk` query tokens ending at `context`, over
+    tables `width` pages wide, through the reference the engine runs on a GPU (with its rounding,
+    `gpu_prefill.prefill_attention`) and, on a GPU or interpreted, the Pallas prefill kernel; each
+    against the reference at full precision (float32 products on the same stored pages)."""
+    rng = np.random.default_rng(seed + 1)
+    pages = -(-context // page_size)
+    num_pages = rows * width + 1
+    kv, d, stored = cfg.num_kv_heads, cfg.head_dim, pa.storage_dtype(dtype)
+    k = pa.stored(jnp.asarray(rng.standard_normal((kv, num_pages, d, page_size), np.float32)), stored)
+    v = pa.stored(jnp.asarray(rng.standard_normal((kv, num_pages, page_size, d), np.float32)), stored)
+    tables = np.zeros((rows, width), np.int32)
+    tables[:, :pages] = rng.permutation(np.arange(1, num_pages))[: rows * pages].reshape(rows, pages)
+    q = jnp.asarray(rng.standard_normal((rows, chunk, cfg.num_heads, d), np.float32))  # f32[S, Q, H, D]
+    positions = jnp.asarray(np.broadcast_to(np.arange(context - chunk, context, dtype=np.int32), (rows, chunk)))
+    lens = jnp.full((rows,), context, jnp.int32)
+    args = (q, k, v, jnp.asarray(tables), positions, lens)
+    exact = [pa.page_values(x).astype(jnp.float32) for x in (k, v)]
+    with jax.default_matmul_precision("highest"):
+        reference = np.asarray(jax.jit(pa.paged_attention)(q, *exact, *args[3:]), np.float32)
+    flops = 4 * cfg.num_heads * d * rows * sum(range(context - chunk + 1, context + 1))  # QK and PV, causal keys
+    impls = {"reference": gpu_prefill.prefill_attention}
+    if jax.default_backend() == "gpu" or interpret:
+        impls["pallas"] = partial(gpu_prefill.pallas_prefill_attention, interpret=interpret)
+    results = []
+    for name, fn in impls.items():
+        row = {"name": name}
+        try:
+            call = jax.jit(fn)
+            row["max_abs_error"] = float(np.abs(np.asarray(call(*args), np.float32) - reference).max())
+            seconds = time_calls(call, args, 1 if interpret else repeats)
+        except Exception as e:  # noqa: BLE001: a kernel this GPU or Triton cannot build is a row, not the end
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            results.append(row)
+            continue
+        row.update(us_per_call=seconds * 1e6, tflops=flops / seconds / 1e12, step_ms=seconds * cfg.num_layers * 1e3)
+        results.append(row)
+    return {"rows": rows, "chunk": chunk, "context": context, "table_width": width, "flops_per_call": flops,
+            "results": results}
+
+
 def _tuning_text(t: gpu_attention.Tuning) -> str:
     return f"{t.pages_per_block}:{t.target_programs}:{t.num_warps}:{t.num_stages}"
 
@@ -213,4 +273,25 @@ def table(report: dict) -> str:
     if best:
         lines.append(f"fastest Pallas setting: {best['name'][7:]} (default {report['default_tuning']}); "
                      f"an engine takes it with --pallas-tuning {best['name'][7:]}")
+    p = report.get("prefill")
+    if p:
+        lines.append(f"prefill attention, one layer: {p['rows']} rows x {p['chunk']} query tokens ending at token "
+                     f"{p['context']} ({p['table_width']}-page tables): {p['flops_per_call'] / 1e9:.1f} GFLOP per call")
+        lines.append(f"{'implementation':<22} {'us/call':>10} {'TFLOP/s':>9} {'x layers ms':>12} {'max err':>9}")
+        for r in p["results"]:
+            if "error" in r:
+                lines.append(f"{r['name']:<22} failed: {r['error']}")
+                continue
+            lines.append(f"{r['name']:<22} {r['us_per_call']:>10.1f} {r['tflops']:>9.1f} {r['step_ms']:>12.2f} "
+                         f"{r['max_abs_error']:>9.2g}")
+        if not report["interpret"] and prefill_kernel_wins(report):
+            lines.append("the Pallas prefill kernel is faster here; an engine takes it with --pallas-prefill")
     return "\n".join(lines)
+
+
+def prefill_kernel_wins(report: dict) -> bool:
+    """Whether the Pallas prefill kernel ran correct and faster than the reference."""
+    by_name = {r["name"]: r for r in report.get("prefill", {}).get("results", []) if "us_per_call" in r}
+    kernel, reference = by_name.get("pallas"), by_name.get("reference")
+    return bool(kernel and reference and kernel["max_abs_error"] < 0.05
+                and kernel["us_per_call"] < reference["us_per_call"])

@@ -6,18 +6,22 @@
 - "jnp": pure jax.numpy (paged_attention.py), anywhere.
 - "auto": the kernel for the backend where it applies (and, for Pallas, compiles on this GPU),
   else jnp. A kernel that does not apply or fails is logged, never silent.
+
+With the Pallas kernel, prefill rows run the reference (rounded like the kernel) unless
+`pallas_prefill` asks for the Pallas prefill kernel (gpu_prefill.py).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.engine import cpu_attention, gpu_attention
+from worker.engine import cpu_attention, gpu_attention, gpu_prefill
 from worker.engine.paged_attention import JNP, AttentionOps, storage_dtype
 
 log = logging.getLogger(__name__)
@@ -29,13 +33,19 @@ class AttentionUnavailable(ValueError):
 
 
 def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtype, kv_dtype,
-                     tuning: tuple[int, int, int, int] | None = None) -> AttentionOps:
-    """The attention for these settings; `tuning` (EngineConfig.pallas_tuning) applies to the Pallas
-    kernel alone, and is an error where another attention runs."""
+                     tuning: tuple[int, int, int, int] | None = None, prefill_kernel: bool = False) -> AttentionOps:
+    """The attention for these settings; `tuning` (EngineConfig.pallas_tuning) and `prefill_kernel`
+    (EngineConfig.pallas_prefill) apply to the Pallas kernels alone, and are errors where another
+    attention runs."""
     settings = None if tuning is None else gpu_attention.Tuning(*tuning)
     ops = _choose(mode, tensor_parallel, head_dim, page_size, dtype, kv_dtype, settings)
-    if tuning is not None and ops.name != gpu_attention.PALLAS.name:
-        raise AttentionUnavailable(f"pallas_tuning applies to the Pallas decode kernel, and this engine runs {ops.name} attention")
+    for asked, name in ((tuning is not None, "pallas_tuning"), (prefill_kernel, "pallas_prefill")):
+        if asked and ops.name != gpu_attention.PALLAS.name:
+            raise AttentionUnavailable(f"{name} applies to the Pallas decode kernel, and this engine runs {ops.name} attention")
+    if prefill_kernel:
+        if not prefill_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name):
+            raise RuntimeError("the Pallas prefill kernel did not compile on this GPU (see the log)")
+        ops = replace(ops, prefill=gpu_prefill.pallas_prefill_attention)
     return ops
 
 
@@ -84,4 +94,24 @@ def pallas_compiles(head_dim: int, page_size: int, dtype: str, kv_dtype: str,
         return True
     except Exception:  # noqa: BLE001: whatever Triton or the driver reports, the engine keeps jnp
         log.warning("the Pallas attention kernel failed to compile or run here; using the jnp path", exc_info=True)
+        return False
+
+
+@lru_cache(maxsize=8)
+def prefill_compiles(head_dim: int, page_size: int, dtype: str, kv_dtype: str) -> bool:
+    """Compile and run the prefill kernel once on a small problem of the model's shapes and dtypes
+    (two rows of 16 queries over tables of 4 pages)."""
+    stored = storage_dtype(kv_dtype)
+    kv, s, width = 1, 2, 4
+    q = jnp.zeros((s, 16, 4, head_dim), dtype)
+    k = jnp.zeros((kv, s * width, head_dim, page_size), stored)
+    v = jnp.zeros((kv, s * width, page_size, head_dim), stored)
+    tables = jnp.asarray(np.arange(s * width, dtype=np.int32).reshape(s, width))
+    lens = jnp.asarray([width * page_size, 16], jnp.int32)
+    positions = lens[:, None] - 16 + jnp.arange(16, dtype=jnp.int32)[None, :]
+    try:
+        jax.block_until_ready(jax.jit(gpu_prefill.pallas_prefill_attention)(q, k, v, tables, positions, lens))
+        return True
+    except Exception:  # noqa: BLE001: whatever Triton or the driver reports
+        log.warning("the Pallas prefill kernel failed to compile or run here", exc_info=True)
         return False

@@ -90,7 +90,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, kv_dtype, kv_sharding(mesh) if mesh else None)
         attention = choose_attention(config.attention, config.tensor_parallel, cfg.head_dim, config.page_size,
-                                     DTYPES[config.dtype or cfg.dtype], kv_dtype, config.tuning())
+                                     DTYPES[config.dtype or cfg.dtype], kv_dtype, config.tuning(), config.pallas_prefill)
         # attention that reads only each row's own context lets every step use one page-table
         # width (the most any sequence can hold) whatever the contexts: fewer compiled variants
         widest = self.widest_pages = bucket(config.pages_for(self.max_model_len))
