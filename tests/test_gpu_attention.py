@@ -5,6 +5,7 @@ compiled; elsewhere (CI) through Pallas's interpreter, which runs the same kerne
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -23,6 +24,7 @@ from worker.models.loader import load_model
 
 ON_GPU = jax.default_backend() == "gpu"
 decode = partial(gpu_attention.pallas_decode_attention, interpret=not ON_GPU)
+PREFILL_KERNEL = partial(gpu_prefill.pallas_prefill_attention, interpret=not ON_GPU)
 KERNEL = gpu_attention.PALLAS if ON_GPU else pa.AttentionOps("pallas-interpret", decode, gpu_prefill.prefill_attention,
                                                               reads_own_context=False)
 
@@ -218,17 +220,21 @@ def test_supported_shapes_and_the_choice():
         EngineConfig(attention="triton")
 
 
-def test_engine_decodes_with_the_kernel_like_transformers(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("prefill_kernel", [False, True], ids=["reference-prefill", "prefill-kernel"])
+def test_engine_decodes_with_the_kernel_like_transformers(tokenizer, tmp_path, monkeypatch, prefill_kernel):  # noqa: F811
     """A tiny Qwen2 (head dim 16, sliding window on its upper layer) served with the kernel in its
-    decode rows, fused steps included: greedy tokens equal transformers'."""
+    decode rows, fused steps included, and in its prefill rows the reference or the Pallas prefill
+    kernel (`--pallas-prefill`; a 70-token prompt chunked over steps of 64 tokens): greedy tokens
+    equal transformers'."""
     hf = make_hf_model("qwen2", tmp_path, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(tmp_path)
-    monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args: KERNEL)
+    ops = replace(KERNEL, prefill=PREFILL_KERNEL) if prefill_kernel else KERNEL
+    monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args: ops)
     engine = LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(max_num_seqs=4, page_size=16, num_pages=24,
                                                                      max_num_batched_tokens=64, decode_steps=4))
     assert engine.attention == KERNEL.name
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (3, 17, 30)]
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (3, 17, 30, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)

@@ -12,14 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
-from tests.hf_models import make_hf_model
-from worker.engine import gpu_attention, gpu_prefill, paged_attention as pa
+from worker.engine import gpu_prefill, paged_attention as pa
 from worker.engine.attention_choice import AttentionUnavailable, choose_attention
-from worker.engine.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.sampling_params import SamplingParams
-from worker.models.loader import load_model
 
 ON_GPU = jax.default_backend() == "gpu"
 prefill = partial(gpu_prefill.pallas_prefill_attention, interpret=not ON_GPU)
@@ -114,23 +108,3 @@ def test_the_choice():
         assert ops.name == "pallas" and ops.prefill is gpu_prefill.pallas_prefill_attention
         assert choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16).prefill is gpu_prefill.prefill_attention
 
-
-def test_an_engine_with_both_kernels_decodes_like_transformers(tokenizer, tmp_path, monkeypatch):  # noqa: F811
-    """A tiny Qwen2 (head dim 16, sliding window on its upper layer) with the prefill kernel in its
-    prefill rows and the decode kernel in its decode rows, prompts chunked over steps of 64 tokens:
-    greedy tokens equal transformers'."""
-    hf = make_hf_model("qwen2", tmp_path, vocab_size=len(tokenizer))
-    tokenizer.save_pretrained(tmp_path)
-    both = pa.AttentionOps("pallas-interpret", partial(gpu_attention.pallas_decode_attention, interpret=not ON_GPU),
-                           prefill, reads_own_context=False)
-    monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args: both)
-    engine = LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(max_num_seqs=4, page_size=16, num_pages=24,
-                                                                     max_num_batched_tokens=64, decode_steps=4))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (3, 17, 70)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    results = drain(engine)
-    for i, prompt in enumerate(prompts):
-        assert results[(f"r{i}", 0)].token_ids == hf_greedy(hf, prompt, 10), i

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from worker.engine.gpu_prefill import prefill_attention
+from worker.engine.gpu_prefill import load_page, prefill_attention
 from worker.engine.paged_attention import BF16_BITS, MASKED, AttentionOps
 
 MIN_TILE = 16  # rows, columns and depth of Triton's smallest dot
@@ -75,8 +75,7 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
     # tables_ref i32[P]; pos_ref, ctx_ref i32[1]; q_ref [Gp, D]; k_ref [N, D, ps]; v_ref [N, ps, D];
     # out: o_ref f32[Gp, D] (unnormalized), m_ref f32[Gp] (running max), l_ref f32[Gp] (sum of weights)
     gp, d = q_ref.shape
-    n, ps = k_ref.shape[0], k_ref.shape[-1]
-    width = tables_ref.shape[0]
+    ps, width = k_ref.shape[-1], tables_ref.shape[0]
     pos, ctx = pos_ref[0], ctx_ref[0]
     first = pl.program_id(2) * pages_per_split  # this program's pages: [first, first + pages_per_split)
     # keys [lo, hi) are visible; never past the page table (a fused decode row that has stopped
@@ -98,10 +97,7 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
         scores, values = [], []
         for r in range(pages_per_block):  # every page's loads before any softmax update needs them
             i = begin + b * pages_per_block + r
-            p = jnp.clip(tables_ref[jnp.minimum(i, width - 1)], 0, n - 1)  # never read outside the cache
-            k, v = k_ref[p], v_ref[p]  # [D, ps], [ps, D]
-            if bits:
-                k, v = (jax.lax.bitcast_convert_type(x, jnp.bfloat16) for x in (k, v))
+            k, v = load_page(tables_ref, k_ref, v_ref, i, bits)  # [D, ps], [ps, D]
             s = jnp.dot(q, k.astype(q.dtype), precision=precision, preferred_element_type=jnp.float32) * scale
             j = i * ps + jnp.arange(ps)
             visible = (j >= lo) & (j < hi) & (i < stop)  # the last block may run past this program's pages

@@ -54,14 +54,25 @@ def prefill_attention(
     return out.astype(q.dtype)
 
 
+def load_page(tables_ref, k_ref, v_ref, i, bits: bool):
+    """Inside a kernel: the keys [D, ps] and values [ps, D] of the i-th page of a table, as numbers
+    (bfloat16 bit patterns reinterpreted); an index past the table or the cache reads a page that
+    exists (the caller masks its keys)."""
+    n, width = k_ref.shape[0], tables_ref.shape[0]
+    p = jnp.clip(tables_ref[jnp.minimum(i, width - 1)], 0, n - 1)  # never read outside the cache
+    k, v = k_ref[p], v_ref[p]
+    if bits:
+        k, v = (jax.lax.bitcast_convert_type(x, jnp.bfloat16) for x in (k, v))
+    return k, v
+
+
 def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window: int, bits: bool,
             pages_per_block: int):
     # one program: prefill row pl.program_id(0), KV head pl.program_id(1), block of query tokens pl.program_id(2)
     # tables_ref i32[P]; pos_ref i32[R]: each query row's position (R = tokens x padded group, token-major);
     # ctx_ref i32[1]; q_ref [R, D]; k_ref [N, D, ps]; v_ref [N, ps, D]; out: o_ref f32[R, D] (normalized)
     rows, d = q_ref.shape
-    n, ps = k_ref.shape[0], k_ref.shape[-1]
-    width = tables_ref.shape[0]
+    ps, width = k_ref.shape[-1], tables_ref.shape[0]
     pos = pos_ref[...]
     # keys [lo, hi) are visible to each query row; never past the page table
     hi = jnp.minimum(jnp.minimum(pos + 1, ctx_ref[0]), width * ps)  # [R]
@@ -78,10 +89,7 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window:
         scores, masks, values = [], [], []
         for r in range(pages_per_block):  # every page's loads before any softmax update needs them
             i = begin + b * pages_per_block + r
-            p = jnp.clip(tables_ref[jnp.minimum(i, width - 1)], 0, n - 1)  # never read outside the cache
-            k, v = k_ref[p], v_ref[p]  # [D, ps], [ps, D]
-            if bits:
-                k, v = (jax.lax.bitcast_convert_type(x, jnp.bfloat16) for x in (k, v))
+            k, v = load_page(tables_ref, k_ref, v_ref, i, bits)  # [D, ps], [ps, D]
             s = jnp.dot(q, k.astype(q.dtype), precision=precision, preferred_element_type=jnp.float32) * scale
             j = (i * ps + jnp.arange(ps))[None, :]  # [1, ps]
             visible = (j >= lo[:, None]) & (j < hi[:, None]) & (i < stop)  # [R, ps]
