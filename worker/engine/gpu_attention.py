@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from worker.engine.gpu_prefill import load_page, prefill_attention
+from worker.engine.gpu_prefill import load_page, online_softmax, prefill_attention
 from worker.engine.paged_attention import BF16_BITS, MASKED, AttentionOps
 
 MIN_TILE = 16  # rows, columns and depth of Triton's smallest dot
@@ -103,16 +103,8 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
             visible = (j >= lo) & (j < hi) & (i < stop)  # the last block may run past this program's pages
             scores.append(jnp.where(visible[None, :], s, MASKED))  # [Gp, ps]
             values.append(v.astype(q.dtype))
-        m_new = m
-        for s in scores:
-            m_new = jnp.maximum(m_new, s.max(axis=-1))
-        correction = jnp.exp(m - m_new)
-        l, acc = l * correction, acc * correction[:, None]
-        for s, v in zip(scores, values):
-            w = jnp.exp(s - m_new[:, None])  # [Gp, ps]; 0 where masked (the block's first page has a key)
-            l = l + w.sum(axis=-1)
-            acc = acc + jnp.dot(w.astype(q.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        # every row's weights are 0 where masked: the block's first page has a key it sees
+        return online_softmax(m, l, acc, scores, values, precision)
 
     init = (jnp.full((gp,), MASKED, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, d), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, pl.cdiv(stop - begin, pages_per_block), block, init)

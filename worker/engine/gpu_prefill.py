@@ -66,6 +66,25 @@ def load_page(tables_ref, k_ref, v_ref, i, bits: bool):
     return k, v
 
 
+def online_softmax(m, l, acc, scores: list, values: list, precision, masks: list | None = None):
+    """Inside a kernel: one online-softmax update over a block of pages. m, l f32[R] (running max,
+    sum of weights), acc f32[R, D]; scores f32[R, ps] per page (MASKED where hidden), values [ps, D]
+    per page in the products' dtype; masks bool[R, ps] per page where a row may see none of the
+    block's keys (its weights must then be 0 however its running max stands) -> (m, l, acc)."""
+    m_new = m
+    for s in scores:
+        m_new = jnp.maximum(m_new, s.max(axis=-1))
+    correction = jnp.exp(m - m_new)
+    l, acc = l * correction, acc * correction[:, None]
+    for r, (s, v) in enumerate(zip(scores, values)):
+        w = jnp.exp(s - m_new[:, None])  # [R, ps]
+        if masks is not None:
+            w = jnp.where(masks[r], w, 0.0)
+        l = l + w.sum(axis=-1)
+        acc = acc + jnp.dot(w.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
 def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window: int, bits: bool,
             pages_per_block: int):
     # one program: prefill row pl.program_id(0), KV head pl.program_id(1), block of query tokens pl.program_id(2)
@@ -96,17 +115,8 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window:
             scores.append(jnp.where(visible, s, MASKED))
             masks.append(visible)
             values.append(v.astype(q.dtype))
-        m_new = m
-        for s in scores:
-            m_new = jnp.maximum(m_new, s.max(axis=-1))
-        correction = jnp.exp(m - m_new)
-        l, acc = l * correction, acc * correction[:, None]
-        for s, visible, v in zip(scores, masks, values):
-            # a row may see none of a block's keys (its window starts later, or it ends earlier)
-            w = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # [R, ps]
-            l = l + w.sum(axis=-1)
-            acc = acc + jnp.dot(w.astype(q.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        # a row may see none of a block's keys (its window starts later, or it ends earlier)
+        return online_softmax(m, l, acc, scores, values, precision, masks)
 
     init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, pl.cdiv(stop - begin, pages_per_block), block, init)
