@@ -167,6 +167,18 @@ def time_calls(fn, args: tuple, repeats: int, inner: int = 10) -> float:
     return best
 
 
+def checked_and_timed(name: str, fn, args: tuple, reference: np.ndarray, repeats: int) -> tuple[dict, float]:
+    """-> ({"name", "max_abs_error"}, seconds per call), or ({"name", "error"}, 0.0) where it fails:
+    a setting this GPU or Triton cannot build is a row, not the end of the bench."""
+    row: dict = {"name": name}
+    try:
+        call = jax.jit(fn)
+        row["max_abs_error"] = float(np.abs(np.asarray(call(*args), np.float32) - reference).max())
+        return row, time_calls(call, args, repeats)
+    except Exception as e:  # noqa: BLE001
+        return {"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}, 0.0
+
+
 def bench_attention(cfg: ModelConfig, preset: str, batch: int, context: int, page_size: int, dtype: str,
                     tunings: list[str], interpret: bool, repeats: int, seed: int) -> dict:
     inputs = make_inputs(cfg, batch, context, page_size, dtype, seed)
@@ -182,19 +194,11 @@ def bench_attention(cfg: ModelConfig, preset: str, batch: int, context: int, pag
             args = (inputs["q"], *_jax_layout(inputs, dtype), inputs["tables"], inputs["positions"], inputs["lens"])
         else:
             args = (*base, inputs["positions"], inputs["lens"])
-        row = {"name": name}
-        try:
-            call = jax.jit(fn)
-            out = np.asarray(call(*args), np.float32)
-            row["max_abs_error"] = float(np.abs(out - reference).max())
-            seconds = time_calls(call, args, 1 if interpret else repeats)
-        except Exception as e:  # noqa: BLE001: a setting this GPU or Triton cannot build is a row, not the end
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            rows.append(row)
-            continue
-        row.update(us_per_call=seconds * 1e6, kv_gbs=kv_bytes / seconds / 1e9,
-                   bandwidth_fraction=kv_bytes / seconds / 1e9 / bandwidth,
-                   step_ms=seconds * cfg.num_layers * 1e3)
+        row, seconds = checked_and_timed(name, fn, args, reference, 1 if interpret else repeats)
+        if seconds:
+            row.update(us_per_call=seconds * 1e6, kv_gbs=kv_bytes / seconds / 1e9,
+                       bandwidth_fraction=kv_bytes / seconds / 1e9 / bandwidth,
+                       step_ms=seconds * cfg.num_layers * 1e3)
         rows.append(row)
     return {
         "model": preset, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
@@ -231,16 +235,9 @@ def bench_prefill(cfg: ModelConfig, rows: int, chunk: int, context: int, width: 
         impls["pallas"] = partial(gpu_prefill.pallas_prefill_attention, interpret=interpret)
     results = []
     for name, fn in impls.items():
-        row = {"name": name}
-        try:
-            call = jax.jit(fn)
-            row["max_abs_error"] = float(np.abs(np.asarray(call(*args), np.float32) - reference).max())
-            seconds = time_calls(call, args, 1 if interpret else repeats)
-        except Exception as e:  # noqa: BLE001: a kernel this GPU or Triton cannot build is a row, not the end
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            results.append(row)
-            continue
-        row.update(us_per_call=seconds * 1e6, tflops=flops / seconds / 1e12, step_ms=seconds * cfg.num_layers * 1e3)
+        row, seconds = checked_and_timed(name, fn, args, reference, 1 if interpret else repeats)
+        if seconds:
+            row.update(us_per_call=seconds * 1e6, tflops=flops / seconds / 1e12, step_ms=seconds * cfg.num_layers * 1e3)
         results.append(row)
     return {"rows": rows, "chunk": chunk, "context": context, "table_width": width, "flops_per_call": flops,
             "results": results}
