@@ -89,6 +89,12 @@ def test_choice_of_matmul(tmp_path, monkeypatch):
     assert cpu_matmul.kernel_dtype(mixed) is None
     with pytest.raises(ValueError, match="float32 or bfloat16 model"):
         cpu_matmul.choose_matmul("kernel", 1, mixed)
+    if BF16_KERNEL:  # a CPU with AMX whose OS refuses the tile state: XLA, not the slower AVX-512 kernel
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_matmul, "has_cpu_flag", lambda flag: True)
+            patch.setattr(cpu_matmul, "amx", lambda: False)
+            assert cpu_matmul.choose_matmul("auto", 1, bf16) == "xla"
+            assert cpu_matmul.choose_matmul("kernel", 1, bf16) == "kernel"  # asked for: runs anyway
     monkeypatch.setattr(cpu_matmul, "has_cpu_flag", lambda flag: False)
     assert cpu_matmul.choose_matmul("auto", 1, load_model(tmp_path)) == "xla"
     assert cpu_matmul.choose_matmul("kernel", 1, load_model(tmp_path)) == "kernel"  # asked for: runs anyway
@@ -126,6 +132,29 @@ def test_bfloat16_products_equal_xlas(m, k, n):
     # rounding x is part of the product: the float32 x would give another answer
     if m:
         assert np.abs(got - np.asarray(x, np.float64) @ np.asarray(w).astype(np.float64)).max() > 1e-3
+
+
+AMX = BF16_KERNEL and cpu_matmul.has_cpu_flag("amx_bf16")  # this CPU has AMX tiles for bfloat16
+
+
+# K a multiple of 32 (AMX) and not (the AVX-512 kernel takes it); rows past and inside a 32-row
+# block; N not a multiple of the panel; one row (batch-1 decode)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 32), (5, 64, 33), (31, 96, 64), (33, 2048, 97), (64, 768, 2081),
+                                   (100, 256, 70), (7, 40, 64), (0, 64, 32)])
+def test_amx_products_where_the_cpu_has_amx(m, k, n):
+    assert cpu_matmul.amx() == AMX
+    if not BF16_KERNEL:  # no bfloat16 kernel of either kind: XLA's products
+        return
+    assert cpu_matmul.load(jnp.bfloat16)
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    product = jax.jit(lambda x, p: cpu_matmul.matmul(x, p, n))
+    panels = cpu_matmul.pack(w)
+    assert (cpu_matmul.AMX_TARGET in product.lower(x, panels).as_text()) == (AMX and k % cpu_matmul.AMX_K == 0)
+    got = np.asarray(product(x, panels))
+    exact = np.asarray(x.astype(jnp.bfloat16)).astype(np.float64) @ np.asarray(w).astype(np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
 def test_packed_bfloat16_model_matches_its_unpacked_self(checkpoint):

@@ -70,16 +70,23 @@ def build(source: Path) -> Path | None:
     return library
 
 
-def register(source_name: str, symbol: str, target: str) -> bool:
+def register(source_name: str, symbol: str, target: str, permit: str | None = None) -> bool:
     """Build `cpu_kernels/<source_name>` and register its handler `symbol` as the CPU FFI target
-    `target`; False if it cannot be built. Callers cache the answer (one registration per process)."""
+    `target`; False if it cannot be built. `permit`: a function of the library to call first, which
+    returns 0 where the kernel may run (the AMX kernel asks the OS for the tile state). Callers
+    cache the answer (one registration per process)."""
     library = build(KERNELS / source_name)
     if library is None:
         return False
     try:  # a handler compiled only for some instruction sets (bfloat16 products) may be absent
-        handler = getattr(ctypes.CDLL(str(library)), symbol)
+        loaded = ctypes.CDLL(str(library))
+        handler = getattr(loaded, symbol)
+        permitted = permit is None or getattr(loaded, permit)() == 0
     except AttributeError:
         log.warning("%s has no %s for this CPU and compiler: the XLA path is used", source_name, symbol)
+        return False
+    if not permitted:
+        log.warning("%s: the OS refused %s, so %s is not used", source_name, permit, symbol)
         return False
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return True
