@@ -37,9 +37,11 @@ def load(dtype=jnp.float32) -> bool:
 @lru_cache(maxsize=None)
 def _load(dtype: str) -> bool:  # once per dtype, however it is spelled
     if dtype == "bfloat16":
-        ok = has_cpu_flag("avx512_bf16") and cpu_build.register("panel_matmul.cc", "PanelMatmulBf16",
-                                                                TARGETS[jnp.dtype(jnp.bfloat16)])
-        return ok
+        if not (has_cpu_flag("avx512_bf16") and cpu_build.register("panel_matmul.cc", "PanelMatmulBf16",
+                                                                   TARGETS[jnp.dtype(jnp.bfloat16)])):
+            return False
+        amx()  # registered now, before traces on several compile threads ask for it
+        return True
     return cpu_build.register("panel_matmul.cc", "PanelMatmul", TARGETS[jnp.dtype(jnp.float32)])
 
 
@@ -47,7 +49,7 @@ def _load(dtype: str) -> bool:  # once per dtype, however it is spelled
 def amx() -> bool:
     """Whether bfloat16 products run on AMX tiles: the CPU has AMX-BF16, the kernel builds, and
     Linux grants the process the tile state (Intel Sapphire Rapids and later). On such a CPU the
-    AVX-512 bfloat16 kernel reads 120-170 GFLOP/s, XLA's products 250-700, AMX's (session 32)."""
+    AVX-512 bfloat16 kernel reads 120-170 GFLOP/s, XLA's products 250-790, AMX's 600-1100 (session 32)."""
     return (has_cpu_flag("amx_bf16") and has_cpu_flag("avx512_bf16")
             and cpu_build.register("amx_matmul.cc", "AmxMatmulBf16", AMX_TARGET, permit="RedjaxAmxPermit"))
 
