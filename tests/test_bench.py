@@ -42,6 +42,10 @@ def test_offline_reports_throughput(tiny_model):
                 "matmul_gflops", "decode_roofline_fraction", "prefill_roofline_fraction", "decode_host_fraction"):
         assert report[key] > 0, key
     assert "ratio" not in report
+    # the host is named with what the CPU kernels choose by: figures of two hosts are not one series
+    with open("/proc/cpuinfo") as f:
+        model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    assert report["device_name"].startswith(model) and f"{os.cpu_count()} cores" in report["device_name"]
     for phase in (report["decode_phase"], report["prefill_phase"]):  # host time by part, adding up to the whole
         parts = [phase[f"{part}_s"] for part in ("schedule", "build", "launch", "postprocess")]
         assert min(parts) >= 0 and sum(parts) == pytest.approx(phase["host_s"], abs=1e-5), phase

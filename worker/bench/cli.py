@@ -127,7 +127,8 @@ def offline(argv: list[str]) -> int:
     if r["prefix_cache_hit_tokens"]:
         print(f"  the prefix cache served {r['prefix_cache_hit_tokens']} of the first round's "
               f"{r['prompt_tokens']} prompt tokens ({r['prefix_cache_hit_tokens'] / r['prompt_tokens']:.1%})")
-    print(f"  machine: {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, {r['matmul_gflops']:.1f} GFLOP/s matmul")
+    print(f"  machine: {r['device_name']}; {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, "
+          f"{r['matmul_gflops']:.1f} GFLOP/s matmul")
     up = r["startup"]
     print(f"  startup: calibration {up['calibration_s']:.1f} s, {up['variants_compiled_ahead']} step variants "
           f"compiled ahead in {up['compile_ahead_s']:.1f} s, warm-up {up['warmup_s']:.1f} s")

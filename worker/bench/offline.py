@@ -341,7 +341,7 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
     gflops = roofline.matmul_gflops(dtype=DTYPES[dtype])
     log.info("machine probes: %.0f GB/s, %.0f GFLOP/s (%.1f s)", bandwidth, gflops, time.perf_counter() - t0)
     d, p = probe.decode, probe.prefill
-    out: dict = {"memory_bandwidth_gbs": bandwidth, "matmul_gflops": gflops,
+    out: dict = {"device_name": roofline.device_name(), "memory_bandwidth_gbs": bandwidth, "matmul_gflops": gflops,
                  "decode_phase": d.as_dict(), "prefill_phase": p.as_dict()}
     if d.decode_steps:
         batch, context = d.batch_rows / d.decode_steps, d.context_tokens / max(d.batch_rows, 1)

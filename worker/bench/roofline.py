@@ -12,6 +12,7 @@ floor is that / matmul speed. A fraction of 1.0 means the step ran at the machin
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -32,6 +33,31 @@ def _best(fn, *args, repeats: int = 10) -> float:
 
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
+
+
+# instruction sets the CPU kernels choose between (worker/engine/cpu_matmul.py, cpu_build.py)
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def device_name() -> str:
+    """What ran the figures: an accelerator's kind, or the CPU's model (with its family and model
+    number, which name a generation where the model string does not), cores, and the instruction
+    sets the kernels use. Figures of different hosts differ by more than their runs do."""
+    if not _on_cpu():
+        return str(jax.devices()[0].device_kind)
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    return (f"{info.get('model name', 'CPU')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}), "
+            f"{os.cpu_count()} cores, {' '.join(f for f in CPU_FEATURES if f in flags) or 'no AVX'}")
 
 
 def memory_bandwidth_gbs(mib: int | None = None) -> float:
