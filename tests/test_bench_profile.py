@@ -124,13 +124,18 @@ def test_busy_time_merges_overlapping_kernels():
     assert profile.busy_time([]) == (0.0, 0.0, 0.0, 0.0, 0)
 
 
-def test_op_targets_name_kernel_calls_unless_programs_disagree():
+def test_op_targets_name_kernel_calls_unless_programs_disagree_on_the_kind():
     one = ('  %ffi_call.41 = f32[64,256]{1,0} custom-call(%a, %b), custom_call_target="redjax_rms_norm", x=1\n'
            '  %ffi_call.42 = f32[64,256]{1,0} custom-call(%c), custom_call_target="redjax_panel_matmul"\n'
            '  %fusion.3 = f32[4]{0} fusion(%d), kind=kLoop\n')
     other = '  %ffi_call.42 = f32[8]{0} custom-call(%e), custom_call_target="redjax_paged_attention"\n'
     assert profile.op_targets([one]) == {"ffi_call.41": "redjax_rms_norm", "ffi_call.42": "redjax_panel_matmul"}
     assert profile.op_targets([one, other]) == {"ffi_call.41": "redjax_rms_norm"}
+    # two programs, two kernels of one kind under one name: the time is that kind's either way
+    amx = '  %ffi_call.42 = f32[64,256]{1,0} custom-call(%c), custom_call_target="redjax_amx_matmul_bf16"\n'
+    joined = profile.op_targets([one, amx])
+    assert joined == {"ffi_call.41": "redjax_rms_norm", "ffi_call.42": "redjax_amx_matmul_bf16|redjax_panel_matmul"}
+    assert profile.kind(joined["ffi_call.42"]) == "matmul"
 
 
 def test_names_and_kinds():

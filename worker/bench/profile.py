@@ -60,8 +60,9 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
     from worker.bench.offline import WorkloadError, submit
 
     outputs = submit(engine, prompts, output_lens, work, tag="profile")
-    prefill = PrefillWindow(engine, probe, str(Path(directory) / "prefill"), calls)
-    pure_in_a_row, traced, tracing, steps0 = 0, 0, False, 0
+    programs = ProgramsRun(engine.runner)
+    prefill = PrefillWindow(engine, probe, str(Path(directory) / "prefill"), calls, programs)
+    pure_in_a_row, traced, tracing, steps0, decode_texts = 0, 0, False, 0, []
     while engine.has_unfinished():
         prefill.before_call()
         prefill_calls = probe.prefill.calls
@@ -74,24 +75,26 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
             if traced == calls or not engine.has_unfinished():
                 _settle(engine)  # launched in the window: traced whole
                 jax.profiler.stop_trace()
-                tracing = False
+                decode_texts, tracing = programs.stop(), False
                 steps = probe.decode.decode_steps - steps0
                 for request_id in outputs:  # the rest of the round tells nothing new (device time is scarce)
                     engine.abort(request_id)
         elif traced == 0 and pure_in_a_row >= 2 and not prefill.tracing:
             jax.profiler.start_trace(str(Path(directory) / "decode"), create_perfetto_trace=True)
             tracing, steps0 = True, probe.decode.decode_steps
+            programs.start()
     prefill.close()
     if traced == 0:
         raise WorkloadError("the profiled round never reached two decode-only calls in a row: nothing was traced "
                          "(longer outputs, or fewer prompts than --max-num-seqs, give it some)")
-    # a GPU trace names its kernels; a CPU one names HLO ops, whose targets the programs hold
-    targets = op_targets(c.as_text() for c in engine.runner.ready.values()) if jax.default_backend() == "cpu" else {}
+    # a GPU trace names its kernels; a CPU one names HLO ops, whose targets the programs that ran hold
+    on_cpu = jax.default_backend() == "cpu"
     layers = engine.model_config.num_layers
-    summary = summarize(newest_trace(str(Path(directory) / "decode")), steps, layers, targets)
+    summary = summarize(newest_trace(str(Path(directory) / "decode")), steps, layers,
+                        op_targets(decode_texts) if on_cpu else {})
     report = {"directory": directory, "calls": traced, **summary}
     if prefill.batches:
-        report["prefill"] = prefill.summary(targets)
+        report["prefill"] = prefill.summary(op_targets(prefill.texts) if on_cpu else {})
     else:
         report["prefill_error"] = prefill.why_not()
     return report
@@ -104,14 +107,41 @@ def _settle(engine) -> None:
         jax.block_until_ready(flight.out)
 
 
+class ProgramsRun:
+    """The compiled step variants an engine runs between start() and stop(), recorded by a wrapper
+    on its runner's `_run` (the engine code is unchanged): a CPU trace names a kernel call by its
+    HLO op name, which other variants may give another kernel, so the names are read from the
+    programs that ran in the window alone."""
+
+    def __init__(self, runner):
+        self.runner, self.keys, self.recording = runner, set(), False
+        run = runner._run
+
+        def _run(key, db):
+            if self.recording:
+                self.keys.add(key)
+            return run(key, db)
+
+        runner._run = _run
+
+    def start(self) -> None:
+        self.keys, self.recording = set(), True
+
+    def stop(self) -> list[str]:
+        """The texts of the programs run since start()."""
+        self.recording = False
+        return [self.runner.ready[k].as_text() for k in self.keys if k in self.runner.ready]
+
+
 class PrefillWindow:
     """Traces `calls` engine calls whose batches hold prompt chunks (prefill, with whatever decode
     rows run beside them), from the second such call on: the first admits the first prompts alone.
     The step in flight is waited for at both ends, so the trace holds exactly the batches the
     window's calls launched, and each one's prompt tokens and decode rows are known."""
 
-    def __init__(self, engine, probe, directory: str, calls: int):
+    def __init__(self, engine, probe, directory: str, calls: int, programs: ProgramsRun):
         self.engine, self.probe, self.directory, self.calls = engine, probe, directory, calls
+        self.programs, self.texts = programs, []  # texts: the programs the traced calls ran
         self.tracing = False
         self.done = False
         self.calls_before = probe.prefill.calls  # the timed rounds' (the probe counts on)
@@ -128,6 +158,7 @@ class PrefillWindow:
         elif not self.tracing and not self.done and self.probe.prefill.calls > self.calls_before and self._prompts_left():
             _settle(self.engine)
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.programs.start()
             self.tracing = True
 
     def after_call(self) -> None:
@@ -144,6 +175,7 @@ class PrefillWindow:
         if self.tracing:
             _settle(self.engine)
             jax.profiler.stop_trace()
+            self.texts = self.programs.stop()
             self.tracing, self.done = False, True
 
     def why_not(self) -> str:
@@ -162,15 +194,15 @@ class PrefillWindow:
 
 
 def op_targets(texts) -> dict[str, str]:
-    """HLO op name -> its custom call's target, from compiled programs' text; a name that two
-    programs give different targets is left out (the trace cannot say which program ran it)."""
-    found: dict[str, str] = {}
-    clashes = set()
+    """HLO op name -> its custom call's target, from compiled programs' text. Step variants may
+    give one name different targets, and the trace cannot say which program ran: such a name gets
+    its targets joined ("a|b") where they are all of one kind (their time is still that kind's), and
+    is left out where they are not."""
+    found: dict[str, set[str]] = {}
     for text in texts:
         for name, target in re.findall(r'%([\w.\-]+) = [^\n]*?custom_call_target="([^"]+)"', text):
-            if found.setdefault(name, target) != target:
-                clashes.add(name)
-    return {name: target for name, target in found.items() if name not in clashes}
+            found.setdefault(name, set()).add(target)
+    return {name: "|".join(sorted(ts)) for name, ts in found.items() if len({kind(t) for t in ts}) == 1}
 
 
 def newest_trace(directory: str) -> Path:
