@@ -203,7 +203,8 @@ def test_a_handler_missing_from_the_build_leaves_the_xla_path(caplog):
 
 def test_bfloat16_model_runs_its_products_on_the_kernel_where_the_cpu_has_it(tmp_path, tokenizer):
     """A bfloat16 model's products run on the packed bfloat16 kernel where the CPU multiplies
-    bfloat16 pairs (AVX512-BF16), and give XLA's bfloat16 products' answers: the same greedy tokens,
+    bfloat16 pairs (AVX512-BF16; on AMX tiles where it has them, as every K of this model is a
+    multiple of 32), and give XLA's bfloat16 products' answers: the same greedy tokens,
     and logprobs within bfloat16 rounding (sums in another order can round an activation to the
     next bfloat16 at a later product), batched and fused."""
     make_hf_model("qwen2", tmp_path, vocab_size=len(tokenizer))
