@@ -338,7 +338,7 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     assert "attention pallas 1:512:4:2: " in summary and " us/layer, " in summary
     prefill = sweep["prefill"]
     assert (prefill["rows"], prefill["chunk"], prefill["context"]) == (2, 512 // 64, 1024 // 64)
-    assert [r["name"] for r in prefill["results"]] == ["reference", "pallas"]
+    assert [r["name"] for r in prefill["results"]] == ["reference", "cpu-kernel", "pallas"]
     assert all(r["max_abs_error"] < 0.05 for r in prefill["results"]), prefill["results"]  # bfloat16 pages
     assert "attention prefill reference: " in summary and "attention prefill pallas: " in summary
     # PROFILE: the run's report and summary get the traced decode calls' kernels

@@ -33,10 +33,11 @@ def test_reports_each_implementation_against_the_reference(capsys):
     # llama-100m: 12 heads of 64; query i of a chunk sees 36 + i keys; QK and PV, 2 FLOPs a multiply-add
     assert p["flops_per_call"] == 4 * 12 * 64 * 2 * sum(range(36, 71))
     prefill = {r["name"]: r for r in p["results"]}
-    assert list(prefill) == ["reference", "pallas"]
+    assert list(prefill) == ["reference", "cpu-kernel", "pallas"]  # the CPU kernel: what a CPU engine runs
     for r in prefill.values():
         assert r["max_abs_error"] < 2e-2, r  # bfloat16 operands against float32 products
         assert r["tflops"] == pytest.approx(p["flops_per_call"] / r["us_per_call"] / 1e6)
+    assert prefill["cpu-kernel"]["max_abs_error"] < 1e-5  # float32 products over the same bfloat16 pages
 
 
 def test_the_table_and_usage_errors(capsys):
@@ -46,7 +47,8 @@ def test_the_table_and_usage_errors(capsys):
     assert out.startswith("llama-tiny decode attention, one layer: 2 rows x 33 tokens, pages of 16 (4-page tables)")
     assert "\njnp " in out and "fastest Pallas setting" not in out  # no Pallas on a CPU without --interpret
     assert "prefill attention, one layer: 2 rows x 16 query tokens ending at token 33 (4-page tables)" in out
-    assert "\nreference " in out and "\npallas " not in out and "--pallas-prefill" not in out
+    assert "\nreference " in out and "\ncpu-kernel " in out.split("prefill attention")[1]
+    assert "\npallas " not in out and "--pallas-prefill" not in out
     for flags, message in ((["--tuning", "4:2048"], "expected PAGES:PROGRAMS:WARPS:STAGES"),
                            (["--page-size", "8"], "powers of two >= 16"), (["--dummy", "nope"], "unknown preset"),
                            (["--context", "100", "--prefill-context", "200"], "--prefill-context must be at least"),

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from worker.bench import roofline
-from worker.engine import gpu_attention, gpu_prefill, paged_attention as pa
+from worker.engine import cpu_attention, gpu_attention, gpu_prefill, paged_attention as pa
 from worker.engine.config import parse_tuning
 from worker.models.config import ModelConfig, ModelConfigError
 
@@ -231,6 +231,8 @@ def bench_prefill(cfg: ModelConfig, rows: int, chunk: int, context: int, width: 
         reference = np.asarray(jax.jit(pa.paged_attention)(q, *exact, *args[3:]), np.float32)
     flops = 4 * cfg.num_heads * d * rows * sum(range(context - chunk + 1, context + 1))  # QK and PV, causal keys
     impls = {"reference": gpu_prefill.prefill_attention}
+    if jax.default_backend() == "cpu" and cpu_attention.load():  # what a CPU engine runs for prefill rows
+        impls["cpu-kernel"] = cpu_attention.paged_attention
     if jax.default_backend() == "gpu" or interpret:
         impls["pallas"] = partial(gpu_prefill.pallas_prefill_attention, interpret=interpret)
     results = []

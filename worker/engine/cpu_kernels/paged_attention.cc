@@ -26,7 +26,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_rows.h"
 #include "pool_work.h"
+#include "prefill_attention.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -34,25 +36,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store, redjax::u32xN;
-using u16xN = uint16_t __attribute__((vector_size(kLanes * 2)));
-
-// bfloat16 (stored as its bits) is the high half of a float32: widen by a 16-bit shift
-inline f32xN load(const uint16_t* p) {
-  u16xN h;
-  std::memcpy(&h, p, sizeof h);
-  const u32xN w = __builtin_convertvector(h, u32xN) << 16;
-  return reinterpret_cast<const f32xN&>(w);
-}
-inline float scalar(float x) { return x; }
-inline float scalar(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-constexpr int64_t kBlock = 16;  // queries per work item: long prefill rows spread over the threads
+using redjax::Block, redjax::f32xN, redjax::kBlock, redjax::kLanes, redjax::load, redjax::page_at, redjax::Problem,
+    redjax::scalar, redjax::store, redjax::u32xN, redjax::visible;
 
 // Lines of a page requested before it is read. Pages sit anywhere in the cache, so every page
 // starts a new stream that the hardware prefetcher has to pick up again; asking for the first
@@ -65,48 +50,6 @@ template <typename E>
 inline void prime(const E* page) {
   const char* bytes = reinterpret_cast<const char*>(page);
   for (int i = 0; i < kPrimeLines; ++i) __builtin_prefetch(bytes + 64 * i, 0, 3);
-}
-
-struct Problem {
-  const float* q;
-  const void* k;
-  const void* v;
-  const int32_t* tables;
-  const int32_t* positions;
-  const int32_t* context_lens;
-  float* out;
-  int64_t heads, kv_heads, dim, num_pages, page_size, table_width, window;
-};
-
-// A work item's queries: tokens [begin, end) of row `row`.
-struct Block {
-  int64_t row, begin, end;
-};
-
-// Scores of query head `qh` [DIM] against NC * 16 consecutive keys of one key page (`kp` points at
-// the first key of the run in dimension 0; dimension i is `ps` further on). Two accumulator sets
-// (even and odd dimensions) keep 2 * NC independent FMA chains in flight.
-template <int DIM, int NC, typename E>
-inline void key_run_scores(const float* qh, const E* kp, int64_t ps, float* out) {
-  f32xN even[NC] = {}, odd[NC] = {};
-  for (int i = 0; i < DIM; i += 2) {
-    for (int c = 0; c < NC; ++c) even[c] += qh[i] * load(kp + i * ps + c * kLanes);
-    for (int c = 0; c < NC; ++c) odd[c] += qh[i + 1] * load(kp + (i + 1) * ps + c * kLanes);
-  }
-  for (int c = 0; c < NC; ++c) store(out + c * kLanes, even[c] + odd[c]);
-}
-
-template <int DIM, typename E>
-inline void key_scores(const float* qh, const E* kp, int64_t ps, int64_t keys, float* out) {
-  // `keys` is a multiple of 16 (page sizes are), taken 64 at a time
-  int64_t t = 0;
-  for (; t + 4 * kLanes <= keys; t += 4 * kLanes) key_run_scores<DIM, 4>(qh, kp + t, ps, out + t);
-  switch ((keys - t) / kLanes) {
-    case 3: key_run_scores<DIM, 3>(qh, kp + t, ps, out + t); break;
-    case 2: key_run_scores<DIM, 2>(qh, kp + t, ps, out + t); break;
-    case 1: key_run_scores<DIM, 1>(qh, kp + t, ps, out + t); break;
-    default: break;
-  }
 }
 
 // The pages of the work item a thread runs next, requested a page's worth for each page the
@@ -150,43 +93,28 @@ inline int64_t last_page_keys(int64_t used, int64_t ps, int64_t elem) {
 // Per-thread buffers, reused across work items.
 struct Scratch {
   Ahead ahead;
-  std::vector<float> probs;  // [G, n] scores, then probabilities; [G] inverse sums; [page_size] one page's scores
-  std::vector<float> keys, values;  // bfloat16 pages of one work item widened to float32
+  std::vector<float> probs;  // decode rows, plain loops: [G, n] scores, then probabilities; [G] inverse sums
+  redjax::PrefillScratch prefill;
 };
-
-inline int64_t page_at(const Problem& pb, int64_t s, int64_t col) {
-  const int64_t page = pb.tables[s * pb.table_width + col];
-  return page < 0 || page >= pb.num_pages ? int64_t{0} : page;  // never read outside the cache
-}
-
-// The keys the query at `token` of row `s` sees: [lo, hi).
-inline void visible(const Problem& pb, int64_t s, int64_t token, int64_t& lo, int64_t& hi) {
-  const int64_t pos = pb.positions[token];
-  // exclusive end: also never past the page table (a fused decode row that has stopped keeps
-  // stepping with positions beyond its pages; its output is discarded)
-  hi = std::min<int64_t>({pos + 1, pb.context_lens[s], pb.table_width * pb.page_size});
-  lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
-}
 
 // Attention of query token `token` of row `s`, for its G query heads that share KV head `kvh`:
 // scores for every visible key (walking the page table), one softmax per head, then the weighted
 // sum of values. `key_page(col)` / `value_page(col)` give page `col` of the row's table as E
-// ([D, ps] and [ps, D]). DIM > 0 fixes the head dimension at compile time (a multiple of 16, page
-// sizes a multiple of 16, E = float: the vector path); 0: any shape, plain loops.
-template <int DIM, typename E, typename KeyPage, typename ValuePage>
+// ([D, ps] and [ps, D]). Plain loops, for shapes the vector paths do not cover (a head dimension
+// or page size that is not a multiple of 16).
+template <typename E, typename KeyPage, typename ValuePage>
 void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scratch& scratch, KeyPage key_page,
                   ValuePage value_page) {
-  const int64_t d = DIM > 0 ? DIM : pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
+  const int64_t d = pb.dim, ps = pb.page_size, g = pb.heads / pb.kv_heads;
   float* o = pb.out + (token * pb.heads + kvh * g) * d;  // [G, D]
   int64_t lo, hi;
   visible(pb, s, token, lo, hi);
   const int64_t n = hi - lo;
   std::fill(o, o + g * d, 0.0f);
   if (n <= 0) return;  // padding
-  scratch.probs.resize(g * n + g + ps);
+  scratch.probs.resize(g * n + g);
   float* probs = scratch.probs.data();  // [G, n]
   float* inv = probs + g * n;           // [G]: 1 / softmax denominator
-  float* page_scores = inv + g;         // [page_size]
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float* qs = pb.q + (token * pb.heads + kvh * g) * d;  // [G, D]
   // the visible keys a page at a time: (column, first offset, end offset, index of the first in [0, n))
@@ -202,17 +130,10 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = qs + h * d;
       float* p = probs + h * n + j - first;  // p[t] for t in [first, end)
-      if constexpr (DIM > 0) {
-        // whole 16-key runs covering [first, end); keys outside it are computed and dropped
-        const int64_t from = first / kLanes * kLanes, to = (end + kLanes - 1) / kLanes * kLanes;
-        key_scores<DIM>(qh, kp + from, ps, to - from, page_scores + from);
-        for (int64_t t = first; t < end; ++t) p[t] = page_scores[t] * scale;
-      } else {
-        for (int64_t t = first; t < end; ++t) {
-          float dot = 0.0f;
-          for (int64_t i = 0; i < d; ++i) dot += qh[i] * scalar(kp[i * ps + t]);
-          p[t] = dot * scale;
-        }
+      for (int64_t t = first; t < end; ++t) {
+        float dot = 0.0f;
+        for (int64_t i = 0; i < d; ++i) dot += qh[i] * scalar(kp[i * ps + t]);
+        p[t] = dot * scale;
       }
     }
   });
@@ -232,34 +153,14 @@ void attend_query(const Problem& pb, int64_t s, int64_t token, int64_t kvh, Scra
   for (int64_t h = 0; h < g; ++h) {
     const float* p = probs + h * n;
     float* oh = o + h * d;
-    if constexpr (DIM > 0) {
-      constexpr int NC = DIM / kLanes;
-      f32xN even[NC] = {}, odd[NC] = {};  // alternate keys: two independent chains per lane group
-      for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
-        const E* rows = value_page(col);  // [ps, D]
-        if (h == 0 && (col + 1) * ps < hi) prime(value_page(col + 1));  // later heads find it cached
-        int64_t t = first;
-        for (; t + 1 < end; t += 2) {
-          const float p0 = p[j + t - first], p1 = p[j + t + 1 - first];
-          for (int c = 0; c < NC; ++c) even[c] += p0 * load(rows + t * DIM + c * kLanes);
-          for (int c = 0; c < NC; ++c) odd[c] += p1 * load(rows + (t + 1) * DIM + c * kLanes);
-        }
-        if (t < end)
-          for (int c = 0; c < NC; ++c) even[c] += p[j + t - first] * load(rows + t * DIM + c * kLanes);
-      });
-      for (int c = 0; c < NC; ++c) {
-        store(oh + c * kLanes, (even[c] + odd[c]) * inv[h]);
+    for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
+      const E* rows = value_page(col);
+      for (int64_t t = first; t < end; ++t) {
+        const float w = p[j + t - first];
+        for (int64_t i = 0; i < d; ++i) oh[i] += w * scalar(rows[t * d + i]);
       }
-    } else {
-      for_each_page([&](int64_t col, int64_t first, int64_t end, int64_t j) {
-        const E* rows = value_page(col);
-        for (int64_t t = first; t < end; ++t) {
-          const float w = p[j + t - first];
-          for (int64_t i = 0; i < d; ++i) oh[i] += w * scalar(rows[t * d + i]);
-        }
-      });
-      for (int64_t i = 0; i < d; ++i) oh[i] *= inv[h];
-    }
+    });
+    for (int64_t i = 0; i < d; ++i) oh[i] *= inv[h];
   }
 }
 
@@ -486,15 +387,6 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
   }
 }
 
-// bfloat16 -> float32 over `count` elements (a multiple of 16)
-// `ahead` (may be null): the next page, whose lines are requested while this one converts
-inline void widen(const uint16_t* from, int64_t count, float* to, const uint16_t* ahead) {
-  for (int64_t i = 0; i < count; i += kLanes) {
-    if (ahead != nullptr && i % (2 * kLanes) == 0) __builtin_prefetch(ahead + i);  // one 64-byte line
-    store(to + i, load(from + i));
-  }
-}
-
 // Queue into `ahead` the pages that item `item` (a decode row's block for one KV head) will read;
 // nothing for a prefill block or no item (-1). `elem`: bytes per page element.
 inline void queue_pages(const Problem& pb, const std::vector<Block>& blocks, int64_t item, int64_t elem,
@@ -522,61 +414,31 @@ inline void queue_pages(const Problem& pb, const std::vector<Block>& blocks, int
   ahead.add(v + page_at(pb, b.row, c1) * page_bytes, (hi - c1 * ps) * pb.dim * elem);  // the rows it reads
 }
 
-// One work item: the queries of block `b` for KV head `kvh`. On the vector path, a single query (a
-// decode row) goes through `attend_decode`, which widens bfloat16 pages as it loads them (half the
-// bytes of float32 pages; widening a copy first had made bfloat16 pages slower than float32 ones),
-// and a block of several queries widens its bfloat16 pages once (all its queries and heads then
-// read float32 from cache).
+// One work item: the queries of block `b` for KV head `kvh`. On the vector path a single query
+// (a decode row) goes through `attend_decode`, a block of several (a prefill chunk's) through
+// `attend_prefill` (prefill_attention.h); both widen bfloat16 pages as they load them. Other
+// shapes take plain loops, query by query.
 template <typename T, int DIM>
 void attend(const Problem& pb, const Block& b, int64_t kvh, Scratch& scratch) {
-  const int64_t d = pb.dim, ps = pb.page_size, page_floats = d * ps;
+  const int64_t page_floats = pb.dim * pb.page_size;
   const T* kbase = static_cast<const T*>(pb.k) + kvh * pb.num_pages * page_floats;  // [N, D, ps]
   const T* vbase = static_cast<const T*>(pb.v) + kvh * pb.num_pages * page_floats;  // [N, ps, D]
+  auto key_page = [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; };
+  auto value_page = [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; };
   if constexpr (DIM > 0) {
-    if (b.end - b.begin == 1) {  // a decode row: all heads in one pass over the pages
-      auto key_page = [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; };
-      auto value_page = [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; };
-      const int64_t g = pb.heads / pb.kv_heads;
-      for (int64_t h = 0; h < g; h += 4) {  // heads in calls of up to 4
-        switch (std::min<int64_t>(4, g - h)) {
-          case 1: attend_decode<DIM, 1, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
-          case 2: attend_decode<DIM, 2, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
-          case 3: attend_decode<DIM, 3, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
-          default: attend_decode<DIM, 4, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
-        }
+    if (b.end - b.begin > 1) return redjax::attend_prefill<DIM, T>(pb, b, kvh, scratch.prefill, key_page, value_page);
+    const int64_t g = pb.heads / pb.kv_heads;
+    for (int64_t h = 0; h < g; h += 4) {  // a decode row: heads in calls of up to 4
+      switch (std::min<int64_t>(4, g - h)) {
+        case 1: attend_decode<DIM, 1, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
+        case 2: attend_decode<DIM, 2, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
+        case 3: attend_decode<DIM, 3, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
+        default: attend_decode<DIM, 4, T>(pb, b.row, b.begin, kvh, h, scratch, key_page, value_page); break;
       }
-      return;
     }
-  }
-  if constexpr (DIM > 0 && std::is_same_v<T, uint16_t>) {
-    int64_t lo = INT64_MAX, hi = 0;  // union of the block's visible ranges
-    for (int64_t token = b.begin; token < b.end; ++token) {
-      int64_t l, h;
-      visible(pb, b.row, token, l, h);
-      if (h > l) lo = std::min(lo, l), hi = std::max(hi, h);
-    }
-    const int64_t c0 = hi > lo ? lo / ps : 0, cols = hi > lo ? (hi - 1) / ps - c0 + 1 : 0;
-    scratch.keys.resize(cols * page_floats);
-    scratch.values.resize(cols * page_floats);
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t page = page_at(pb, b.row, c0 + c);
-      const int64_t next = c + 1 < cols ? page_at(pb, b.row, c0 + c + 1) : -1;
-      widen(kbase + page * page_floats, page_floats, scratch.keys.data() + c * page_floats,
-            next < 0 ? nullptr : kbase + next * page_floats);
-      widen(vbase + page * page_floats, page_floats, scratch.values.data() + c * page_floats,
-            next < 0 ? nullptr : vbase + next * page_floats);
-    }
-    const float* keys = scratch.keys.data();
-    const float* values = scratch.values.data();
-    for (int64_t token = b.begin; token < b.end; ++token)
-      attend_query<DIM, float>(
-          pb, b.row, token, kvh, scratch, [&](int64_t col) { return keys + (col - c0) * page_floats; },
-          [&](int64_t col) { return values + (col - c0) * page_floats; });
   } else {
     for (int64_t token = b.begin; token < b.end; ++token)
-      attend_query<DIM, T>(
-          pb, b.row, token, kvh, scratch, [&](int64_t col) { return kbase + page_at(pb, b.row, col) * page_floats; },
-          [&](int64_t col) { return vbase + page_at(pb, b.row, col) * page_floats; });
+      attend_query<T>(pb, b.row, token, kvh, scratch, key_page, value_page);
   }
 }
 
