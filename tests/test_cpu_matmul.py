@@ -138,9 +138,10 @@ AMX = BF16_KERNEL and cpu_matmul.has_cpu_flag("amx_bf16")  # this CPU has AMX ti
 
 
 # K a multiple of 32 (AMX) and not (the AVX-512 kernel takes it); rows past and inside a 32-row
-# block; N not a multiple of the panel; one row (batch-1 decode)
+# block; N not a multiple of the panel; one row (batch-1 decode); rows past a group of 256 (a work
+# item's rows: the last group here holds 2 blocks, the last one part-filled)
 @pytest.mark.parametrize("m,k,n", [(1, 32, 32), (5, 64, 33), (31, 96, 64), (33, 2048, 97), (64, 768, 2081),
-                                   (100, 256, 70), (7, 40, 64), (0, 64, 32)])
+                                   (100, 256, 70), (300, 64, 70), (7, 40, 64), (0, 64, 32)])
 def test_amx_products_where_the_cpu_has_amx(m, k, n):
     assert cpu_matmul.amx() == AMX
     if not BF16_KERNEL:  # no bfloat16 kernel of either kind: XLA's products

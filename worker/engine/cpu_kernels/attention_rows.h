@@ -21,7 +21,8 @@ using u16xN = uint16_t __attribute__((vector_size(kLanes * 2)));
 // and inserts, a third of a prefill block's time)
 inline f32xN load(const uint16_t* p) {
 #ifdef __AVX512F__
-  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
   return reinterpret_cast<const f32xN&>(w);
 #else
   u16xN h;
