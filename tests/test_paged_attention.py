@@ -392,3 +392,32 @@ def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(wind
         np.testing.assert_allclose(out[start : start + length], np.asarray(ref[0]), atol=1e-5, rtol=1e-5,
                                    err_msg=f"row {row}")
     assert not out[int(q_lens.sum()) :].any()  # padding tokens: zeros
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(16, 2, 128), (2, 2, 256), (8, 2, 96)], ids=["g8-d128", "g1-d256", "g4-d96"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cpu_kernel_prefill_blocks_at_wide_heads_and_large_groups(heads, kv_heads, d, dtype):
+    """Prefill blocks whose query rows (tokens x heads) fill many score tiles (8 heads a KV head:
+    128 query rows a block) or one (1 head), with head dims whose value tiles hold 3, 1 and 4
+    queries; a chunk that starts mid-page and crosses pages, windowed and not."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    rng = np.random.default_rng(d + heads)
+    ps, n, p = 16, 24, 6
+    k_pages = jnp.asarray(rng.normal(size=(kv_heads, n, d, ps)), dtype)
+    v_pages = jnp.asarray(rng.normal(size=(kv_heads, n, ps, d)), dtype)
+    tables = jnp.asarray(rng.permutation(n)[: 2 * p].reshape(2, p), jnp.int32)
+    first, chunk = 21, 40  # queries at positions 21..60 of a 61-token sequence; a second row of 3
+    positions = np.zeros((2, chunk), np.int32)
+    positions[0] = np.arange(first, first + chunk)
+    positions[1, :3] = np.arange(5, 8)
+    ctx = jnp.asarray([first + chunk, 8], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(2, chunk, heads, d)), jnp.float32)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    kernel = jax.jit(cpu_attention.paged_attention, static_argnames="window")
+    for window in (None, 19):
+        out = np.asarray(kernel(q, k_pages, v_pages, tables, jnp.asarray(positions), ctx, window))
+        ref = np.asarray(paged_attention(q, f32(k_pages), f32(v_pages), tables, jnp.asarray(positions), ctx, window))
+        np.testing.assert_allclose(out[0], ref[0], atol=1e-5, rtol=1e-5, err_msg=f"window {window}")
+        np.testing.assert_allclose(out[1, :3], ref[1, :3], atol=1e-5, rtol=1e-5, err_msg=f"window {window}")
