@@ -6,7 +6,8 @@
 // reads only the keys and values visible to it, with no gathered copy, no work for the masked
 // part of a padded page table and none for padding between rows (tokens in no row get zeros).
 // Work items are (row, block of queries, KV head) triples spread over XLA's intra-op thread pool;
-// each handles the G query heads that share its KV head, query by query.
+// each handles the G query heads that share its KV head: a decode row's in one pass over each
+// page, a prefill block's as small products (prefill_attention.h).
 // Same masking as the jnp reference (worker/engine/paged_attention.py): key j is visible to the
 // query at position p iff j <= p, j < context_len and p - j < window (window 0: none).
 //

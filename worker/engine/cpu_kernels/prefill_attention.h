@@ -97,7 +97,8 @@ void attend_prefill(const Problem& pb, const Block& b, int64_t kvh, PrefillScrat
   const int64_t g = pb.heads / pb.kv_heads, head0 = kvh * g, ps = pb.page_size;
   const int64_t nq_real = (b.end - b.begin) * g;                          // query j: token j / g, head j % g
   const int64_t nq = (nq_real + kScoreRows - 1) / kScoreRows * kScoreRows;  // padded with zero queries
-  auto out_row = [&](int64_t j) { return pb.out + ((b.begin + j / g) * pb.heads + head0 + j % g) * DIM; };
+  auto at = [&](int64_t j) { return ((b.begin + j / g) * pb.heads + head0 + j % g) * DIM; };  // in q and out
+  auto out_row = [&](int64_t j) { return pb.out + at(j); };
   int64_t lo = INT64_MAX, hi = 0;  // the union of the block's visible keys
   scratch.lo.assign(nq, 0);
   scratch.hi.assign(nq, 0);
@@ -119,7 +120,7 @@ void attend_prefill(const Problem& pb, const Block& b, int64_t kvh, PrefillScrat
   scratch.qt.assign(DIM * nq, 0.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(DIM));
   for (int64_t j = 0; j < nq_real; ++j) {
-    const float* q = pb.q + ((b.begin + j / g) * pb.heads + head0 + j % g) * DIM;
+    const float* q = pb.q + at(j);
     for (int i = 0; i < DIM; ++i) scratch.qt[i * nq + j] = q[i] * scale;
   }
 
