@@ -183,7 +183,7 @@ EOF
           tuning=(); [ -z "$picked" ] || tuning=(--pallas-tuning "$picked")
           [ -z "$prefill_pick" ] || tuning+=(--pallas-prefill)
         fi
-        say "attention: fastest Pallas setting ${picked:-none}, prefill kernel ${prefill_pick:+faster than the reference}${prefill_pick:-not faster}; the kernel runs after this use ${tuning[*]:-the defaults} [$((SECONDS - started)) s]"
+        say "attention: fastest Pallas setting ${picked:-none}, prefill kernel $([ -n "$prefill_pick" ] && echo "faster than the reference" || echo "not faster"); the kernel runs after this use ${tuning[*]:-the defaults} [$((SECONDS - started)) s]"
       else
         say "attention: FAILED (exit $?; see gpu_bench.log)"
       fi

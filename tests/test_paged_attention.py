@@ -96,6 +96,29 @@ def test_write_keys_puts_each_token_in_its_column_of_the_transposed_page():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_padding_tokens_write_nothing_and_the_scatters_promise_distinct_indices(dtype):
+    rng = np.random.default_rng(7)
+    kv, n, d = 2, 6, 3
+    store = pa.storage_dtype(dtype)
+    k_pages = pa.stored(jnp.asarray(rng.standard_normal((kv, n, d, PAGE), np.float32)), store)
+    v_pages = pa.stored(jnp.asarray(rng.standard_normal((kv, n, PAGE, d), np.float32)), store)
+    k, v = (jnp.asarray(rng.standard_normal((7, kv, d), np.float32)) for _ in range(2))  # [T, KV, D]
+    # three padding tokens (slot 0) among real ones, and one real token in the last slot of the cache
+    slots = jnp.asarray([0, 2 * PAGE + 1, 0, 5 * PAGE + 3, 1 * PAGE, 0, 2 * PAGE + 2], jnp.int32)
+    got_k, got_v = (np.asarray(a) for a in jax.jit(pa.write_pages)(k_pages, v_pages, k, v, slots))
+    want_k, want_v = np.asarray(k_pages).copy(), np.asarray(v_pages).copy()
+    for t, slot in enumerate(np.asarray(slots)):
+        if slot:
+            want_k[:, slot // PAGE, :, slot % PAGE] = np.asarray(pa.stored(k[t], store))
+            want_v[:, slot // PAGE, slot % PAGE] = np.asarray(pa.stored(v[t], store))
+    np.testing.assert_array_equal(got_k, want_k)  # page 0 included: left as it was
+    np.testing.assert_array_equal(got_v, want_v)
+    # XLA may then write without atomics (a compare-and-swap loop per 16-bit element on a GPU)
+    hlo = jax.jit(pa.write_pages).lower(k_pages, v_pages, k, v, slots).as_text()
+    assert hlo.count("unique_indices = true") == 2, hlo
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_page_writes_equal_the_jnp_scatters_in_place(dtype):
     from worker.engine import cpu_attention
 

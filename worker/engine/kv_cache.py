@@ -12,7 +12,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.paged_attention import BF16_BITS, storage_dtype
 from worker.models.config import ModelConfig
 
-RESERVED_PAGES = 1  # page 0: padding tokens write there
+RESERVED_PAGES = 1  # page 0: padding tokens have slot 0 (and write nothing); padded page tables point there
 
 
 @jax.tree_util.register_dataclass

@@ -3,7 +3,7 @@
 A full page is keyed by `hash((previous page key, its token ids))`, a chain, so a key names the
 whole prefix up to the end of that page. Cached pages whose refcount drops to 0 stay keyed and
 evictable (least recently freed first); they count as free and are reused when no free page is
-left. The first `reserved_pages` ids are never handed out (page 0: padding writes).
+left. The first `reserved_pages` ids are never handed out (page 0: padding slots and padded page tables).
 
 Placement keeps each sequence's pages consecutive where it can, because the CPU attention
 kernel streams a row's pages from memory and scattered pages cost it bandwidth: random 16 KiB

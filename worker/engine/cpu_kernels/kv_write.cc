@@ -9,8 +9,8 @@
 // item, and each pair writes its D key values down one column and its D values as one contiguous
 // row. A prefill chunk's tokens fill consecutive slots, so an item then writes along its pages.
 //
-// Padding tokens have slot 0 (the reserved page 0, which nobody reads), so several items may write
-// the same slot; what is left there does not matter.
+// Padding tokens have slot 0 (in the reserved page 0) and write nothing, as in the jnp scatters
+// (paged_attention.write_pages).
 //
 // Shapes: k_pages [KV, N, D, page_size] and v_pages [KV, N, page_size, D], float32 or bfloat16 bits
 // (uint16); k, v [T, KV, D] in the pages' dtype; slots s32[T] (page * page_size + offset).
@@ -43,7 +43,7 @@ void write(ffi::ThreadPool& pool, const E* k, const E* v, const int32_t* slots, 
     for (int64_t pair = item * kPairsPerItem; pair < std::min(pairs, (item + 1) * kPairsPerItem); ++pair) {
       const int64_t t = pair % tokens, h = pair / tokens;
       const int64_t slot = slots[t], page = slot / ps, offset = slot % ps;
-      if (slot < 0 || page >= num_pages) continue;  // never write outside the cache
+      if (slot <= 0 || page >= num_pages) continue;  // padding, or outside the cache: no write
       const E* key = k + (t * kv_heads + h) * dim;
       E* column = kp + (h * num_pages + page) * page_elems + offset;  // dimension i at column[i * ps]
       for (int64_t i = 0; i < dim; ++i) column[i * ps] = key[i];
