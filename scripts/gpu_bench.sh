@@ -126,6 +126,9 @@ line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, decode {r[
         f"{r['startup']['variants_compiled_ahead']} variants compiled ahead in {r['startup']['compile_ahead_s']:.0f} s")
 if "ratio" in r:
     line += f"; transformers {r['baseline_output_tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)"
+    if "greedy_match_fraction" in r:
+        line += (f", greedy outputs identical {r['greedy_match_fraction']:.0%}, first token "
+                 f"{r['greedy_first_token_match_fraction']:.0%}, {r['greedy_mean_common_tokens']:.1f} tokens alike")
 print(line + f" [{sys.argv[3]} s]")
 if "profile" in r:
     from worker.bench.profile import table

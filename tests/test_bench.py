@@ -92,7 +92,19 @@ def test_offline_compare_hf(tiny_model):
     for key in ("output_tokens_per_s", "baseline_output_tokens_per_s", "ratio"):
         assert report[key] > 0, key
     assert report["greedy_match_fraction"] == 1.0  # same weights, same prompts, greedy
+    assert report["greedy_first_token_match_fraction"] == 1.0
+    assert report["greedy_mean_common_tokens"] == report["output_len"]
     assert report["baseline_batch_size"] == 2 and list(report["baseline_batch_trials"]) == ["2"]
+
+
+def test_greedy_agreement_counts_identical_outputs_first_tokens_and_common_prefixes():
+    from worker.bench.offline import greedy_agreement
+
+    ours = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9], [1, 1]]
+    theirs = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9], [1, 1, 1]]  # the last: ours stopped sooner
+    got = greedy_agreement(ours, theirs)
+    assert got == {"greedy_match_fraction": 0.25, "greedy_first_token_match_fraction": 0.75,
+                   "greedy_mean_common_tokens": (4 + 2 + 0 + 2) / 4}
 
 
 def test_offline_compare_hf_picks_the_fastest_batch_size_by_default(tiny_model):

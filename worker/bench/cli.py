@@ -147,8 +147,9 @@ def offline(argv: list[str]) -> int:
     if r["cpu"] is not None:
         print(f"  CPU of the first round, {cpu_usage.describe(r['cpu'])}")
     if "ratio" in r:
-        same = (f" (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts)"
-                if "greedy_match_fraction" in r else "")
+        same = (f" (greedy outputs identical for {r['greedy_match_fraction']:.0%} of prompts, the first token for "
+                f"{r['greedy_first_token_match_fraction']:.0%}, the same for {r['greedy_mean_common_tokens']:.1f} tokens "
+                "on average)" if "greedy_match_fraction" in r else "")
         print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio {r['ratio']:.2f}x{same}")
         if len(r["baseline_batch_trials"]) > 1:
             tried = ", ".join(f"{b}: {t:.1f}" for b, t in r["baseline_batch_trials"].items())
