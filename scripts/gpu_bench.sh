@@ -118,7 +118,7 @@ bench() {
   say "$("$python" - "$json" "$name" "$((SECONDS - started))" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, decode {r['decode_step_ms']:.2f} ms/step "
+line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, {r['roofline_fraction']:.2f}x the roofline, decode {r['decode_step_ms']:.2f} ms/step "
         f"at {r['decode_roofline_fraction']:.0%} of the roofline (batch {r['decode_mean_batch']:.0f}), "
         f"prefill {r['prefill_roofline_fraction']:.0%}, host {r['host_fraction']:.0%}; "
         f"attention {r['attention']} {r['engine'].get('pallas_tuning') or 'default'}"

@@ -42,6 +42,12 @@ def test_offline_reports_throughput(tiny_model):
                 "matmul_gflops", "decode_roofline_fraction", "prefill_roofline_fraction", "decode_host_fraction"):
         assert report[key] > 0, key
     assert "ratio" not in report
+    # the whole run's fraction: each phase's ideal time (per step, per prompt token) over both phases' time
+    d, p = report["decode_phase"], report["prefill_phase"]
+    assert report["ideal_decode_s"] == pytest.approx(report["decode_ideal_step_ms"] / 1e3 * d["decode_steps"])
+    assert report["ideal_prefill_s"] == pytest.approx(report["prefill_ideal_token_us"] / 1e6 * p["prefill_tokens"])
+    assert report["roofline_fraction"] == pytest.approx(
+        (report["ideal_decode_s"] + report["ideal_prefill_s"]) / (d["wall_s"] + p["wall_s"]), rel=1e-3)  # phases: us
     # the host is named with what the CPU kernels choose by: figures of two hosts are not one series
     with open("/proc/cpuinfo") as f:
         model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))

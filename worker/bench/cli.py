@@ -144,6 +144,9 @@ def offline(argv: list[str]) -> int:
         print(f"  prefill: {r['prefill_token_us']:.1f} us/token (ideal {r['prefill_ideal_token_us']:.1f} us): "
               f"roofline {r['prefill_roofline_fraction']:.1%}, host {r['prefill_host_fraction']:.1%} "
               f"({_host_parts(r['prefill_phase'])})")
+    if "roofline_fraction" in r:
+        print(f"  the run against its roofline: {r['ideal_prefill_s']:.2f} s of prefill + {r['ideal_decode_s']:.2f} s of "
+              f"decode at the ideal, {r['measured_s']:.2f} s measured (all rounds): {r['roofline_fraction']:.2f}x")
     if r["cpu"] is not None:
         print(f"  CPU of the first round, {cpu_usage.describe(r['cpu'])}")
     if "ratio" in r:
