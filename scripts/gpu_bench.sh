@@ -11,6 +11,8 @@
 #                  attention (2 rows x 512 tokens) through the reference and the Pallas prefill
 #                  kernel; the runs after it take the fastest correct split (--pallas-tuning) and
 #                  the prefill kernel where it is faster (--pallas-prefill)
+#   launch         `bench launch`: a compiled step's launch time by argument kind (weights, donated
+#                  pages, host arrays, as many as llama3-8b's step passes), the device idle
 #   batch1         1 x 128/128: batch-1 decode against the memory-bandwidth roofline
 #   128-128        64 x 128/128, with transformers on the same GPU and prompts (--compare hf)
 #   1024-128       64 x 1024/128
@@ -191,6 +193,19 @@ EOF
         say "attention: FAILED (exit $?; see gpu_bench.log)"
       fi
       ;;
+    launch)
+      if timeout "$(left)" "$python" -m worker.cli bench launch --json >"$out/launch.json" 2>>"$log"; then
+        "$python" - "$out/launch.json" <<'EOF' | while read -r line; do say "$line"; done
+import json, sys
+for row in json.load(open(sys.argv[1]))["results"]:
+    per = f", {row['us_per_added_argument']:.2f} us per added argument" if "us_per_added_argument" in row else ""
+    print(f"launch {row['name']} ({row['weights']} weights, {row['pages']} pages, {row['host']} host arrays): "
+          f"{row['median_us']:.0f} us{per}")
+EOF
+      else
+        say "launch: FAILED (exit $?; see gpu_bench.log)"
+      fi
+      ;;
     batch1) bench batch1 1 128 128 --attention "$attention" "${tuning[@]}" ;;
     # transformers on the same GPU: leave it half the memory (JAX takes 75 % by default)
     128-128) XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 bench 128-128 64 128 128 --attention "$attention" "${tuning[@]}" \
@@ -198,7 +213,7 @@ EOF
     1024-128) bench 1024-128 64 1024 128 --attention "$attention" "${tuning[@]}" ;;
     1024-1024) bench 1024-1024 64 1024 1024 --attention "$attention" "${tuning[@]}" ;;
     1024-1024-jnp) bench 1024-1024-jnp 64 1024 1024 --attention jnp ;;
-    *) say "$run: unknown run (check, attention, batch1, 128-128, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
+    *) say "$run: unknown run (check, attention, launch, batch1, 128-128, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
   esac
 done
 

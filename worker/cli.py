@@ -160,8 +160,8 @@ def parser() -> argparse.ArgumentParser:
     _engine_flags(p)
 
     p = sub.add_parser("bench", help="benchmarks: the offline engine, a serving endpoint, the stack against the engine, "
-                                     "or one layer's decode attention")
-    p.add_argument("mode", choices=["offline", "serve", "stack", "attention"])
+                                     "one layer's decode attention, or a compiled step's launch")
+    p.add_argument("mode", choices=["offline", "serve", "stack", "attention", "launch"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return top
 

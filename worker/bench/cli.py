@@ -1,4 +1,4 @@
-"""`redjax bench offline|serve|stack|attention ...`: parse the mode's flags, run it, print the report."""
+"""`redjax bench offline|serve|stack|attention|launch ...`: parse the mode's flags, run it, print the report."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from worker.cli import _engine_flags, _engine_overrides, engine_argv, log_to_std
 
 
 def run(mode: str, argv: list[str]) -> int:
-    if mode == "attention":
-        from worker.bench import attention
+    if mode in ("attention", "launch"):
+        from worker.bench import attention, launch
 
-        return attention.run(argv)
+        return {"attention": attention, "launch": launch}[mode].run(argv)
     return {"offline": offline, "serve": serve, "stack": stack}[mode](argv)
 
 

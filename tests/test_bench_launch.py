@@ -1,0 +1,64 @@
+"""`redjax bench launch`: the launch-time rows by argument kind, as JSON and as text. No
+wall-clock thresholds: the figures are only checked to be measured (positive, median >= min)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.bench_support import run_bench
+from worker.bench import launch
+
+
+def test_launch_rows_grow_each_argument_kind_to_the_engines_count():
+    code, out = run_bench("launch", "--repeats", "3", "--json")
+    assert code == 0
+    report = json.loads(out)
+    rows = report["results"]
+    assert [(r["name"], r["weights"], r["pages"], r["host"]) for r in rows] == [tuple(row) for row in launch.ROWS]
+    assert rows[-1]["weights"] == 291 and rows[-1]["pages"] == 64 and rows[-1]["host"] == 26
+    for r in rows:
+        assert 0 < r["min_us"] <= r["median_us"], r
+    assert "us_per_added_argument" not in rows[0] and all("us_per_added_argument" in r for r in rows[1:])
+    base = rows[0]["median_us"]
+    assert rows[1]["us_per_added_argument"] == pytest.approx((rows[1]["median_us"] - base) / 290)
+
+    code, text = run_bench("launch", "--repeats", "2")
+    assert code == 0 and text.startswith("launch of a compiled step on ")
+    assert all(f"{r['name']}" in text for r in rows) and text.count(" us (min ") == len(rows)
+
+
+def test_the_stand_in_step_reads_every_argument_and_updates_every_page():
+    weights = (jnp.full((16, 16), 2.0, jnp.bfloat16), jnp.full((16, 16), 3.0, jnp.bfloat16))
+    pages = (jnp.zeros((16, 16), jnp.bfloat16), jnp.ones((16, 16), jnp.bfloat16))
+    host = (np.full(16, 4, np.int32), np.full(16, 5, np.int32))
+    new_pages, s = launch._step(weights, pages, host)
+    assert float(s) == 2 + 3 + 4 + 5
+    assert [float(p[0, 0]) for p in new_pages] == [14.0, 15.0] and all(p.dtype == jnp.bfloat16 for p in new_pages)
+
+
+def test_launch_refuses_no_repeats():
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("launch", "--repeats", "0")
+    assert exit_.value.code == 2
+
+
+def test_gpu_bench_launch_run_writes_its_report_and_a_summary_line_per_row(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHON": sys.executable, "DEADLINE_S": "300"}
+    done = subprocess.run(["bash", "scripts/gpu_bench.sh", "launch", "--out", str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "launch.json").read_text())["results"]
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert lines == done.stdout.splitlines() and len(lines) == len(rows) == len(launch.ROWS)
+    for line, row in zip(lines, rows):
+        assert line.startswith(f"launch {row['name']} ({row['weights']} weights, {row['pages']} pages, "
+                               f"{row['host']} host arrays): {row['median_us']:.0f} us"), line
