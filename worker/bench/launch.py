@@ -26,8 +26,8 @@ import numpy as np
 
 from worker.bench import roofline
 
-# (name, weight arrays, page arrays (donated), host arrays): llama3-8b's counts
-ENGINE = (291, 64, 26)
+ENGINE = (291, 64, 26)  # llama3-8b's step: weight arrays, page arrays (donated), host arrays
+# (name, weight arrays, page arrays, host arrays) of each row
 ROWS = (("one of each", 1, 1, 1), ("weights", ENGINE[0], 1, 1), ("pages, donated", 1, ENGINE[1], 1),
         ("host arrays", 1, 1, ENGINE[2]), ("all, as the engine", *ENGINE))
 
@@ -63,9 +63,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.repeats < 1:
-        parser().error("--repeats must be at least 1")
+        p.error("--repeats must be at least 1")
     rows = []
     for name, weights, pages, host in ROWS:
         times = launch_us(weights, pages, host, args.repeats)
