@@ -212,3 +212,42 @@ def test_prompts_wait_for_their_variant_while_decode_rows_go_on(model, tokenizer
     joined = next(i for i, ids in enumerate(after) if "late" in ids)
     assert joined > 0 and all(ids and "late" not in ids for ids in after[:joined])  # decode rows went on meanwhile
     assert not any(s.num_prefill and s.num_decode for s, _ in engine.runner.compiled)  # no mixed compile stopped them
+
+
+def test_a_batch_packs_into_one_int32_array_and_unpacks_bit_for_bit_inside_jit():
+    import dataclasses
+
+    import jax
+
+    from worker.engine.batch import empty_batch, pack, unpack
+    from worker.engine.sampler import SamplerFlags
+
+    flags = SamplerFlags(all_greedy=False, needs_sort=True, penalties=False, bias=False, num_logprobs=0,
+                         logprobs=False)
+    db = empty_batch(StepShape(8, 2, 16, 4, 1, False, 16, 16), flags)
+    rng = np.random.default_rng(0)
+    randomized = {}
+    for name, leaf in {**vars(db), **vars(db.sampling)}.items():
+        if isinstance(leaf, np.ndarray):  # random bits of every field, floats' NaN payloads and -0.0 included
+            randomized[name] = rng.integers(0, 2**32, leaf.shape, dtype=np.uint64).astype(np.uint32).view(leaf.dtype)
+    # a penalty and logit-bias batch's widths (not those of its shape)
+    randomized.update(bias_ids=rng.integers(0, 99, (16, 8), dtype=np.int32),
+                      bias_vals=np.full((16, 8), -0.0, np.float32),
+                      output_ids=rng.integers(-1, 99, (16, 33), dtype=np.int32))
+    sampling = dataclasses.replace(db.sampling, **{k: v for k, v in randomized.items() if hasattr(db.sampling, k)})
+    db = dataclasses.replace(db, sampling=sampling, **{k: v for k, v in randomized.items() if hasattr(db, k)
+                                                       and k != "sampling"})
+    flat, layout = pack(db)
+    leaves = jax.tree_util.tree_leaves(db)
+    assert flat.dtype == np.int32 and flat.shape == (sum(leaf.size for leaf in leaves),)
+    assert hash(layout) == hash(pack(db)[1]) and layout == pack(db)[1]  # a static argument of the step
+    back = jax.tree_util.tree_leaves(jax.jit(unpack, static_argnums=1)(flat, layout))
+    assert len(back) == len(leaves)
+    for got, want in zip(back, leaves):
+        got = np.asarray(got)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bits, so NaN payloads count
+    wider = dataclasses.replace(db, sampling=dataclasses.replace(sampling, output_ids=np.zeros((16, 34), np.int32)))
+    assert pack(wider)[1] != layout  # another width: another compiled variant, never a misread one
+    with pytest.raises(TypeError, match="32-bit"):
+        pack(dataclasses.replace(db, tokens=db.tokens.astype(np.int64)))
