@@ -8,10 +8,11 @@ import asyncio
 import itertools
 import json
 
+import httpx
 import pytest
 
 from tests.bench_support import check_serve_report, run_bench
-from tests.stack_support import make_served_model, start_api, start_worker, stop
+from tests.stack_support import make_served_model, start_api, start_worker, stop, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,9 @@ def served(tmp_path_factory):
 def stack(served, redis_url):
     worker = start_worker(served, redis_url, "bench-worker")
     api, url = start_api(served, redis_url)
+    # the worker serves once its warm-up is done (~25 s on 2 cores); a request sent before would run
+    # against the API's 30 s limit for a model with no live worker
+    wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 120)
     yield url
     stop(api)
     stop(worker)

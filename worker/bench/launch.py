@@ -1,14 +1,13 @@
 """`redjax bench launch`: how long a compiled step takes to launch, by what it is handed.
 
 The engine's step takes a few hundred arrays a call: llama3-8b passes 291 weight arrays and 64 KV
-page arrays (one per layer and kind, the pages donated) beside the batch, which until session 35
-was ~26 host arrays and is now one (`batch.pack`). On an H200 that call took ~8 ms to return
-(session 34: 8.5 ms a call of 16 fused decode steps, 12.6 % of the decode phase at 128/128, over
-issue 7's 10 % host target), against ~1.5 ms for the same number of arrays on this project's
-CPUs. This bench times the launch alone, with the device idle and each argument tiny, so the
-figure is the runtime's cost per argument: a call with one of each kind, then with each kind
-grown to its count in the engine (the host arrays to the batch's 26 fields unpacked), then the
-engine's call as it is now. The rows say which kind to cut.
+page arrays (one per layer and kind, the pages donated) beside ~26 host arrays of the batch. On an
+H200 that call took ~8 ms to return (session 34: 8.5 ms a call of 16 fused decode steps, 12.6 % of
+the decode phase at 128/128, over issue 7's 10 % host target), against ~1.5 ms for the same number
+of arrays on this project's CPUs. This bench times the launch alone, with the device idle and
+each argument tiny, so the figure is the runtime's cost per argument: a call with one of each
+kind, then with each kind grown to the engine's count, then all together. The rows say which
+kind to cut (stacked per-layer arrays, or one packed host buffer for the batch).
 
 Each row: microseconds from the call to its return (the asynchronous launch; the outputs are waited
 for before the next call), the median and the minimum of `--repeats` calls, and the microseconds
@@ -27,11 +26,10 @@ import numpy as np
 
 from worker.bench import roofline
 
-ENGINE = (291, 64, 1)  # llama3-8b's step: weight arrays, page arrays (donated), the packed batch
-UNPACKED = 26  # the batch's fields, each its own host array until session 35
+ENGINE = (291, 64, 26)  # llama3-8b's step: weight arrays, page arrays (donated), host arrays
 # (name, weight arrays, page arrays, host arrays) of each row
 ROWS = (("one of each", 1, 1, 1), ("weights", ENGINE[0], 1, 1), ("pages, donated", 1, ENGINE[1], 1),
-        ("host arrays, unpacked", 1, 1, UNPACKED), ("all, as the engine", *ENGINE))
+        ("host arrays", 1, 1, ENGINE[2]), ("all, as the engine", *ENGINE))
 
 
 def _step(weights: tuple, pages: tuple, host: tuple):
@@ -85,6 +83,6 @@ def run(argv: list[str]) -> int:
     print(f"launch of a compiled step on {report['device_name']} ({args.repeats} calls a row, the device idle)")
     for row in rows:
         extra = f", {row['us_per_added_argument']:.2f} us per added argument" if "us_per_added_argument" in row else ""
-        print(f"  {row['name']:<22} {row['weights']:>3} weights, {row['pages']:>2} pages, {row['host']:>2} host arrays: "
+        print(f"  {row['name']:<20} {row['weights']:>3} weights, {row['pages']:>2} pages, {row['host']:>2} host arrays: "
               f"{row['median_us']:8.1f} us (min {row['min_us']:.1f}){extra}")
     return 0

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from worker.engine.sampler import SamplerFlags, SamplingTensors
@@ -77,38 +75,6 @@ class DeviceBatch:
     q_starts: np.ndarray  # i32[R]: index in T of each row's first query token
     q_lens: np.ndarray  # i32[R]: query tokens of each row (0: padding row)
     sampling: SamplingTensors
-
-
-def pack(db: DeviceBatch) -> tuple[np.ndarray, tuple]:
-    """The whole batch as one i32 array (float32 and uint32 fields by their bits), and its layout
-    (hashable: a static argument of the step, which `unpack`s it). A step is handed one host array
-    instead of ~26: each is its own transfer to the device and its own argument for the runtime to
-    process at every launch (`redjax bench launch`: 6.5 us a host array on the CPU; packing costs
-    ~25 us). Fields are grouped by dtype (one concatenation each)."""
-    leaves, treedef = jax.tree_util.tree_flatten(db)
-    groups: dict[np.dtype, list[int]] = {}  # dtype -> indices of its leaves, in order
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(leaf.dtype, []).append(i)
-    fields: list = [None] * len(leaves)  # (shape, dtype, offset in the flat array)
-    parts, at = [], 0
-    for dtype, members in groups.items():
-        if dtype.itemsize != 4:
-            raise TypeError(f"pack: every field must be 32-bit, got {dtype}")
-        parts.append(np.concatenate([leaves[i] for i in members], axis=None).view(np.int32))
-        for i in members:
-            fields[i] = (leaves[i].shape, dtype, at)
-            at += leaves[i].size
-    return np.concatenate(parts), (treedef, tuple(fields))
-
-
-def unpack(flat: jax.Array, layout: tuple) -> DeviceBatch:
-    """Inside the step: the DeviceBatch `pack` made `flat` (i32[n]) from, as slices of it."""
-    treedef, fields = layout
-    leaves = []
-    for shape, dtype, at in fields:
-        leaf = flat[at : at + math.prod(shape)].reshape(shape)
-        leaves.append(leaf if dtype == np.int32 else jax.lax.bitcast_convert_type(leaf, dtype))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def bucket(n: int, minimum: int = 1) -> int:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, pack, step_cost, unpack
+from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, step_cost
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
@@ -148,10 +148,9 @@ class ModelRunner:
         return InFlight(batch, rows, starts, shape, out)
 
     def _run(self, key: tuple, db: DeviceBatch) -> StepOutput:
-        flat, layout = pack(db)  # a compiled variant's layout is its key's (no width outside the key)
         ready = self.ready.get(key)
         if ready is not None:
-            self.kv, out, self.prev_tokens = ready(self.params, self.kv, flat, self.prev_tokens)
+            self.kv, out, self.prev_tokens = ready(self.params, self.kv, db, self.prev_tokens)
             return out
         shape, flags = key
         first = key not in self.compiled
@@ -159,8 +158,8 @@ class ModelRunner:
             self.compiled.add(key)
             _log_variant("compiling", shape, flags)
         t0 = time.perf_counter()
-        self.kv, out, self.prev_tokens = self._step(self.params, self.kv, flat, self.prev_tokens, shape=shape,
-                                                    flags=flags, layout=layout)
+        self.kv, out, self.prev_tokens = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape,
+                                                    flags=flags)
         if first:  # the call returns once the variant is compiled and the step launched
             log.info("step variant compiled and launched in %.1f s", time.perf_counter() - t0)
         return out
@@ -250,8 +249,7 @@ class ModelRunner:
 
     def _lower(self, key: tuple, db: DeviceBatch, specs: tuple):
         shape, flags = key
-        flat, layout = pack(db)
-        return self._step.lower(*specs[:2], flat, specs[2], shape=shape, flags=flags, layout=layout)
+        return self._step.lower(*specs[:2], db, specs[2], shape=shape, flags=flags)
 
     def _compile_in_background(self, key: tuple, db: DeviceBatch) -> None:
         """Compile variant `key` on a thread (the step keeps running borrowed variants meanwhile);
@@ -318,12 +316,11 @@ def _jitted_step(graphdef, param_def, attention: AttentionOps, sampling_kernels)
     """The jitted step of one model structure, shared by every runner of it (so are its compiled
     variants: a new engine on the same model compiles nothing again)."""
     return jax.jit(partial(_step, graphdef, param_def, attention, sampling_kernels),
-                   static_argnames=("shape", "flags", "layout"), donate_argnames=("kv",))
+                   static_argnames=("shape", "flags"), donate_argnames=("kv",))
 
 
-def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params: tuple, kv: KVCache, flat,
-          prev_tokens, shape: StepShape, flags: SamplerFlags, layout: tuple):
-    db = unpack(flat, layout)  # the batch came as one i32 array (batch.pack)
+def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params: tuple, kv: KVCache, db: DeviceBatch,
+          prev_tokens, shape: StepShape, flags: SamplerFlags):
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_def, params))
     cfg = model.cfg
     tokens = jnp.where(db.src >= 0, prev_tokens[jnp.maximum(db.src, 0)], db.tokens)  # i32[T]
