@@ -21,7 +21,7 @@ class FleetWatch:
         self.model = model
         self.interval_s = interval_s
         self.dead_since: float | None = None  # time.monotonic() when workers were first seen missing
-        self.workers: list[str] = []
+        self.workers: dict[str, str] = {}  # live worker name -> state; a starting one counts: requests wait for it
 
     def missing_for(self, since: float) -> float:
         """Seconds without a live worker, counted from `since` (a time.monotonic() value) at the earliest."""

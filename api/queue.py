@@ -70,13 +70,14 @@ class RequestQueue:
         return bool(removed)
 
 
-async def live_workers(client: Redis, model: str) -> list[str]:
-    """Names of workers whose heartbeat hash exists and that serve `model`."""
+async def live_workers(client: Redis, model: str) -> dict[str, str]:
+    """Workers whose heartbeat hash exists and that serve `model`: name -> state ("starting" while
+    it compiles its step variants, then "serving", "draining" once stopping), sorted by name."""
     names = sorted(n.decode() if isinstance(n, bytes) else n for n in await client.smembers(contract.WORKERS))
     if not names:
-        return []
+        return {}
     async with client.pipeline(transaction=False) as pipe:
         for name in names:
-            pipe.hget(contract.worker_key(name), "model")
-        models = await pipe.execute()
-    return [n for n, m in zip(names, models) if m is not None and m.decode() == model]
+            pipe.hmget(contract.worker_key(name), "model", "state")
+        rows = await pipe.execute()
+    return {n: (state or b"serving").decode() for n, (m, state) in zip(names, rows) if m is not None and m.decode() == model}

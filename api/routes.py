@@ -137,13 +137,19 @@ async def health(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """200 when Redis answers and at least one live worker serves the model; else 503."""
+    """200 when Redis answers and at least one live worker serving the model takes requests; else
+    503: "worker_starting" while the only ones are warming up (requests sent now wait in the queue
+    for them), "no_worker" when none is alive."""
     services: ApiServices = request.app.state.services
     try:
         await services.client.ping()
         workers = await live_workers(services.client, services.model.name)
     except (RedisError, OSError):
         raise redis_unavailable() from None
-    if not workers:
+    serving = [name for name, state in workers.items() if state == "serving"]
+    if not serving and "starting" in workers.values():
+        raise ApiError(503, f"the workers serving {services.model.name} are warming up; requests wait in the queue",
+                       code="worker_starting")
+    if not serving:
         raise ApiError(503, f"no live worker serves {services.model.name}", code="no_worker")
-    return JSONResponse({"status": "ready", "model": services.model.name, "workers": workers})
+    return JSONResponse({"status": "ready", "model": services.model.name, "workers": serving})

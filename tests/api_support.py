@@ -80,9 +80,9 @@ class LiveServer:
         self.thread.join(timeout=15)
 
 
-def heartbeat(client: redis.Redis, name: str, model: str) -> None:
+def heartbeat(client: redis.Redis, name: str, model: str, state: str = contract.WorkerState.SERVING.value) -> None:
     stats = WorkerStats(
-        name=name, model=model, state=contract.WorkerState.SERVING.value, pid=0, started_at=time.time(),
+        name=name, model=model, state=state, pid=0, started_at=time.time(),
         updated_at=time.time(), pages_used=0, pages_total=64, running=0, waiting=0, tokens_per_s=0.0,
         prompt_tokens_per_s=0.0, preemptions=0, requests_finished=0, mean_batch_size=0.0, max_num_seqs=8,
     )  # fmt: skip

@@ -46,6 +46,27 @@ def test_health_and_ready(start_api, redis_client):
     assert httpx.get(f"{url}/ready").status_code == 503
 
 
+def test_a_starting_worker_is_not_ready_but_keeps_requests_queued_for_it(start_api, fake_worker, redis_client):
+    """A worker compiling its step variants heartbeats as "starting": /ready says so (503), and a
+    request sent meanwhile waits in the queue past the no-worker limit instead of being failed."""
+    url = start_api(no_worker_timeout_s=1.0)
+    heartbeat(redis_client, "warming", MODEL_NAME, state=contract.WorkerState.STARTING.value)
+    not_ready = httpx.get(f"{url}/ready")
+    assert not_ready.status_code == 503 and not_ready.json()["error"]["code"] == "worker_starting"
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_post, url, "/v1/completions", {"prompt": "hello", "max_tokens": 3})
+        deadline = time.monotonic() + 2.5  # 2.5x the no-worker limit, within the heartbeat's 5 s life
+        while time.monotonic() < deadline:
+            assert not future.done()
+            time.sleep(0.1)
+        assert redis_client.xlen(contract.REQUESTS) == 1 and not redis_client.keys(contract.cancelled_key("*"))
+        fake_worker()  # warm now: serving
+        response = future.result(timeout=20)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    ready = httpx.get(f"{url}/ready")
+    assert ready.status_code == 200 and ready.json()["workers"] == ["fake-0"]  # the starting one is not listed
+
+
 def test_no_worker_cancels_and_removes_the_request(start_api, redis_client):
     url = start_api(no_worker_timeout_s=1.0)
     response = _post(url, "/v1/completions", {"prompt": "hello"})

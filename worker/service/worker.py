@@ -63,13 +63,18 @@ class Worker:
         """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        if self.config.warmup:  # before joining the fleet: no request waits on these compiles
+        # in the fleet from now on, as "starting": the API queues requests for this worker instead of
+        # failing them for want of one, and /ready waits. The capacity stays 0 until the loop below
+        # sets it, so nothing is pulled or claimed during the warm-up's compiles.
+        self._report()
+        self.io.start()
+        if self.config.warmup:
             t0 = time.perf_counter()
             n = self.engine.warmup()
             log.info("worker %s warmed up %d step variants in %.1f s", self.config.name, n, time.perf_counter() - t0)
         freeze_startup_heap()  # the model, tokenizer and compiled steps: out of the collector's walks
-        self.io.start()
-        self.state = WorkerState.SERVING
+        if self.state is WorkerState.STARTING:  # not if a SIGTERM came during the warm-up (draining)
+            self.state = WorkerState.SERVING
         log.info("worker %s serving %s (attention: %s, matmul: %s, sampler: %s, fused decode steps: %d)",
                  self.config.name, self.config.model_name, self.engine.attention, self.engine.matmul,
                  self.engine.sampler, self.engine.decode_steps)

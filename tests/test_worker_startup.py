@@ -1,0 +1,75 @@
+"""A worker joins the fleet as "starting" before its warm-up compiles and pulls nothing until they
+are done; then it serves what was queued meanwhile.
+
+The worker runs in this process against real Redis and the real engine on the tiny served model;
+its warm-up is wrapped to look at Redis while it runs.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import redis
+
+from tests.stack_support import wait_until
+from tests.test_serving import model_dir  # noqa: F401 (fixture)
+from tests.test_worker_backlog import _message
+from worker import contract
+from worker.contract import OutputDelta, WorkerStats
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.service.config import WorkerConfig
+from worker.service.worker import Worker
+
+
+def _finished(client: redis.Redis, request_id: str) -> bool:
+    entries = client.xrange(contract.out_stream(request_id))
+    return any(OutputDelta.decode(fields).done for _, fields in entries)
+
+
+def test_a_warming_worker_heartbeats_as_starting_and_serves_what_queued_meanwhile(model_dir, redis_url):  # noqa: F811
+    engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=64)
+    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-startup", warmup=True,
+                          engine=engine_config)
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
+    contract.ensure_group(client)
+    client.xadd(contract.REQUESTS, _message(0).encode())  # queued before the worker is warm
+    seen: dict[str, object] = {}
+    warmup = worker.engine.warmup
+
+    def watched_warmup() -> int:
+        key = contract.worker_key(config.name)
+        wait_until(lambda: client.exists(key), 10)  # the heartbeat thread runs during the compiles
+        seen["state"] = WorkerStats.decode(client.hgetall(key)).state
+        n = warmup()
+        seen["pending"] = client.xpending(contract.REQUESTS, contract.WORKERS_GROUP)["pending"]
+        return n
+
+    worker.engine.warmup = watched_warmup
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # run() installs its own
+
+    def stop_when_served() -> None:
+        try:
+            wait_until(lambda: _finished(client, "req-0"), 120)
+            key = contract.worker_key(config.name)  # the heartbeat thread refreshes the hash once a second
+            wait_until(lambda: WorkerStats.decode(client.hgetall(key)).state == "serving", 10)
+            seen["serving"] = True
+        finally:
+            worker._on_signal(signal.SIGTERM, None)  # drains, and run() returns
+
+    stopper = threading.Thread(target=stop_when_served, daemon=True)
+    stopper.start()
+    try:
+        assert worker.run() == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    stopper.join(timeout=10)
+    assert seen["state"] == "starting"
+    assert seen["pending"] == 0  # nothing pulled (nor claimed) while compiling
+    assert seen["serving"]
+    assert _finished(client, "req-0") and client.xlen(contract.REQUESTS) == 0
+    assert not client.exists(contract.worker_key(config.name))  # gone after the drain
