@@ -1,5 +1,5 @@
-"""A worker joins the fleet as "starting" before its warm-up compiles and pulls nothing until they
-are done; then it serves what was queued meanwhile.
+"""A worker joins the fleet as "starting" while its model loads and its warm-up compiles, and pulls
+nothing until they are done; then it serves what was queued meanwhile.
 
 The worker runs in this process against real Redis and the real engine on the tiny served model;
 its warm-up is wrapped to look at Redis while it runs.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 
+import pytest
 import redis
 
 from tests.stack_support import wait_until
@@ -20,6 +21,7 @@ from worker.contract import OutputDelta, WorkerStats
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.service.config import WorkerConfig
+from worker.service.loading_beat import LoadingBeat
 from worker.service.worker import Worker
 
 
@@ -73,3 +75,23 @@ def test_a_warming_worker_heartbeats_as_starting_and_serves_what_queued_meanwhil
     assert seen["serving"]
     assert _finished(client, "req-0") and client.xlen(contract.REQUESTS) == 0
     assert not client.exists(contract.worker_key(config.name))  # gone after the drain
+
+
+def test_a_loading_worker_heartbeats_as_starting_and_leaves_at_once_when_the_load_fails(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    config = WorkerConfig(model_dir="/models/tinyllama", redis_url=redis_url, name="w-loading",
+                          engine=EngineConfig(max_num_seqs=6))
+    key = contract.worker_key(config.name)
+    with LoadingBeat(config, client):
+        wait_until(lambda: client.exists(key), 10)
+        stats = WorkerStats.decode(client.hgetall(key))
+        assert (stats.state, stats.model, stats.max_num_seqs) == ("starting", "tinyllama", 6)
+        assert 0 < client.ttl(key) <= contract.HEARTBEAT_TTL_S
+        first = stats.updated_at
+        wait_until(lambda: WorkerStats.decode(client.hgetall(key)).updated_at > first, 10)  # refreshed
+    assert client.exists(key)  # loaded: the worker's own threads take the heartbeat over
+    with pytest.raises(OSError), LoadingBeat(config, client):
+        wait_until(lambda: client.exists(key), 10)
+        raise OSError("no such model")
+    assert not client.exists(key)  # a failed load is out of the fleet at once, not after the TTL

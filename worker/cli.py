@@ -226,6 +226,7 @@ def cmd_worker(args) -> int:
 
     from worker.engine.attention_choice import AttentionUnavailable
     from worker.engine.llm_engine import LLMEngine
+    from worker.service.loading_beat import LoadingBeat
     from worker.service.worker import Worker
 
     overrides = {"model_dir": args.model and resolve_model(args.model), "redis_url": args.redis, "name": args.name,
@@ -243,11 +244,12 @@ def cmd_worker(args) -> int:
 
         jax.config.update("jax_compilation_cache_dir", config.compile_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    client = redis.Redis.from_url(config.redis_url)
     try:
-        engine = LLMEngine.from_path(config.model_dir, config.engine)
+        with LoadingBeat(config, client):  # in the fleet as "starting" while the weights load
+            engine = LLMEngine.from_path(config.model_dir, config.engine)
     except AttentionUnavailable as exc:
         usage_error("worker", str(exc))
-    client = redis.Redis.from_url(config.redis_url)
     return Worker(config, engine, client).run()
 
 
