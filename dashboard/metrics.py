@@ -20,6 +20,7 @@ from dashboard.auth import Gate, unauthorized
 from dashboard.config import DashboardConfig
 from dashboard.fleet import UNREACHABLE, FleetReading, RedisClients, read_fleet
 from worker import contract
+from worker.contract import WorkerState
 
 P = "redjax:"
 
@@ -75,6 +76,9 @@ class FleetCollector:
         labels = ["worker", "model_name"]
         up = GaugeMetricFamily(P + "worker_up", "1 while a known worker's heartbeat is fresh, 0 once it expired.", labels=["worker"])
         alive = GaugeMetricFamily(P + "workers_alive", "Workers with a fresh heartbeat.", value=len(r.alive_stats()))
+        serving = GaugeMetricFamily(P + "workers_serving", "Workers with a fresh heartbeat that take requests (not "
+                                    "starting: loading the model or compiling; not draining).",
+                                    value=sum(s.state == WorkerState.SERVING.value for s in r.alive_stats()))
         running = GaugeMetricFamily(P + "num_requests_running", "Sequences in a worker's running batch.", labels=labels)
         waiting = GaugeMetricFamily(P + "num_requests_waiting", "Sequences admitted by a worker, not yet running.", labels=labels)
         kv = GaugeMetricFamily(P + "kv_cache_usage_perc", "KV-cache pages in use, as a fraction (1 = full).", labels=labels)
@@ -95,7 +99,7 @@ class FleetCollector:
             tps.add_metric(values, s.tokens_per_s)
             age.add_metric(values, max(r.now - s.updated_at, 0.0))
             hits.add_metric(values, s.prefix_cache_hit_rate)
-        yield from (up, alive, running, waiting, kv, pages, tps, age, hits)
+        yield from (up, alive, serving, running, waiting, kv, pages, tps, age, hits)
 
     def _counters(self, r: FleetReading) -> Iterator[Metric]:
         for field, (name, help_text) in COUNTERS.items():

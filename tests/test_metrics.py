@@ -35,6 +35,7 @@ def value(families: dict, name: str, sample: str | None = None, **labels) -> flo
 def test_metrics_report_fleet_state(redis_client, redis_url):
     seed_worker(redis_client, "gpu-0", running=5, waiting=2, pages_used=400, pages_total=1000, prefix_cache_hit_rate=0.625)
     seed_gone_worker(redis_client, "gpu-9")
+    seed_worker(redis_client, "gpu-1", state=contract.WorkerState.STARTING.value)  # loading or compiling
     seed_queue(redis_client, total=4, delivered=1)
     redis_client.hincrby(contract.TOTALS, contract.TOTAL_REJECTED, 2)
     seed_events(redis_client, [
@@ -50,7 +51,8 @@ def test_metrics_report_fleet_state(redis_client, redis_url):
     assert value(m, "redjax:prefix_cache_hit_rate", worker="gpu-0", model_name="tiny-llama") == 0.625
     assert value(m, "redjax:worker_up", worker="gpu-0") == 1
     assert value(m, "redjax:worker_up", worker="gpu-9") == 0
-    assert value(m, "redjax:workers_alive") == 1
+    assert value(m, "redjax:workers_alive") == 2
+    assert value(m, "redjax:workers_serving") == 1  # the starting one takes no requests yet
     assert value(m, "redjax:queue_requests_waiting") == 3
     assert value(m, "redjax:queue_requests_in_flight") == 1
     assert value(m, "redjax:queue_oldest_waiting_age_seconds") >= 0

@@ -43,17 +43,20 @@ def model(tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def running_serve(model: Path, workers: int = 1):
-    """`redjax serve` on a free port, ready (its workers up); yields (process, its worker's pid, or
-    their pids with workers > 1, its embedded redis-server's pid)."""
+    """`redjax serve` on a free port, ready (its workers serving, and the stack has said so on
+    stdout); yields (process, its worker's pid, or their pids with workers > 1, its embedded
+    redis-server's pid)."""
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--model", str(model), "--port", str(port),
                               "--workers", str(workers), *SMALL_ENGINE], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as in a terminal
     try:
-        def up() -> bool:  # every worker's heartbeat in
+        def up() -> bool:  # every worker's heartbeat in, and past loading and compiling
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines()
-            return f"redjax:workers_alive {float(workers)}" in metrics
+            return f"redjax:workers_serving {float(workers)}" in metrics
         wait_until(up, 180)
+        while not (line := serve.stdout.readline()).startswith("redjax: ready after"):  # within its 0.5 s poll
+            assert line, "redjax serve ended its output without saying it was ready"
         children = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(serve.pid)}
         pids = sorted(pid for pid, cmd in children.items() if b"worker.cli" in cmd)
         [redis] = [pid for pid, cmd in children.items() if b"redis-server" in cmd]
@@ -102,4 +105,10 @@ def _alive(pid: int) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile (the stack's ready announcer)
+            pass
+    return out

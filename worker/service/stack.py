@@ -38,6 +38,8 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     print(f"redjax: API       http://{api_config.host}:{api_config.port}/v1", flush=True)
     print(f"redjax: dashboard http://{api_config.host}:{api_config.port}/dashboard/", flush=True)
     stopping, exited = threading.Event(), []
+    threading.Thread(target=_announce_ready, args=(redis_url, api_config.model_name, stopping), daemon=True,
+                     name="announce-ready").start()
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # from now on, as uvicorn will leave it: a clean stop
     watch_lock = threading.Lock()  # one watcher at a time counts who is left
     for i in range(len(workers)):
@@ -79,6 +81,28 @@ def _watch(i: int, workers: list[subprocess.Popen], stopping: threading.Event, e
     print(f"redjax: worker {i} exited (status {workers[i].returncode}); {what}", file=sys.stderr, flush=True)
     if not left:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _announce_ready(redis_url: str, model: str, stopping: threading.Event) -> None:
+    """One line once a worker serves the model: until then requests wait in the queue while the
+    workers load the model and compile (the heartbeat's "starting")."""
+    import redis
+
+    from worker import contract
+    from worker.contract import WorkerState, WorkerStats
+
+    client = redis.Redis.from_url(redis_url)
+    started = time.monotonic()
+    while not stopping.wait(0.5):
+        try:
+            names = [n.decode() for n in client.smembers(contract.WORKERS)]
+            states = [WorkerStats.decode(h) for h in (client.hgetall(contract.worker_key(n)) for n in names) if h]
+        except redis.RedisError:
+            continue
+        serving = sum(s.model == model and s.state == WorkerState.SERVING.value for s in states)
+        if serving:
+            print(f"redjax: ready after {time.monotonic() - started:.0f} s ({serving} worker(s) serving)", flush=True)
+            return
 
 
 def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict) -> subprocess.Popen:
