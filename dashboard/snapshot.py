@@ -87,6 +87,7 @@ def _fleet(reading: FleetReading, requests_per_s: float) -> dict[str, Any]:
     return {
         "workers_alive": len(alive),
         "workers_gone": len(reading.workers) - len(alive),
+        "workers_starting": sum(s.state == contract.WorkerState.STARTING.value for s in alive),  # loading, compiling
         "tokens_per_s": round(sum(s.tokens_per_s for s in alive), 3),
         "prompt_tokens_per_s": round(sum(s.prompt_tokens_per_s for s in alive), 3),
         "requests_per_s": requests_per_s,

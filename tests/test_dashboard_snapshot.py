@@ -36,7 +36,8 @@ def snapshot_of(app) -> dict:
 def test_snapshot_reports_queue_workers_latency_and_recent(redis_client, redis_url):
     seed_worker(redis_client, "gpu-0", pages_used=250, pages_total=1000, running=7, waiting=3, tokens_per_s=900.0,
                 prefix_cache_hit_rate=0.5)
-    seed_worker(redis_client, "gpu-1", pages_used=750, pages_total=1000, running=1, waiting=0, tokens_per_s=100.0)
+    seed_worker(redis_client, "gpu-1", pages_used=750, pages_total=1000, running=1, waiting=0, tokens_per_s=100.0,
+                state=contract.WorkerState.STARTING.value)
     seed_gone_worker(redis_client, "gpu-old")
     seed_queue(redis_client, total=5, delivered=2, first_age_s=30.0)
     redis_client.hincrby(contract.TOTALS, contract.TOTAL_REJECTED, 4)
@@ -64,6 +65,7 @@ def test_snapshot_reports_queue_workers_latency_and_recent(redis_client, redis_u
 
     fleet = snap["fleet"]
     assert (fleet["workers_alive"], fleet["workers_gone"], fleet["tokens_per_s"]) == (2, 1, 1000.0)
+    assert fleet["workers_starting"] == 1 and workers["gpu-1"]["state"] == "starting"
     assert fleet["kv_usage"] == pytest.approx(0.5)
     assert fleet["prefix_cache_hit_rate"] == pytest.approx(0.25)
 

@@ -113,7 +113,8 @@
     setText("queue-rejected", fmt.int(q.rejected));
     setText("queue-enqueued", `of ${fmt.int(q.enqueued)} enqueued`);
     setText("fleet-workers", `${f.workers_alive} alive`);
-    setText("fleet-workers-gone", f.workers_gone ? `${f.workers_gone} gone` : "none gone");
+    const gone = f.workers_gone ? `${f.workers_gone} gone` : "none gone";
+    setText("fleet-workers-gone", f.workers_starting ? `${f.workers_starting} starting · ${gone}` : gone);
     setText("fleet-tokens", fmt.rate(f.tokens_per_s));
     setText("fleet-requests", fmt.rate(f.requests_per_s));
     setText("fleet-kv", fmt.pct(f.kv_usage));
