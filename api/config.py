@@ -41,7 +41,7 @@ class ApiConfig:
     max_body_bytes: int = 8 * 1024 * 1024  # 413 above this request body size
     max_prompts_per_request: int = 64  # a completions `prompt` list fans out to at most this many requests
     request_timeout_s: float = 600.0  # a request still unfinished after this is cancelled (504)
-    no_worker_timeout_s: float = 30.0  # a waiting request with no live worker this long is cancelled (503)
+    no_worker_timeout_s: float = 30.0  # a waiting request with no live worker (starting ones count) this long: 503
     sse_ping_s: float = 15.0  # keep-alive comment interval on streams
     host: str = "127.0.0.1"
     port: int = 8000
