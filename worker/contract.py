@@ -190,6 +190,12 @@ class WorkerStats:
         return cls(**out)
 
 
+def write_heartbeat(client, stats: WorkerStats) -> None:
+    """A worker's heartbeat, in one round trip: its stats hash with a fresh TTL, its name in WORKERS."""
+    key = worker_key(stats.name)
+    client.pipeline().hset(key, mapping=stats.encode()).expire(key, HEARTBEAT_TTL_S).sadd(WORKERS, stats.name).execute()
+
+
 @dataclass
 class RequestEvent:
     """A finished request, as recorded in EVENTS. Times in seconds; never text."""

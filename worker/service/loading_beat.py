@@ -46,7 +46,6 @@ class LoadingBeat:
                 pass
 
     def _beat(self) -> None:
-        key = contract.worker_key(self.config.name)
         while True:
             stats = WorkerStats(
                 name=self.config.name, model=self.config.model_name, state=WorkerState.STARTING.value,
@@ -55,8 +54,7 @@ class LoadingBeat:
                 requests_finished=0, mean_batch_size=0.0, max_num_seqs=self.config.engine.max_num_seqs,
             )  # fmt: skip
             try:
-                self.client.pipeline().hset(key, mapping=stats.encode()).expire(key, contract.HEARTBEAT_TTL_S).sadd(
-                    contract.WORKERS, self.config.name).execute()
+                contract.write_heartbeat(self.client, stats)
             except redis.RedisError as exc:  # Redis away: the worker's own threads will retry
                 log.warning("redis error in the loading heartbeat: %s", type(exc).__name__)
             if self._stop.wait(contract.HEARTBEAT_INTERVAL_S):

@@ -277,11 +277,8 @@ class RedisIO:
     def _heartbeat(self) -> None:
         with self._lock:
             stats = self._stats
-        if stats is None:
-            return
-        key = contract.worker_key(self.config.name)
-        self.client.pipeline().hset(key, mapping=stats.encode()).expire(key, contract.HEARTBEAT_TTL_S).sadd(
-            contract.WORKERS, self.config.name).execute()
+        if stats is not None:
+            contract.write_heartbeat(self.client, stats)
 
     def _take_outbox(self, stop_at_none: bool = True) -> list[Item]:
         items: list[Item] = []
