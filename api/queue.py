@@ -6,7 +6,7 @@ from redis.asyncio import Redis
 
 from api.errors import ApiError
 from worker import contract
-from worker.contract import RequestMessage
+from worker.contract import RequestMessage, WorkerState
 
 # KEYS: requests stream, totals hash. ARGV: group, max_queue_len, rejected field, enqueued field,
 # then one encoded RequestMessage per request.
@@ -80,4 +80,6 @@ async def live_workers(client: Redis, model: str) -> dict[str, str]:
         for name in names:
             pipe.hmget(contract.worker_key(name), "model", "state")
         rows = await pipe.execute()
-    return {n: (state or b"serving").decode() for n, (m, state) in zip(names, rows) if m is not None and m.decode() == model}
+    serving = WorkerState.SERVING.value.encode()  # a hash without a state: written before states existed
+    return {n: (state or serving).decode() for n, (m, state) in zip(names, rows)
+            if m is not None and m.decode() == model}

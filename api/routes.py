@@ -19,6 +19,7 @@ from api.protocol import ParsedRequest, parse_chat, parse_completion, parse_json
 from api.queue import live_workers
 from api.responses import full_response, piece_chunk, role_chunk, usage_chunk
 from api.services import ApiServices
+from worker.contract import WorkerState
 
 
 # Bodies up to this size are parsed and tokenized on the event loop (at ~4.7 MB/s with the demo
@@ -146,8 +147,8 @@ async def ready(request: Request) -> Response:
         workers = await live_workers(services.client, services.model.name)
     except (RedisError, OSError):
         raise redis_unavailable() from None
-    serving = [name for name, state in workers.items() if state == "serving"]
-    if not serving and "starting" in workers.values():
+    serving = [name for name, state in workers.items() if state == WorkerState.SERVING.value]
+    if not serving and WorkerState.STARTING.value in workers.values():
         raise ApiError(503, f"the workers serving {services.model.name} are warming up; requests wait in the queue",
                        code="worker_starting")
     if not serving:

@@ -86,11 +86,7 @@ def heartbeat(client: redis.Redis, name: str, model: str, state: str = contract.
         updated_at=time.time(), pages_used=0, pages_total=64, running=0, waiting=0, tokens_per_s=0.0,
         prompt_tokens_per_s=0.0, preemptions=0, requests_finished=0, mean_batch_size=0.0, max_num_seqs=8,
     )  # fmt: skip
-    with client.pipeline() as pipe:
-        pipe.sadd(contract.WORKERS, name)
-        pipe.hset(contract.worker_key(name), mapping=stats.encode())
-        pipe.expire(contract.worker_key(name), contract.HEARTBEAT_TTL_S)
-        pipe.execute()
+    contract.write_heartbeat(client, stats)
 
 
 class FakeWorker:

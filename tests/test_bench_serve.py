@@ -24,8 +24,7 @@ def served(tmp_path_factory):
 def stack(served, redis_url):
     worker = start_worker(served, redis_url, "bench-worker")
     api, url = start_api(served, redis_url)
-    # the worker serves once its warm-up is done (~25 s on 2 cores); a request sent before would run
-    # against the API's 30 s limit for a model with no live worker
+    # the worker serves once its warm-up is done (~25 s on 2 cores): the benchmarks measure a warm one
     wait_until(lambda: httpx.get(url + "/ready").status_code == 200, 120)
     yield url
     stop(api)

@@ -41,11 +41,7 @@ def seed_worker(client: redis.Redis, name: str, **overrides) -> WorkerStats:
     )
     values.update(overrides)
     stats = WorkerStats(**values)
-    pipe = client.pipeline()
-    pipe.hset(contract.worker_key(name), mapping=stats.encode())
-    pipe.expire(contract.worker_key(name), contract.HEARTBEAT_TTL_S)
-    pipe.sadd(contract.WORKERS, name)
-    pipe.execute()
+    contract.write_heartbeat(client, stats)
     return stats
 
 
