@@ -5,7 +5,8 @@ for the CPU it runs on. The shared library is cached under `~/.cache/redjax/kern
 `REDJAX_KERNEL_DIR`), keyed by the source, the compiler and its flags, the jaxlib version and the
 CPU, and published with an atomic rename so workers starting together never load a half-written
 file. Without a compiler, or if the build fails, `register` returns False and the caller keeps
-its XLA path.
+its XLA path. The first `register` of a process builds every kernel the cache lacks, one compiler
+per core, since an engine on the CPU registers most of them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
 import jax
@@ -70,11 +73,25 @@ def build(source: Path) -> Path | None:
     return library
 
 
+@lru_cache(maxsize=1)
+def build_all() -> int:
+    """Build every kernel in `cpu_kernels/` at once, as many compilers as cores; -> how many are in
+    the cache now. On a fresh 2-core machine one after another they took ~60 s of an engine's start
+    (the attention kernel 23 s, the others 4-9 s each). Once per process; a failed build is logged
+    and left to `build`, which tries again for the caller that needs it."""
+    if compiler() is None:
+        return 0
+    sources = sorted(KERNELS.glob("*.cc"))
+    with ThreadPoolExecutor(max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        return sum(library is not None for library in pool.map(build, sources))
+
+
 def register(source_name: str, symbol: str, target: str, permit: str | None = None) -> bool:
     """Build `cpu_kernels/<source_name>` and register its handler `symbol` as the CPU FFI target
     `target`; False if it cannot be built. `permit`: a function of the library to call first, which
     returns 0 where the kernel may run (the AMX kernel asks the OS for the tile state). Callers
     cache the answer (one registration per process)."""
+    build_all()
     library = build(KERNELS / source_name)
     if library is None:
         return False
