@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -41,8 +42,6 @@ def cpu_signature() -> str:
         return "|".join(sorted({line.split(":", 1)[1].strip() for line in info
                                 if line.startswith(("model name", "flags"))}))
     except OSError:
-        import platform
-
         return platform.processor() or platform.machine()
 
 
@@ -78,8 +77,9 @@ def build_all() -> int:
     """Build every kernel in `cpu_kernels/` at once, as many compilers as cores; -> how many are in
     the cache now. On a fresh 2-core machine one after another they took ~60 s of an engine's start
     (the attention kernel 23 s, the others 4-9 s each). Once per process; a failed build is logged
-    and left to `build`, which tries again for the caller that needs it."""
-    if compiler() is None:
+    and left to `build`, which tries again for the caller that needs it. x86-64 only: elsewhere
+    the kernels with x86 intrinsics would fail, and each kernel is built when asked for."""
+    if compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
         return 0
     sources = sorted(KERNELS.glob("*.cc"))
     with ThreadPoolExecutor(max(1, min(len(sources), os.cpu_count() or 1))) as pool:
