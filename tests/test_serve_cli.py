@@ -93,7 +93,13 @@ def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_nothing_behind
         serve.kill()
         serve.wait()
         # both got SIGTERM when it died: the worker drained and left, Redis stopped
-        wait_until(lambda: not _alive(worker) and not _alive(redis), 60)
+        try:
+            wait_until(lambda: not _alive(worker) and not _alive(redis), 60)
+        except TimeoutError:
+            left = {name: pid for name, pid in (("worker", worker), ("redis-server", redis)) if _alive(pid)}
+            for pid in left.values():  # not into the tests after this one
+                os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"still running 60 s after redjax serve was killed: {left}")
 
 
 def _alive(pid: int) -> bool:

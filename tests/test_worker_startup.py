@@ -95,3 +95,31 @@ def test_a_loading_worker_heartbeats_as_starting_and_leaves_at_once_when_the_loa
         wait_until(lambda: client.exists(key), 10)
         raise OSError("no such model")
     assert not client.exists(key)  # a failed load is out of the fleet at once, not after the TTL
+
+
+def test_the_signal_handler_takes_no_lock_the_main_thread_may_hold(model_dir, redis_url):  # noqa: F811
+    """Python runs a signal handler on the main thread between two of its steps, perhaps while it
+    holds RedisIO's lock (every loop turn sets the capacity and stats under it) or an Event's; a
+    handler that took one of those would wait for itself forever, and the worker would never stop.
+    Here the locks are held by another thread: a handler that needs them blocks."""
+    engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=64)
+    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-signal", engine=engine_config)
+    worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), redis.Redis.from_url(redis_url))
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_locks() -> None:
+        with worker.io._lock, worker.io.wakeup._cond, worker.io._room._cond:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_the_locks, daemon=True)
+    holder.start()
+    held.wait(10)
+    handler = threading.Thread(target=worker._on_signal, args=(signal.SIGTERM, None), daemon=True)
+    handler.start()
+    handler.join(10)
+    returned = not handler.is_alive()
+    release.set()
+    holder.join(10)
+    assert returned, "the signal handler blocked on a lock"
+    assert worker.state.value == "draining" and worker._done()  # nothing active: the loop ends at its next turn

@@ -56,6 +56,7 @@ class Worker:
         self.started_at = time.time()
         self.finished_count = 0
         self._drain_deadline: float | None = None
+        self._signal: int | None = None  # a signal the loop has not acted on yet
         self._window: collections.deque[_Counters] = collections.deque()
         self._stats_mark = self._counters(time.monotonic())  # where the last stats log line left off
 
@@ -90,18 +91,21 @@ class Worker:
                     self.io.wakeup.clear()
                 self._report()
         finally:
+            self._heed_signal()  # a signal that ended the loop before a turn of it saw the signal
             self._hand_back_rest()
             self.io.stop()
         log.info("worker %s stopped", self.config.name)
         return 0
 
     def _on_signal(self, signum, frame) -> None:
+        # plain assignments only: Python runs the handler on the main thread between two of its
+        # steps, perhaps inside RedisIO's lock or an Event's, and taking one of those here would
+        # never return (a worker left running after its `redjax serve` was killed); the loop does
+        # the rest within one turn (`_drain`)
         if self._drain_deadline is None:
-            log.info("worker %s draining (signal %d)", self.config.name, signum)
+            self._signal = signum
             self.state = WorkerState.DRAINING
             self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
-            self.io.set_capacity(0)
-            self.io.wakeup.set()
 
     def _done(self) -> bool:
         if self._drain_deadline is None:
@@ -120,7 +124,7 @@ class Worker:
         if self._drain_deadline is None:
             self.io.set_capacity(self._capacity())
         else:
-            self._return_backlog()
+            self._drain()
 
     def _capacity(self) -> int:
         """Requests to pull now: free sequence slots plus `backlog` more waiting in the engine (so
@@ -228,6 +232,18 @@ class Worker:
     def _next_seq(self, active: Active) -> int:
         active.next_seq += 1
         return active.next_seq - 1
+
+    def _drain(self) -> None:
+        """Draining: nothing more is pulled, and what waits unstarted goes back."""
+        self._heed_signal()
+        self._return_backlog()
+
+    def _heed_signal(self) -> None:
+        """What the signal handler leaves to the loop, once: the log line, and no more pulls."""
+        if self._signal is not None:
+            log.info("worker %s draining (signal %d)", self.config.name, self._signal)
+            self._signal = None
+            self.io.set_capacity(0)
 
     def _return_backlog(self) -> None:
         """Draining: requests held but not started (and any a last pull brought in) go back on the
