@@ -99,9 +99,9 @@ def test_a_loading_worker_heartbeats_as_starting_and_leaves_at_once_when_the_loa
 
 def test_the_signal_handler_takes_no_lock_the_main_thread_may_hold(model_dir, redis_url):  # noqa: F811
     """Python runs a signal handler on the main thread between two of its steps, perhaps while it
-    holds RedisIO's lock (every loop turn sets the capacity and stats under it) or an Event's; a
-    handler that took one of those would wait for itself forever, and the worker would never stop.
-    Here the locks are held by another thread: a handler that needs them blocks."""
+    holds an Event's lock (every loop turn sets or clears the capacity's `_room` and `wakeup`) or
+    RedisIO's; a handler that took one of those would wait for itself forever, and the worker would
+    never stop. Here the locks are held by another thread: a handler that needs one blocks."""
     engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=64)
     config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-signal", engine=engine_config)
     worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), redis.Redis.from_url(redis_url))

@@ -71,7 +71,7 @@ class RedisIO:
         self._capacity = 0
         self._room = threading.Event()  # set while capacity > 0
         self._stats: WorkerStats | None = None
-        self._lock = threading.RLock()  # re-entrant: the SIGTERM handler sets the capacity on the engine thread
+        self._lock = threading.Lock()  # the capacity and the stats, between the engine loop and redis-in
         self._stop = threading.Event()
         # request id -> (entry id, its API's notify stream), for requests this worker holds
         self._pulled: dict[str, tuple[str, str]] = {}

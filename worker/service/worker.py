@@ -99,9 +99,9 @@ class Worker:
 
     def _on_signal(self, signum, frame) -> None:
         # plain assignments only: Python runs the handler on the main thread between two of its
-        # steps, perhaps inside RedisIO's lock or an Event's, and taking one of those here would
-        # never return (a worker left running after its `redjax serve` was killed); the loop does
-        # the rest within one turn (`_drain`)
+        # steps, perhaps inside an Event's lock (each loop turn sets or clears the capacity's
+        # `_room` and `wakeup`), and taking that lock here would never return: a worker was left
+        # running after its `redjax serve` was killed. The loop does the rest within a turn (`_drain`)
         if self._drain_deadline is None:
             self._signal = signum
             self.state = WorkerState.DRAINING
