@@ -104,7 +104,11 @@ def test_the_signal_handler_takes_no_lock_the_main_thread_may_hold(model_dir, re
     never stop. Here the locks are held by another thread: a handler that needs one blocks."""
     engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=64)
     config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-signal", engine=engine_config)
-    worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), redis.Redis.from_url(redis_url))
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
+    contract.ensure_group(client)
+    worker.io.set_capacity(4)  # a serving worker with room
     held, release = threading.Event(), threading.Event()
 
     def hold_the_locks() -> None:
@@ -123,3 +127,6 @@ def test_the_signal_handler_takes_no_lock_the_main_thread_may_hold(model_dir, re
     holder.join(10)
     assert returned, "the signal handler blocked on a lock"
     assert worker.state.value == "draining" and worker._done()  # nothing active: the loop ends at its next turn
+    client.xadd(contract.REQUESTS, _message(0).encode())
+    worker.io._pull()  # what redis-in does next: from the signal on, it pulls nothing, room or not
+    assert worker.io.inbox.empty() and client.xpending(contract.REQUESTS, contract.WORKERS_GROUP)["pending"] == 0

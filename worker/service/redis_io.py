@@ -73,6 +73,7 @@ class RedisIO:
         self._stats: WorkerStats | None = None
         self._lock = threading.Lock()  # the capacity and the stats, between the engine loop and redis-in
         self._stop = threading.Event()
+        self._draining = False  # set by a signal handler: pull and claim nothing more
         # request id -> (entry id, its API's notify stream), for requests this worker holds
         self._pulled: dict[str, tuple[str, str]] = {}
         self._pubsub = None
@@ -100,6 +101,11 @@ class RedisIO:
                 self._room.set()
             else:
                 self._room.clear()
+
+    def stop_pulling(self) -> None:
+        """Pull and claim nothing more, from now on. Safe in a signal handler: one assignment, no
+        lock (redis-in reads it before each pull)."""
+        self._draining = True
 
     def set_stats(self, stats: WorkerStats) -> None:
         with self._lock:
@@ -191,6 +197,9 @@ class RedisIO:
     def _pull(self) -> None:
         """Requests up to the capacity: blocks in XREADGROUP for new ones while there is room, on
         the room itself while there is none."""
+        if self._draining:
+            self._stop.wait(PULL_BLOCK_S)
+            return
         with self._lock:
             capacity = self._capacity
         if capacity <= 0:
@@ -250,7 +259,7 @@ class RedisIO:
         """Claim requests pending on consumers whose heartbeat has expired."""
         with self._lock:
             capacity = self._capacity
-        if capacity <= 0:
+        if capacity <= 0 or self._draining:
             return
         pending = self.client.xpending_range(contract.REQUESTS, contract.WORKERS_GROUP, "-", "+", count=100)
         alive: dict[str, bool] = {}

@@ -98,7 +98,7 @@ class Worker:
         return 0
 
     def _on_signal(self, signum, frame) -> None:
-        # plain assignments only: Python runs the handler on the main thread between two of its
+        # assignments only: Python runs the handler on the main thread between two of its
         # steps, perhaps inside an Event's lock (each loop turn sets or clears the capacity's
         # `_room` and `wakeup`), and taking that lock here would never return: a worker was left
         # running after its `redjax serve` was killed. The loop does the rest within a turn (`_drain`)
@@ -106,6 +106,7 @@ class Worker:
             self._signal = signum
             self.state = WorkerState.DRAINING
             self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            self.io.stop_pulling()
 
     def _done(self) -> bool:
         if self._drain_deadline is None:
