@@ -91,7 +91,7 @@ class Worker:
                     self.io.wakeup.clear()
                 self._report()
         finally:
-            self._heed_signal()  # a signal that ended the loop before a turn of it saw the signal
+            self._log_signal()  # a signal that ended the loop before a turn of it saw the signal
             self._hand_back_rest()
             self.io.stop()
         log.info("worker %s stopped", self.config.name)
@@ -101,7 +101,7 @@ class Worker:
         # assignments only: Python runs the handler on the main thread between two of its
         # steps, perhaps inside an Event's lock (each loop turn sets or clears the capacity's
         # `_room` and `wakeup`), and taking that lock here would never return: a worker was left
-        # running after its `redjax serve` was killed. The loop does the rest within a turn (`_drain`)
+        # running after its `redjax serve` was killed. The loop logs it within a turn (`_drain`)
         if self._drain_deadline is None:
             self._signal = signum
             self.state = WorkerState.DRAINING
@@ -235,16 +235,15 @@ class Worker:
         return active.next_seq - 1
 
     def _drain(self) -> None:
-        """Draining: nothing more is pulled, and what waits unstarted goes back."""
-        self._heed_signal()
+        """Draining (the handler has stopped the pulls): what waits unstarted goes back."""
+        self._log_signal()
         self._return_backlog()
 
-    def _heed_signal(self) -> None:
-        """What the signal handler leaves to the loop, once: the log line, and no more pulls."""
+    def _log_signal(self) -> None:
+        """The line the signal handler leaves to the loop (logging takes locks), once."""
         if self._signal is not None:
             log.info("worker %s draining (signal %d)", self.config.name, self._signal)
             self._signal = None
-            self.io.set_capacity(0)
 
     def _return_backlog(self) -> None:
         """Draining: requests held but not started (and any a last pull brought in) go back on the
