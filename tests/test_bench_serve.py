@@ -43,9 +43,11 @@ def test_serve_concurrency(stack, tmp_path):
 
 
 def test_serve_sweep_plot(stack, tmp_path):
+    """Each run of a sweep sends prompts of its own (a seed no other test uses), so the second run
+    finds none of the first's pages (of 8 tokens) in the worker's prefix cache."""
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--sweep", "2,inf", "--input-len", "6",
-                           "--output-len", "8", "--json-out", str(out), "--plot", str(png),
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--sweep", "2,inf", "--input-len", "20",
+                           "--output-len", "8", "--seed", "23", "--json-out", str(out), "--plot", str(png),
                            "--percentiles", "99.9,50,99,90")
     assert code == 0, text
     reports = json.loads(out.read_text())
@@ -54,6 +56,7 @@ def test_serve_sweep_plot(stack, tmp_path):
         check_serve_report(r, 4)
         assert list(r["e2e"]) == ["mean_ms", "p50_ms", "p90_ms", "p99_ms", "p99.9_ms"]
         assert r["e2e"]["p99_ms"] <= r["e2e"]["p99.9_ms"]
+        assert r["prompt_tokens"] >= 4 * 16 and r["cached_prompt_tokens"] == 0
     assert "p99.9" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -153,6 +156,12 @@ def test_serve_per_prompt_output_lengths_from_a_jsonl_file_and_random_ranges(sta
     assert {p.output_len for p in drawn} != {8} and all(4 <= p.output_len <= 12 for p in drawn)
     assert all(5 <= len(p.text.split()) <= 15 for p in drawn)
     assert [p.text for p in random_workload(3, 7, 8, seed=2)] == random_prompts(3, 7, seed=2)  # ratio 0: fixed
+    # a sweep's later runs: other words, the same lengths, the same shared prefix
+    first, later = random_workload(6, 10, 8, 0.5, seed=4, prefix_len=5), random_workload(6, 10, 8, 0.5, 4, 5, draw=1)
+    assert [p.output_len for p in later] == [p.output_len for p in first] == [p.output_len for p in drawn]
+    assert [len(p.text.split()) for p in later] == [len(p.text.split()) for p in first]
+    assert {p.text.split()[:5] == first[0].text.split()[:5] for p in first + later} == {True}
+    assert all(a.text != b.text for a, b in zip(first, later))
     code, text = run_bench("serve", "--url", stack, "--num-prompts", "6", "--input-len", "10", "--output-len", "8",
                            "--range-ratio", "0.5", "--seed", "4", "--json-out", str(out))
     assert code == 0, text

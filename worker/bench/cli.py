@@ -285,8 +285,14 @@ def serve(argv: list[str]) -> int:
         print(f"redjax bench serve: cannot read the served model from {args.url}/v1/models ({exc}); "
               "is the server up, and is its key in --api-key or $OPENAI_API_KEY?", file=sys.stderr)
         return 1
+    if sweep and args.prompts_file:
+        print("redjax bench serve: every run of the sweep sends the file's prompts again, so a prefix cache on the "
+              "server may serve later runs from earlier ones (each run's 'prefix cache' line says how much)",
+              file=sys.stderr)
     reports = []
-    for rate, concurrency in runs:
+    for index, (rate, concurrency) in enumerate(runs):
+        if index and not args.prompts_file:  # fresh words, the same lengths: nothing cached by an earlier run
+            prompts = _serve_prompts(parser, args, draw=index)
         load = Load(args.num_prompts, rate, concurrency, args.output_len, args.seed, args.burstiness,
                     args.endpoint, args.ignore_eos)
         reports.append(bench_serve(args.url, model, prompts, load, args.api_key, slo, percentiles))
@@ -311,8 +317,9 @@ def _percentiles(parser: argparse.ArgumentParser, text: str) -> tuple[float, ...
     return percentiles
 
 
-def _serve_prompts(parser: argparse.ArgumentParser, args) -> list:
-    """The run's prompts: random words, or --prompts-file (ShareGPT lengths through --tokenizer)."""
+def _serve_prompts(parser: argparse.ArgumentParser, args, draw: int = 0) -> list:
+    """The run's prompts: random words (`draw`: which of a sweep's runs), or --prompts-file (ShareGPT
+    lengths through --tokenizer)."""
     from worker.bench.prompts import random_workload
 
     if args.tokenizer and not args.prompts_file:
@@ -324,7 +331,7 @@ def _serve_prompts(parser: argparse.ArgumentParser, args) -> list:
     if args.prompts_file:
         return _read_prompts_file(parser, args, tokenizer)
     return random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio, args.seed,
-                           args.prefix_len)
+                           args.prefix_len, draw)
 
 
 def _check_prompt_source(parser: argparse.ArgumentParser, args) -> None:

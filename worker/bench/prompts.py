@@ -27,10 +27,13 @@ def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
 
 
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0, prefix_len: int = 0) -> list[Prompt]:
+                    seed: int = 0, prefix_len: int = 0, draw: int = 0) -> list[Prompt]:
     """Random prompts of `draw_lengths` words in and tokens out, each after the same `prefix_len`
-    random words (a shared system prompt, for the prefix cache; vLLM's `--random-prefix-len`)."""
-    prefix_rng, words_rng = random.Random(f"prefix-{seed}"), random.Random(seed)
+    random words (a shared system prompt, for the prefix cache; vLLM's `--random-prefix-len`).
+    A `draw` above 0 gives other words at the same lengths after the same prefix: each run of a
+    sweep sends its own prompts, so no run finds an earlier run's in the server's prefix cache."""
+    prefix_rng = random.Random(f"prefix-{seed}")
+    words_rng = random.Random(seed if draw == 0 else f"words-{seed}-{draw}")
     prefix = "".join(prefix_rng.choice(WORDS) + " " for _ in range(prefix_len))
     return [Prompt(prefix + " ".join(words_rng.choice(WORDS) for _ in range(k)), m)
             for k, m in draw_lengths(n, input_len, output_len, range_ratio, seed)]
