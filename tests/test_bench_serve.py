@@ -202,6 +202,28 @@ def test_serve_without_ignore_eos_sends_only_standard_fields(stack, tmp_path):
     assert report["completed"] == 3 and 3 <= report["output_tokens"] <= 3 * 8 and report["ignore_eos"] is False
 
 
+def test_serve_sends_the_sampling_flags_with_every_request(stack, tmp_path):
+    """--temperature, --top-p, --top-k and --min-p go into every request body (greedy and nothing
+    else by default); the server runs the sampled requests, and the report records them."""
+    from worker.bench.prompts import Prompt
+    from worker.bench.serve import Load
+
+    assert Load(1).sampling() == {"temperature": 0.0}
+    sampled = Load(1, temperature=0.9, top_p=0.8, top_k=5, min_p=0.05)
+    body = sampled.body("m", Prompt("hi", 3))
+    assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p")} == sampled.sampling() == {
+        "temperature": 0.9, "top_p": 0.8, "top_k": 5, "min_p": 0.05}
+    assert "top_k" not in Load(1, top_p=0.5).body("m", Prompt("hi", 3))
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--input-len", "6", "--output-len", "8",
+                           "--temperature", "0.9", "--top-p", "0.8", "--top-k", "5", "--min-p", "0.05",
+                           "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    check_serve_report(report, 4)
+    assert report["sampling"] == {"temperature": 0.9, "top_p": 0.8, "top_k": 5, "min_p": 0.05}
+
+
 def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
     from worker.bench.prompts import Prompt, file_prompts
 
@@ -258,6 +280,10 @@ def test_sharegpt_replies_set_output_lengths_through_a_tokenizer(served, stack, 
     (["--prompts-file", "BAD_JSONL", "--input-len", "9"], "--range-ratio and --prefix-len shape random prompts"),
     (["--prompts-file", "BAD_JSONL", "--prefix-len", "9"], "--range-ratio and --prefix-len shape random prompts"),
     (["--prefix-len", "-1"], "--prefix-len must be >= 0"),
+    (["--temperature", "-0.5"], "sampling: --temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p in (0, 1]"),
+    (["--top-k", "0"], "--top-k >= 1"),
+    (["--min-p", "1.5"], "--min-p in [0, 1]"),
     (["--input-len", "0"], "must be >= 1"),
     (["--prompts-file", "BAD_JSONL", "--tokenizer", "/no/such/dir"], "--tokenizer: "),
     (["--percentiles", "50,100"], "--percentiles takes comma-separated numbers in (0, 100)"),

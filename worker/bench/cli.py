@@ -243,6 +243,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests end at EOS (without it every request sends the ignore_eos extension and "
                         "runs to max_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, help="every request's top_p (default: not sent)")
+    p.add_argument("--top-k", type=int, help="every request's top_k, an extension vLLM and redjax honour (default: "
+                   "not sent)")
+    p.add_argument("--min-p", type=float, help="every request's min_p, the same kind of extension (default: not sent)")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2e)")
     p.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report, comma-separated "
@@ -273,6 +278,9 @@ def serve(argv: list[str]) -> int:
         parser.error("--burstiness must be > 0")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
+    if not (args.temperature >= 0 and (args.top_p is None or 0 < args.top_p <= 1)
+            and (args.top_k is None or args.top_k >= 1) and (args.min_p is None or 0 <= args.min_p <= 1)):
+        parser.error("sampling: --temperature must be >= 0, --top-p in (0, 1], --top-k >= 1, --min-p in [0, 1]")
     percentiles = _percentiles(parser, args.percentiles)
     prompts = _serve_prompts(parser, args)
     runs = _serve_runs(parser, args)
@@ -294,7 +302,7 @@ def serve(argv: list[str]) -> int:
         if index and not args.prompts_file:  # fresh words, the same lengths: nothing cached by an earlier run
             prompts = _serve_prompts(parser, args, draw=index)
         load = Load(args.num_prompts, rate, concurrency, args.output_len, args.seed, args.burstiness,
-                    args.endpoint, args.ignore_eos)
+                    args.endpoint, args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p)
         reports.append(bench_serve(args.url, model, prompts, load, args.api_key, slo, percentiles))
         print(_summary(reports[-1]))
     if args.json_out:

@@ -49,6 +49,15 @@ class Load:
     burstiness: float = 1.0  # shape of the gamma-distributed gaps: 1 Poisson, < 1 burstier, > 1 steadier
     endpoint: str = "completions"  # or "chat": /v1/chat/completions with the prompt as one user message
     ignore_eos: bool = True  # False: requests may end before max_tokens (and servers without the extension work)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float | None = None  # None: not sent (the server's default)
+    top_k: int | None = None  # an extension (vLLM's, redjax's); None: not sent
+    min_p: float | None = None  # the same
+
+    def sampling(self) -> dict:
+        """The sampling fields every request sends."""
+        extra = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        return {"temperature": self.temperature, **{k: v for k, v in extra.items() if v is not None}}
 
     def gap(self, rng: random.Random) -> float:
         """Seconds until the next arrival: gamma with mean 1 / request_rate (0 at an infinite rate)."""
@@ -57,7 +66,7 @@ class Load:
         return rng.gammavariate(self.burstiness, 1.0 / (self.request_rate * self.burstiness))
 
     def body(self, model: str, prompt: Prompt) -> dict:
-        body = {"model": model, "max_tokens": prompt.output_len or self.output_len, "temperature": 0.0,
+        body = {"model": model, "max_tokens": prompt.output_len or self.output_len, **self.sampling(),
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True
@@ -188,7 +197,7 @@ def bench_serve(base_url: str, model: str | None, prompts: list[Prompt], load: L
     bar.close()
     rate = None if load.request_rate == float("inf") else load.request_rate
     return {"model": model, "endpoint": load.endpoint, "request_rate": rate, "burstiness": load.burstiness,
-            "concurrency": load.concurrency, "ignore_eos": load.ignore_eos,
+            "concurrency": load.concurrency, "ignore_eos": load.ignore_eos, "sampling": load.sampling(),
             **summarize(results, seconds, slo or {}, percentiles or PERCENTILES)}
 
 
