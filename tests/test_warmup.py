@@ -3,6 +3,7 @@ for afterwards stops the worker to compile (every stream on it would stall for t
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,25 @@ def test_warmup_compiles_the_decode_variants_a_server_meets_first(model, tokeniz
         drain(engine)
     assert {k for k in engine.runner.compiled if k[0].num_prefill == 0} == decode_variants
     assert jit_traces(engine) == traced  # and jit itself traced nothing again (same argument placements)
+
+
+def test_single_decode_steps_after_warmup_do_not_stop_to_compile(model, tokenizer):
+    """A pure-decode batch runs one step, not a fused window, when its rows have one token left (the
+    tail of requests admitted together) or when requests wait. Warm-up's own requests never end
+    that way, so single-step variants were missing: greedy had one only where calibration timed it,
+    and a sampled batch stopped the worker to compile (demo model, the tail of a burst of sampled
+    requests: 1.5 s; an 8B model on a GPU: 25-60 s of every stream)."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    stopped_to_compile = set(engine.runner.compiled)
+    for j, params in enumerate([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+                                SamplingParams(temperature=0.8, top_p=0.9, seed=2)]):
+        params = dataclasses.replace(params, max_tokens=5, ignore_eos=True)  # a window of 4 steps, then one
+        for i in range(3):
+            engine.add_request(f"r{j}-{i}", [3 + i], params)
+        results = drain(engine)
+        assert [len(results[(f"r{j}-{i}", 0)].token_ids) for i in range(3)] == [5] * 3
+    assert set(engine.runner.compiled) == stopped_to_compile
 
 
 def test_new_mixes_after_warmup_run_in_an_envelope_without_stopping_to_compile(model, tokenizer, prompts, greedy_refs):

@@ -392,12 +392,12 @@ class LLMEngine:
         sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
-        # without one page-table width for every step (jnp, Pallas), a decode variant follows its
-        # longest context's page bucket and the one-token requests below meet only the smallest:
-        # full-batch decode variants at the widest table let longer contexts borrow at once (their
-        # own shape then compiles in the background) instead of stopping the worker to compile
-        long = [StepShape(sizes[-1], 0, 0, self.widest_pages, k, False, self.config.page_size, runner.max_rows)
-                for k in sorted({1, self.decode_steps})] if runner.fixed_pages is None else []
+        # full-batch decode variants at the widest table for batches the requests below never make (each
+        # then borrows one at once; its own shape compiles in the background): single steps, and without
+        # one table width for every step (jnp, Pallas) longer contexts (a variant follows their pages)
+        widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
+        steps = sorted({1, self.decode_steps}) if runner.fixed_pages is None else [1]
+        long = [StepShape(sizes[-1], 0, 0, widest, k, False, self.config.page_size, runner.max_rows) for k in steps]
 
         def drive():
             for k, params in enumerate(sampling):
