@@ -111,9 +111,9 @@ def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
 def test_serve_chat_endpoint_with_poisson_arrivals_under_a_concurrency_cap(stack, tmp_path):
     """--endpoint chat sends each prompt as one user message to /v1/chat/completions and times the
     deltas' content; a rate and a concurrency together: arrivals wait for a free slot, so no more
-    than the cap are ever in flight."""
+    than the cap are ever in flight. The URL may be an OpenAI client's base URL (ending in /v1)."""
     out = tmp_path / "report.json"
-    code, text = run_bench("serve", "--url", stack, "--endpoint", "chat", "--num-prompts", "6", "--request-rate", "200",
+    code, text = run_bench("serve", "--url", stack + "/v1/", "--endpoint", "chat", "--num-prompts", "6", "--request-rate", "200",
                            "--burstiness", "0.5", "--concurrency", "2", "--input-len", "5", "--output-len", "8",
                            "--json-out", str(out))
     assert code == 0, text

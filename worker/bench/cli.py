@@ -215,7 +215,8 @@ def _lengths(r: dict) -> str:
 
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="redjax bench serve", description="load test an OpenAI-compatible endpoint")
-    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000 (or the OpenAI clients' "
+                   "base URL, ending in /v1)")
     p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
                    help="Bearer key (default: $OPENAI_API_KEY; an environment variable keeps it out of the "
@@ -261,6 +262,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve(argv: list[str]) -> int:
     parser = serve_parser()
     args = parser.parse_args(argv)
+    args.url = args.url.rstrip("/").removesuffix("/v1")  # the paths below start with /v1
     import httpx
 
     from worker.bench.serve import Load, bench_serve, served_model
