@@ -100,12 +100,17 @@ def test_serve_sends_the_key_from_the_environment(served, stack, redis_url, tmp_
 def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
     """A model the server does not serve: every request fails with the server's HTTP error, and
     the report says so instead of inventing latencies."""
-    out = tmp_path / "report.json"
+    out, png = tmp_path / "report.json", tmp_path / "sweep.png"
     code, text = run_bench("serve", "--url", stack, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
-                           "--output-len", "4", "--json-out", str(out))
-    report = json.loads(out.read_text())
-    assert report["completed"] == 0 and report["failed"] == 3
-    assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
+                           "--output-len", "4", "--sweep", "50,inf", "--json-out", str(out), "--plot", str(png))
+    assert code == 1
+    for report in json.loads(out.read_text()):
+        assert report["completed"] == 0 and report["failed"] == 3
+        assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
+        for key in ("ttft", "tpot", "itl", "e2e"):  # nothing measured: no value, not a latency of 0 ms
+            assert report[key] == {"mean_ms": None, "p50_ms": None, "p90_ms": None, "p99_ms": None}
+    assert "ttft  ms: mean n/a  p50 n/a  p90 n/a  p99 n/a" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot leaves the runs without latencies out
 
 
 def test_serve_chat_endpoint_with_poisson_arrivals_under_a_concurrency_cap(stack, tmp_path):

@@ -462,7 +462,7 @@ def _summary(r: dict) -> str:
              f"goodput {r['goodput']:.2f} req/s"]
     for key in ("ttft", "tpot", "itl", "e2e"):
         d = r[key]
-        stats = "  ".join(f"{k.removesuffix('_ms')} {v:.1f}" for k, v in d.items())
+        stats = "  ".join(f"{k.removesuffix('_ms')} " + ("n/a" if v is None else f"{v:.1f}") for k, v in d.items())
         lines.append(f"  {key:5s} ms: {stats}")
     if r["cached_prompt_tokens"] is not None:
         share = r["cached_prompt_tokens"] / max(1, r["prompt_tokens"])

@@ -24,10 +24,12 @@ def plot_sweep(reports: list[dict], path: str) -> None:
     for ax, metric, title in zip(axes, ("ttft", "tpot", "e2e"), ("time to first token", "time per output token",
                                                                   "end-to-end latency")):
         stats = [k for k in reports[0][metric] if k != "mean_ms"]  # the run's percentiles, lowest first
-        for stat, style in zip(stats, itertools.cycle(("o-", "s--", "^:", "d-."))):
-            ax.plot(x, [r[metric][stat] for r in reports], style, label=stat.replace("_ms", ""))
+        for stat, style in zip(stats, itertools.cycle(("o-", "s--", "^:", "d-."))):  # None (nothing measured): a gap
+            ys = [float("nan") if r[metric][stat] is None else r[metric][stat] for r in reports]
+            ax.plot(x, ys, style, label=stat.replace("_ms", ""))
         for r, xi in zip(reports, x):
-            ax.annotate(label(r), (xi, r[metric][stats[0]]), fontsize=7, textcoords="offset points", xytext=(3, 3))
+            if r[metric][stats[0]] is not None:
+                ax.annotate(label(r), (xi, r[metric][stats[0]]), fontsize=7, textcoords="offset points", xytext=(3, 3))
         ax.set(title=title, xlabel=f"achieved requests/s (labels: {what})", ylabel="ms")
         ax.grid(alpha=0.3)
         ax.legend()

@@ -12,10 +12,11 @@ def percentile_key(q: float) -> str:
     return f"p{q:g}_ms"
 
 
-def distribution(values_s: list[float], percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, float]:
-    """Mean and percentiles, in milliseconds (empty input: zeros)."""
+def distribution(values_s: list[float], percentiles: tuple[float, ...] = PERCENTILES) -> dict[str, float | None]:
+    """Mean and percentiles, in milliseconds; with no values, None each (no request measured it: every
+    request failed, or none had two output tokens for a TPOT), not a latency of zero."""
     if not values_s:
-        return {"mean_ms": 0.0, **{percentile_key(q): 0.0 for q in percentiles}}
+        return {"mean_ms": None, **{percentile_key(q): None for q in percentiles}}
     ms = np.asarray(values_s) * 1e3
     return {"mean_ms": float(ms.mean()), **{percentile_key(q): float(np.percentile(ms, q)) for q in percentiles}}
 
