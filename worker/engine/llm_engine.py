@@ -374,8 +374,8 @@ class LLMEngine:
 
     def warmup(self, sampling: tuple[SamplingParams, ...] | None = None) -> int:
         """Compile the step variants a server meets first, for each of `sampling`: every
-        pure-decode batch-size bucket (fused and single steps), by running throwaway one-token
-        requests, and, when attention cost follows each row's own context (the CPU kernel: an
+        pure-decode batch-size bucket's fused window, by running throwaway one-token requests
+        (a full batch's single step besides), and, when attention cost follows each row's own context (the CPU kernel: an
         envelope's widest page table is free), the mixed decode + prefill envelopes
         (`batch.envelopes`) that batches of new mixes borrow until their own shape is compiled in
         the background. The default: greedy, sampled, and sampled with top-p and logprobs, which
