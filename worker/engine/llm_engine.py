@@ -377,11 +377,12 @@ class LLMEngine:
         batch-size bucket's fused window, by running throwaway one-token requests (and a full batch's
         single step), and, when attention cost follows each row's own context (the CPU kernel: an
         envelope's widest page table is free), the mixed decode + prefill envelopes (`batch.envelopes`)
-        that batches of new mixes borrow until their own shape is compiled in the background. The default: greedy, sampled, and sampled with top-p and logprobs, which
-        any batch without penalties or logit bias can run in (`runner.serves`), so no sampling
-        field makes the worker stop to compile. The variants are planned first and compiled
-        together (`compile_ahead`); the requests then run on them. Returns how many variants were
-        compiled; counters are restored afterwards."""
+        that batches of new mixes borrow until their own shape is compiled in the background. The
+        default: greedy, sampled, and sampled with top-p and logprobs, which any batch without
+        penalties or logit bias can run in (`runner.serves`), so no sampling field makes the worker
+        stop to compile. The variants are planned first and compiled together (`compile_ahead`); the
+        requests then run on them. Returns how many variants were compiled; counters are restored
+        afterwards."""
         if sampling is None:
             sampling = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
                         SamplingParams(temperature=1.0, top_p=0.5, logprobs=self.config.max_logprobs))
