@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,44 @@ def test_other_sampling_fields_join_running_requests_without_stopping_to_compile
     got, want = results[("s2", 0)].logprobs, expected[("s2", 0)].logprobs
     assert [len(e["top"]) for e in got] == [2] * GEN
     assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-5)
+
+
+def test_requests_with_penalties_or_logit_bias_wait_for_their_variant_while_the_others_run(model, tokenizer, prompts,
+                                                                                         greedy_refs):
+    """Penalties and logit bias need a variant with their flags and array widths, which warm-up
+    cannot foresee. Such a request used to stop the worker to compile (demo model, one 128-token
+    request with presence_penalty among 32 greedy ones: four stalls of every stream, 0.5-0.8 s each).
+    Now it waits while its variant compiles in the background and the running requests go on; every
+    request's tokens are those of an engine that ran it alone."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    engine.runner.prompts_wait = True  # as a serving worker runs it
+    stopped_to_compile = set(engine.runner.compiled)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    special = [SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=GEN,
+                              ignore_eos=True),
+               SamplingParams(temperature=0.0, logit_bias=((5, 4.0), (9, -2.0)), max_tokens=GEN, ignore_eos=True)]
+
+    def arrive(k):
+        while engine.runner.compiling:  # each background compile done before the next step: no race with it
+            time.sleep(0.01)
+        if k == 0:  # four greedy requests, and two that outlast the special ones (nobody is ever alone)
+            for i in range(6):
+                engine.add_request(f"g{i}", prompts[i] if i < 4 else prompts[i + 2],
+                                   greedy if i < 4 else dataclasses.replace(greedy, max_tokens=4 * GEN))
+        elif k in (2, 5):
+            j = 0 if k == 2 else 1
+            engine.add_request(f"s{j}", prompts[4 + j], special[j])
+
+    results = drain(engine, arrive)
+    got = [results[(f"g{i}", 0)].token_ids[:GEN] for i in range(6)]
+    assert got == greedy_refs[:4] + greedy_refs[6:]  # the long ones' first GEN tokens
+    assert set(engine.runner.compiled) == stopped_to_compile  # nothing compiled in the foreground
+    assert any(f.penalties for _, f in engine.runner.ready) and any(f.bias for _, f in engine.runner.ready)
+    for j, params in enumerate(special):
+        alone = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+        alone.add_request(f"s{j}", prompts[4 + j], params)
+        assert results[(f"s{j}", 0)].token_ids == drain(alone)[(f"s{j}", 0)].token_ids, params
 
 
 def test_a_variant_serves_batches_that_need_less_of_the_sampler():

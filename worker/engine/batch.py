@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -15,6 +15,7 @@ MIN_PREFILL_LEN = 8
 MIN_DECODE_ROWS = 8  # fewer compiled variants; padding decode rows costs next to nothing
 MIN_PAGES = 4
 LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
+OUTPUT_IDS_MIN = 64  # the narrowest output-id width of a batch with penalties (sampler_widths)
 # Reading one context token's K/V for a prefill row, relative to the matmuls of one query token:
 # (2 * layers * kv_heads * head_dim * bytes) / bandwidth over (2 * params) / FLOP/s is below 1/100
 # for the models measured here (CPU and GPU); 1/64 keeps a margin against tiny rows.
@@ -187,9 +188,8 @@ def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_
 
 def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
     """A DeviceBatch of `shape` holding no sequence: the argument for compiling a variant ahead of
-    time (its arrays have the dtypes and shapes build_batch gives a real batch of this shape)."""
-    if flags.penalties or flags.bias:
-        raise ValueError("penalty and logit-bias widths depend on the batch; compile those variants from one")
+    time (its arrays have the dtypes and shapes build_batch gives a real batch of this shape and
+    these flags, penalty and logit-bias widths included)."""
     t, r = shape.num_tokens, shape.num_rows
     i32 = lambda *dims: np.zeros(dims, np.int32)  # noqa: E731
     return DeviceBatch(i32(t), np.full(t, -1, np.int32), i32(t), i32(t), i32(r, shape.pages), i32(r), i32(r),
@@ -209,8 +209,9 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     `fixed_pages` (attention that reads only each row's own context), every batch uses that
     page-table width: variants no longer multiply with context lengths. `packed` (ragged
     attention): prefill chunks are packed back to back, one row each (`StepShape.packed`).
-    `choose(exact_shape, flags, decode_rows, prefill_lengths, pages)` may return another (shape,
-    flags) variant the batch fits in (an already compiled one) to run instead.
+    `choose(exact_shape, flags, decode_rows, prefill_lengths, pages, plain)` may return another
+    (shape, flags) variant the batch fits in (an already compiled one) to run instead; `plain`:
+    chunks whose requests have neither penalties nor logit bias.
     """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
@@ -228,9 +229,10 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp)
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
-    flags = sampler_flags([c.seq.params for c in batch.chunks], max_logprobs)
+    flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs))
     if choose is not None:
-        shape, flags = choose(shape, flags, len(decode), lengths, pages)
+        plain = sum(not (has_penalties(c.seq.params) or c.seq.params.logit_bias) for c in batch.chunks)
+        shape, flags = choose(shape, flags, len(decode), lengths, pages, plain)
         sd, qp, pages = shape.num_decode, shape.prefill_len, shape.pages
 
     t, r = shape.num_tokens, shape.num_rows
@@ -313,6 +315,10 @@ def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], p
                 targets[i] = seq.prompt_token_ids[c.start + 1]
 
 
+def has_penalties(p) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
 def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
     """The static sampler switches a batch with these SamplingParams needs."""
     greedy = all(p.temperature == 0.0 for p in params)
@@ -320,22 +326,31 @@ def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
     return SamplerFlags(
         all_greedy=greedy,
         needs_sort=not greedy and any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-        penalties=any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params),
+        penalties=any(has_penalties(p) for p in params),
         bias=any(p.logit_bias for p in params),
         num_logprobs=max_logprobs if want_top else 0,
         logprobs=any(p.logprobs is not None or p.prompt_logprobs is not None for p in params),
     )
 
 
+def sampler_widths(chunks: list[ScheduledChunk], flags: SamplerFlags) -> SamplerFlags:
+    """`flags` with the widths of its penalty and logit-bias arrays (`SamplerFlags.widths`). Output
+    ids take at least OUTPUT_IDS_MIN, so a request with penalties meets a new width (a new variant)
+    at 64, 128, 256... of its tokens rather than at every doubling from 1."""
+    if not (flags.penalties or flags.bias):
+        return flags
+    bias_len = max((len(c.seq.params.logit_bias) for c in chunks), default=0)
+    b = next(x for x in LOGIT_BIAS_LADDER + (bias_len,) if x >= bias_len) if bias_len else 1
+    out_len = bucket(max(c.seq.num_output_tokens for c in chunks) + 1, OUTPUT_IDS_MIN) if flags.penalties else 1
+    prompt_len = bucket(max(c.seq.num_prompt_tokens for c in chunks)) if flags.penalties else 1
+    return replace(flags, widths=(out_len, prompt_len, b))
+
+
 def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows: dict[int, int]):
     r = len(rows)
     real = [c for c in rows if c is not None]
-    params = [c.seq.params for c in real]
     penalties = flags.penalties
-    bias_len = max((len(p.logit_bias) for p in params), default=0)
-    b = next(x for x in LOGIT_BIAS_LADDER + (bias_len,) if x >= bias_len) if bias_len else 1
-    out_len = bucket(max((c.seq.num_output_tokens for c in real), default=0) + 1) if penalties else 1
-    prompt_len = bucket(max((c.seq.num_prompt_tokens for c in real), default=0)) if penalties else 1
+    out_len, prompt_len, b = flags.widths
     f = {name: np.zeros(r, np.float32) for name in ("temperature", "top_p", "min_p", "presence", "frequency")}
     f["top_p"][:] = 1.0
     rep = np.ones(r, np.float32)

@@ -201,9 +201,9 @@ class LLMEngine:
             outputs += [self._finish_output(seq) for seq in batch.finished]
             if batch.chunks:
                 launched = self.runner.dispatch(batch)
-                if launched is None:  # the prompt chunks wait for their variant: the decode rows go on
-                    batch = ScheduledBatch([c for c in batch.chunks if c.num_tokens == 1], batch.finished)
-                    launched = self.runner.dispatch(batch)
+                while launched is None and batch.chunks:  # some chunks wait for their variant: the rest go on
+                    batch = ScheduledBatch([c for c in batch.chunks if not self.runner.waits(c)], batch.finished)
+                    launched = self.runner.dispatch(batch) if batch.chunks else None
                 self.scheduler.advance(batch)
                 self.num_steps += 1
                 self.num_step_seqs += len(batch.chunks)

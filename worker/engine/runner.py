@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, step_cost
+from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, has_penalties, step_cost
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
-from worker.engine.scheduler import ScheduledBatch
+from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,14 @@ COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 class PromptsWait(Exception):
-    """Raised through build_batch by _choose_shape: nothing compiled covers this mixed batch, so its
-    prompt chunks wait while their variant compiles in the background, and the decode rows run
-    without them (dispatch returns None; the engine dispatches the decode chunks alone)."""
+    """Raised through build_batch by _choose_shape: nothing compiled covers this batch, so some of
+    its chunks wait while their variant compiles in the background and the others run without them
+    (dispatch returns None; the engine dispatches the chunks `Runner.waits` lets through): a mixed
+    batch's prompt chunks, or (`sampler`) the chunks of requests with penalties or logit bias."""
 
-    def __init__(self, key: tuple):
-        super().__init__("prompt chunks wait for their step variant")
-        self.key = key
+    def __init__(self, key: tuple, sampler: bool = False):
+        super().__init__("chunks wait for their step variant")
+        self.key, self.sampler = key, sampler
 
 
 @jax.tree_util.register_dataclass
@@ -106,6 +107,7 @@ class ModelRunner:
         # compile in the background while the decode rows go on (PromptsWait). Off, such a batch
         # compiles its variant at once, and batches do not depend on how long compiles take
         self.prompts_wait = False
+        self.wait_sampler = False  # what the last PromptsWait held back (`waits`)
         self._compile_next: tuple | None = None  # set by _choose_shape: compile this exact variant
         # while planning (LLMEngine.compile_ahead): the variants dispatches and precompiles asked
         # for, each with a batch of its shape; nothing runs on the device meanwhile
@@ -129,15 +131,16 @@ class ModelRunner:
         try:
             db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
         except PromptsWait as wait:
+            self.wait_sampler = wait.sampler
             if wait.key not in self.compiling:
-                log.info("prompt chunks wait for their step variant, compiling in the background; decode rows go on")
+                log.info("%s wait for their step variant, compiling in the background; the others go on",
+                         "penalty and logit-bias requests" if wait.sampler else "prompt chunks")
                 self._compile_in_background(wait.key, build_batch(*args)[0])
             return None
         key = (shape, flags)
         if self.planned is not None:
             self._compile_next = None
-            if not (flags.penalties or flags.bias):  # those are keyed without their widths: jit's to trace
-                self.planned.setdefault(key, db)
+            self.planned.setdefault(key, db)
             out = planned_output(shape, flags)
         else:
             if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
@@ -146,6 +149,11 @@ class ModelRunner:
             out = self._run(key, db)
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, starts, shape, out)
+
+    def waits(self, chunk: ScheduledChunk) -> bool:
+        """Whether `chunk` is one the last `PromptsWait` held back."""
+        p = chunk.seq.params
+        return has_penalties(p) or bool(p.logit_bias) if self.wait_sampler else chunk.num_tokens > 1
 
     def _run(self, key: tuple, db: DeviceBatch) -> StepOutput:
         ready = self.ready.get(key)
@@ -165,7 +173,7 @@ class ModelRunner:
         return out
 
     def _choose_shape(self, exact: StepShape, flags: SamplerFlags, num_decode: int, lengths: list[int],
-                      pages: int) -> tuple[StepShape, SamplerFlags]:
+                      pages: int, plain: int = 0) -> tuple[StepShape, SamplerFlags]:
         """The exact variant if compiled; else the cheapest compiled one the batch fits in: a shape
         at least as large, with sampler flags that do at least what the batch needs (`serves`: a
         request with top-p or logprobs runs in a variant warm-up compiled with them, instead of
@@ -173,9 +181,10 @@ class ModelRunner:
         a shape that arrival timing produced once costs more than padding a step. The exact variant
         is asked for (compiled in the background) once it has come up `compile_after` times, if
         the borrowed one pads more than BORROW_TOLERANCE or does sampler work the batch does not
-        need; with nothing to borrow, the exact variant is compiled now, unless the batch mixes decode
-        rows with prompt chunks and `prompts_wait` is on: then the prompts wait for their variant
-        (`PromptsWait`)."""
+        need; with nothing to borrow, the exact variant is compiled now, unless `prompts_wait` is on
+        and some chunks can run without the rest: then requests with penalties or logit bias (only a
+        variant with their flags and array widths serves them), else a mixed batch's prompt chunks,
+        wait for their variant (`PromptsWait`)."""
         key = (exact, flags)
         planned = self.planned or {}
         if key in self.compiled or key in self.ready or key in planned:
@@ -183,11 +192,12 @@ class ModelRunner:
         covering = [(s, f) for s, f in (*self.compiled, *self.ready, *planned) if serves(f, flags)
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
                     and fits(s, num_decode, lengths, pages)]
-        if not covering and lengths and num_decode and self.prompts_wait and self.planned is None \
-                and not (flags.penalties or flags.bias):
-            # running sequences would stop for the compile (on a GPU 25-60 s for a 32-layer model):
-            # the prompt chunks wait instead, and the decode rows run without them
-            raise PromptsWait(key)
+        sampler = flags.penalties or flags.bias  # only a variant with the same arrays serves these
+        others = plain if sampler else lengths and num_decode  # chunks that could run without the waiting ones
+        if not covering and self.prompts_wait and self.planned is None and others:
+            # running sequences would stop for the compile (on a GPU 25-60 s for a 32-layer model): the
+            # requests with penalties or logit bias, else the prompt chunks, wait instead, and the rest run
+            raise PromptsWait(key, sampler)
         if not covering or self.compile_after <= 1:
             return key
         # the batch's own flags first: padding costs at most the envelope ladder's step, while a
@@ -197,8 +207,6 @@ class ModelRunner:
             return best
         self.wanted[key] = self.wanted.get(key, 0) + 1
         if self.wanted[key] >= self.compile_after and key not in self.compiling:
-            if flags.penalties or flags.bias:  # their array widths are not in the key: compile through jit
-                return key
             self._compile_next = key
         return best
 

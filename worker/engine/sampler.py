@@ -46,6 +46,9 @@ class SamplerFlags:
     bias: bool = False
     num_logprobs: int = 0  # top-N alternatives to return (0: sampled token's logprob only when logprobs)
     logprobs: bool = False
+    # (output ids, prompt ids, logit-bias entries) per row: the widths of the penalty and bias arrays,
+    # (1, 1, 1) without them. In the key, so a variant with penalties can be compiled ahead like any other
+    widths: tuple[int, int, int] = (1, 1, 1)
 
 
 @dataclass(frozen=True)
