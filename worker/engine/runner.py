@@ -302,8 +302,11 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
     prefill = (f"{shape.num_prefill} packed in {shape.prefill_tokens} tokens" if shape.packed
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
-    log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, greedy %s%s", what,
-             shape.num_decode, prefill, shape.pages, shape.decode_steps, flags.all_greedy, took)
+    sampler = ["greedy" if flags.all_greedy else "sampled"] + ["top-k/top-p"] * flags.needs_sort \
+        + [f"logprobs {flags.num_logprobs}"] * flags.logprobs + [f"penalties {flags.widths[0]}x{flags.widths[1]}"] \
+        * flags.penalties + [f"logit bias {flags.widths[2]}"] * flags.bias
+    log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
+             shape.num_decode, prefill, shape.pages, shape.decode_steps, ", ".join(sampler), took)
 
 
 def _timed_compile(lowered) -> tuple[Any, float]:
