@@ -121,7 +121,7 @@ def test_requests_with_penalties_or_logit_bias_wait_for_their_variant_while_the_
                                                                                          greedy_refs):
     """Penalties and logit bias need a variant with their flags and array widths, which warm-up
     cannot foresee. Such a request used to stop the worker to compile (demo model, one 128-token
-    request with presence_penalty among 32 greedy ones: four stalls of every stream, 0.5-0.8 s each).
+    request with presence_penalty among 32 greedy ones: three stalls of every stream, 0.55-0.80 s each).
     Now it waits while its variant compiles in the background and the running requests go on; every
     request's tokens are those of an engine that ran it alone."""
     engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
