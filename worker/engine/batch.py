@@ -231,7 +231,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs))
     if choose is not None:
-        plain = sum(not (has_penalties(c.seq.params) or c.seq.params.logit_bias) for c in batch.chunks)
+        plain = sum(not needs_arrays(c.seq.params) for c in batch.chunks)
         shape, flags = choose(shape, flags, len(decode), lengths, pages, plain)
         sd, qp, pages = shape.num_decode, shape.prefill_len, shape.pages
 
@@ -317,6 +317,12 @@ def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], p
 
 def has_penalties(p) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
+def needs_arrays(p) -> bool:
+    """Whether a request's sampling needs arrays sized by the batch (penalties, logit bias): only a
+    variant with the same flags and widths serves it (`SamplerFlags.widths`)."""
+    return has_penalties(p) or bool(p.logit_bias)
 
 
 def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:

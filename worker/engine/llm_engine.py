@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
-from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampler_flags
+from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, has_penalties, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling
 from worker.engine.attention_choice import choose_attention
@@ -222,10 +222,8 @@ class LLMEngine:
         Waiting ones count too: one admitted with a single token left joins as a decode."""
         if self.decode_steps == 1:
             return 1
-        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
-            p = seq.params
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-                return 1
+        if any(has_penalties(seq.params) for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting)):
+            return 1
         return self.decode_steps
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, has_penalties, step_cost
+from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, needs_arrays, step_cost
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
@@ -152,8 +152,7 @@ class ModelRunner:
 
     def waits(self, chunk: ScheduledChunk) -> bool:
         """Whether `chunk` is one the last `PromptsWait` held back."""
-        p = chunk.seq.params
-        return has_penalties(p) or bool(p.logit_bias) if self.wait_sampler else chunk.num_tokens > 1
+        return needs_arrays(chunk.seq.params) if self.wait_sampler else chunk.num_tokens > 1
 
     def _run(self, key: tuple, db: DeviceBatch) -> StepOutput:
         ready = self.ready.get(key)
@@ -302,9 +301,10 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
     prefill = (f"{shape.num_prefill} packed in {shape.prefill_tokens} tokens" if shape.packed
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
-    sampler = ["greedy" if flags.all_greedy else "sampled"] + ["top-k/top-p"] * flags.needs_sort \
-        + [f"logprobs {flags.num_logprobs}"] * flags.logprobs + [f"penalties {flags.widths[0]}x{flags.widths[1]}"] \
-        * flags.penalties + [f"logit bias {flags.widths[2]}"] * flags.bias
+    out_ids, prompt_ids, bias = flags.widths
+    parts = {"top-k/top-p": flags.needs_sort, f"logprobs {flags.num_logprobs}": flags.logprobs,
+             f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
+    sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
              shape.num_decode, prefill, shape.pages, shape.decode_steps, ", ".join(sampler), took)
 
