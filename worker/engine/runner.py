@@ -32,7 +32,6 @@ from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
-from worker.host_memory import huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +90,6 @@ class ModelRunner:
         self.params = tuple(leaves)
         self.cfg = model.cfg
         self.kv = kv
-        if huge := huge_pages((*self.params, *kv.keys, *kv.values)):  # CPU: read every step (host_memory.py)
-            log.info("weights and KV pages: %d MiB on 2 MiB pages", huge >> 20)
         self.page_size = page_size
         self.max_rows = max_rows  # sampled rows of any step fit here (fixed: no recompiles)
         self.max_logprobs = max_logprobs
