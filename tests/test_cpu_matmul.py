@@ -27,10 +27,11 @@ def kernel():
 
 # rows below, at and above the 12-row register tile, with a short remainder merged into the last
 # full tile (13, 17, 25, 62, 64 rows) and not (18, 100); columns not a multiple of the 32-column
-# panel; 64 panels and more: x copied into k-major tiles first (kPackPanels)
+# panel; 64 panels and more: x copied into k-major tiles first (kPackPanels); 16 row tiles and more
+# (prefill): work items by row blocks, the last block short (193, 300, 931 rows), x in place and copied
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 100, 33), (12, 7, 1), (13, 64, 97), (64, 256, 512), (100, 48, 200),
                                    (17, 30, 64), (18, 30, 64), (5, 16, 2048), (25, 33, 2081), (62, 40, 4096),
-                                   (64, 24, 2048)])
+                                   (64, 24, 2048), (193, 48, 200), (300, 40, 2081), (931, 64, 97)])
 def test_products_equal_float64_numpy(m, k, n):
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -112,7 +113,7 @@ def test_bfloat16_kernel_builds_exactly_where_the_cpu_has_the_instructions():
 
 # odd K (a zero k pads the last pair), N not a multiple of the panel, rows around the tile
 @pytest.mark.parametrize("m,k,n", [(1, 40, 70), (5, 41, 33), (13, 257, 97), (64, 768, 256), (100, 48, 2081),
-                                   (0, 40, 70)])
+                                   (0, 40, 70), (250, 41, 200), (193, 48, 2081)])
 def test_bfloat16_products_equal_xlas(m, k, n):
     if not BF16_KERNEL:  # no kernel to hold to XLA: the engine keeps XLA's products
         assert not cpu_matmul.load(jnp.bfloat16)
@@ -186,9 +187,9 @@ def test_a_row_comes_out_the_same_in_any_batch(n, dtype):
         assert dtype == jnp.bfloat16 and not BF16_KERNEL
         return
     panels = cpu_matmul.pack(jnp.asarray(w, dtype))
-    x = rng.standard_normal((100, 256), dtype=np.float32)
+    x = rng.standard_normal((300, 256), dtype=np.float32)  # by row blocks; the parts below by panels
     full = np.asarray(cpu_matmul.matmul(jnp.asarray(x), panels, n))
-    for lo, hi in ((0, 1), (7, 8), (3, 11), (50, 63), (88, 100)):
+    for lo, hi in ((0, 1), (7, 8), (3, 11), (50, 63), (88, 100), (100, 300)):
         part = np.asarray(cpu_matmul.matmul(jnp.asarray(x[lo:hi]), panels, n))
         assert np.array_equal(part, full[lo:hi]), (lo, hi)
 
