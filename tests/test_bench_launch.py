@@ -23,7 +23,8 @@ def test_launch_rows_grow_each_argument_kind_to_the_engines_count():
     report = json.loads(out)
     rows = report["results"]
     assert [(r["name"], r["weights"], r["pages"], r["host"]) for r in rows] == [tuple(row) for row in launch.ROWS]
-    assert rows[-1]["weights"] == 291 and rows[-1]["pages"] == 64 and rows[-1]["host"] == 26
+    assert rows[-2]["weights"] == 291 and rows[-2]["pages"] == 64 and rows[-2]["host"] == 26
+    assert (rows[-1]["weights"], rows[-1]["pages"], rows[-1]["host"]) == (291, 64, 1)  # the batch packed
     for r in rows:
         assert 0 < r["min_us"] <= r["median_us"], r
     assert "us_per_added_argument" not in rows[0] and all("us_per_added_argument" in r for r in rows[1:])

@@ -1,13 +1,14 @@
 """`redjax bench launch`: how long a compiled step takes to launch, by what it is handed.
 
 The engine's step takes a few hundred arrays a call: llama3-8b passes 291 weight arrays and 64 KV
-page arrays (one per layer and kind, the pages donated) beside ~26 host arrays of the batch. On an
-H200 that call took ~8 ms to return (session 34: 8.5 ms a call of 16 fused decode steps, 12.6 % of
-the decode phase at 128/128, over issue 7's 10 % host target), against ~1.5 ms for the same number
-of arrays on this project's CPUs. This bench times the launch alone, with the device idle and
-each argument tiny, so the figure is the runtime's cost per argument: a call with one of each
-kind, then with each kind grown to the engine's count, then all together. The rows say which
-kind to cut (stacked per-layer arrays, or one packed host buffer for the batch).
+page arrays (one per layer and kind, the pages donated). Until session 40 it also passed the batch
+as ~26 host arrays; it now packs them into one (`batch.pack`). On an H200 that call took ~8 ms to
+return (session 34: 8.5 ms a call of 16 fused decode steps, 12.6 % of the decode phase at 128/128,
+over issue 7's 10 % host target), against ~1.5 ms for the same number of arrays on this
+project's CPUs. This bench times the launch alone, with the device idle and each argument tiny,
+so the figure is the runtime's cost per argument: a call with one of each kind, then with each
+kind grown to the engine's count, then all together, with the batch as 26 host arrays and as the
+engine now hands it, one. The rows say which kind to cut.
 
 Each row: microseconds from the call to its return (the asynchronous launch; the outputs are waited
 for before the next call), the median and the minimum of `--repeats` calls, and the microseconds
@@ -26,10 +27,10 @@ import numpy as np
 
 from worker.bench import roofline
 
-ENGINE = (291, 64, 26)  # llama3-8b's step: weight arrays, page arrays (donated), host arrays
+ENGINE = (291, 64, 26)  # llama3-8b's step: weight arrays, page arrays (donated), host arrays unpacked
 # (name, weight arrays, page arrays, host arrays) of each row
 ROWS = (("one of each", 1, 1, 1), ("weights", ENGINE[0], 1, 1), ("pages, donated", 1, ENGINE[1], 1),
-        ("host arrays", 1, 1, ENGINE[2]), ("all, as the engine", *ENGINE))
+        ("host arrays", 1, 1, ENGINE[2]), ("all, batch unpacked", *ENGINE), ("all, as the engine", *ENGINE[:2], 1))
 
 
 def _step(weights: tuple, pages: tuple, host: tuple):

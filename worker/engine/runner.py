@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine.batch import DeviceBatch, StepShape, build_batch, empty_batch, fits, needs_arrays, step_cost
+from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batch, fits, needs_arrays, pack,
+                                 step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
@@ -157,7 +158,7 @@ class ModelRunner:
     def _run(self, key: tuple, db: DeviceBatch) -> StepOutput:
         ready = self.ready.get(key)
         if ready is not None:
-            self.kv, out, self.prev_tokens = ready(self.params, self.kv, db, self.prev_tokens)
+            self.kv, out, self.prev_tokens = ready(self.params, self.kv, pack(db), self.prev_tokens)
             return out
         shape, flags = key
         first = key not in self.compiled
@@ -165,7 +166,7 @@ class ModelRunner:
             self.compiled.add(key)
             _log_variant("compiling", shape, flags)
         t0 = time.perf_counter()
-        self.kv, out, self.prev_tokens = self._step(self.params, self.kv, db, self.prev_tokens, shape=shape,
+        self.kv, out, self.prev_tokens = self._step(self.params, self.kv, pack(db), self.prev_tokens, shape=shape,
                                                     flags=flags)
         if first:  # the call returns once the variant is compiled and the step launched
             log.info("step variant compiled and launched in %.1f s", time.perf_counter() - t0)
@@ -256,7 +257,7 @@ class ModelRunner:
 
     def _lower(self, key: tuple, db: DeviceBatch, specs: tuple):
         shape, flags = key
-        return self._step.lower(*specs[:2], db, specs[2], shape=shape, flags=flags)
+        return self._step.lower(*specs[:2], pack(db), specs[2], shape=shape, flags=flags)
 
     def _compile_in_background(self, key: tuple, db: DeviceBatch) -> None:
         """Compile variant `key` on a thread (the step keeps running borrowed variants meanwhile);
@@ -330,8 +331,9 @@ def _jitted_step(graphdef, param_def, attention: AttentionOps, sampling_kernels)
                    static_argnames=("shape", "flags"), donate_argnames=("kv",))
 
 
-def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params: tuple, kv: KVCache, db: DeviceBatch,
+def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params: tuple, kv: KVCache, host,
           prev_tokens, shape: StepShape, flags: SamplerFlags):
+    db = unpack(host, shape, flags)  # host: i32[N], the batch's arrays end to end (`pack`)
     model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(param_def, params))
     cfg = model.cfg
     tokens = jnp.where(db.src >= 0, prev_tokens[jnp.maximum(db.src, 0)], db.tokens)  # i32[T]
