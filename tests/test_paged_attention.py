@@ -444,3 +444,29 @@ def test_compiled_cpu_kernel_prefill_blocks_at_wide_heads_and_large_groups(heads
         ref = np.asarray(paged_attention(q, f32(k_pages), f32(v_pages), tables, jnp.asarray(positions), ctx, window))
         np.testing.assert_allclose(out[0], ref[0], atol=1e-5, rtol=1e-5, err_msg=f"window {window}")
         np.testing.assert_allclose(out[1, :3], ref[1, :3], atol=1e-5, rtol=1e-5, err_msg=f"window {window}")
+
+
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("sharp", [1.0, 12.0], ids=["plain", "sharp"])
+def test_compiled_cpu_kernel_prefill_blocks_end_mid_page_and_softmax_over_whole_vectors(window, sharp):
+    """The demo model's prefill shape (pages of 64, head dim 32, 2 query heads a KV head): a chunk
+    of 150 tokens after 100 cached, so its 16-token blocks end mid-page (each block scores keys up
+    to its own last one, not the page's) and a window starts them mid-vector (the softmax runs on
+    whole 16-key vectors and zeroes the keys outside each query's range). `sharp` scales the
+    queries so that scores spread over tens of units: the kernel's exponential is its own."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    rng = np.random.default_rng(40)
+    heads, kv_heads, d, ps, n, p = 8, 4, 32, 64, 16, 5
+    k_pages = jnp.asarray(rng.normal(size=(kv_heads, n, d, ps)), jnp.float32)
+    v_pages = jnp.asarray(rng.normal(size=(kv_heads, n, ps, d)), jnp.float32)
+    tables = jnp.asarray(rng.permutation(np.arange(1, n))[:p].reshape(1, p), jnp.int32)
+    positions = jnp.asarray(np.arange(100, 250, dtype=np.int32)[None])  # [1, 150]
+    ctx = jnp.asarray([250], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(1, 150, heads, d)) * sharp, jnp.float32)
+    kernel = jax.jit(cpu_attention.paged_attention, static_argnames="window")
+    out = np.asarray(kernel(q, k_pages, v_pages, tables, positions, ctx, window))
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(paged_attention(q, k_pages, v_pages, tables, positions, ctx, window))
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)

@@ -302,15 +302,9 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
   }
   const int64_t first = lo - c0 * ps;  // scores [first, first + n) of each head are visible
   for (int h = 0; h < G; ++h) {
-    float* p = scores + h * span + first;
-    const float mx = redjax::max_of(p, n, -1e30f);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      p[t] = std::exp(p[t] - mx);
-      sum += p[t];
-    }
-    inv[h] = 1.0f / sum;
+    float* p = scores + h * span;
+    const float mx = redjax::max_of(p + first, n, -1e30f);
+    inv[h] = 1.0f / redjax::exp_and_sum(p, first, first + n, mx);
   }
   prime(value_page(c0));
   if constexpr (DIM % (2 * kLanes) == 0) {

@@ -37,4 +37,45 @@ inline float max_of(const float* p, int64_t n, float floor) {
   return mx;
 }
 
+// e^x lane by lane for x <= 88 (from -87.3 down it gives e^-87.3, about 1e-38): x = n ln 2 + r with
+// |r| <= ln 2 / 2 (n rounded half away from zero), e^r by Cephes' degree-6 polynomial for expf
+// (about 1 ulp), times 2^n built in the exponent bits. Plain vector arithmetic: any x86 target.
+inline f32xN exp_lanes(f32xN x) {
+  const f32xN zero = {};
+  x = x < zero - 87.3f ? zero - 87.3f : x;
+  x = x > zero + 88.0f ? zero + 88.0f : x;
+  const f32xN t = x * 1.44269504089f;
+  const i32xN n = __builtin_convertvector(t + (t < zero ? zero - 0.5f : zero + 0.5f), i32xN);
+  const f32xN nf = __builtin_convertvector(n, f32xN);
+  const f32xN r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // ln 2 in two parts
+  f32xN p = zero + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32xN scale = (n + 127) << 23;  // 2^n, n in [-126, 127]
+  return p * reinterpret_cast<const f32xN&>(scale);
+}
+
+// p[t] = e^(p[t] - mx) for t in [from, to) and 0 elsewhere in [from rounded down, to rounded up to
+// 16); -> the sum of p[from, to). Whole vectors only: no scalar remainder (the library's scalar
+// expf for a row's last few keys took as long as its vector calls for the rest).
+inline float exp_and_sum(float* p, int64_t from, int64_t to, float mx) {
+  const i32xN lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const f32xN zero = {};
+  f32xN sums = {};
+  for (int64_t t = from / kLanes * kLanes; t < to; t += kLanes) {
+    const i32xN at = lane + static_cast<int32_t>(t);
+    const f32xN e = exp_lanes(load(p + t) - mx);
+    const f32xN kept = at >= static_cast<int32_t>(from) && at < static_cast<int32_t>(to) ? e : zero;
+    store(p + t, kept);
+    sums += kept;
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += sums[l];
+  return sum;
+}
+
 }  // namespace redjax
