@@ -470,3 +470,51 @@ def test_compiled_cpu_kernel_prefill_blocks_end_mid_page_and_softmax_over_whole_
     with jax.default_matmul_precision("highest"):
         ref = np.asarray(paged_attention(q, k_pages, v_pages, tables, positions, ctx, window))
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cpu_kernel_writes_and_attends_decode_rows_in_one_call(window, dtype, shape):
+    """`write_decode_attention` (each decode row's new key and value written by the work item that
+    then attends) gives the pages and outputs of the page-write kernel followed by the decode
+    kernel, bit for bit, and the jnp reference's to float32 rounding: rows whose token starts,
+    ends or sits inside a page, a padding row (slot 0, no context) and a row past its own fused
+    steps (slot 0: writes nothing, still attends)."""
+    from worker.engine import cpu_attention
+
+    assert cpu_attention.load(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    ps, d = KERNEL_SHAPES[shape]
+    rng = np.random.default_rng(17)
+    s, kv, h, n, p = 6, 2, 4, 40, 6
+    stored = pa.storage_dtype(dtype)  # bfloat16 pages as their bits, as the engine holds them
+    k_pages = pa.stored(jnp.asarray(rng.normal(size=(kv, n, d, ps)), jnp.float32), stored)
+    v_pages = pa.stored(jnp.asarray(rng.normal(size=(kv, n, ps, d)), jnp.float32), stored)
+    tables = rng.permutation(np.arange(1, n))[: s * p].reshape(s, p).astype(np.int32)  # page 0 is reserved
+    ctx = np.asarray([1, ps, ps + 1, 3 * ps - 1, 0, 2 * ps + 2], np.int32)
+    positions = np.maximum(ctx - 1, 0)
+    slots = tables[np.arange(s), positions // ps] * ps + positions % ps
+    slots[4] = slots[5] = 0  # a padding row; a row past its own steps
+    q = jnp.asarray(rng.normal(size=(s, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(s, kv, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(s, kv, d)), jnp.float32)
+    args = (jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(ctx))
+
+    fused = jax.jit(cpu_attention.write_decode_attention, static_argnames="window")
+    out, kp, vp = fused(q, k, v, jnp.asarray(slots), k_pages, v_pages, *args, window=window)
+
+    def separate(k_pages, v_pages):
+        kp, vp = cpu_attention.write_pages(k_pages, v_pages, k, v, jnp.asarray(slots))
+        return cpu_attention.paged_decode_attention(q, kp, vp, *args, window), kp, vp
+
+    want_out, want_kp, want_vp = jax.jit(separate)(k_pages, v_pages)
+    np.testing.assert_array_equal(np.asarray(kp), np.asarray(want_kp))
+    np.testing.assert_array_equal(np.asarray(vp), np.asarray(want_vp))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    ref_kp, ref_vp = jax.jit(pa.write_pages)(k_pages, v_pages, k, v, jnp.asarray(slots))
+    np.testing.assert_array_equal(pa.page_values(kp).astype(jnp.float32), pa.page_values(ref_kp).astype(jnp.float32))
+    np.testing.assert_array_equal(pa.page_values(vp).astype(jnp.float32), pa.page_values(ref_vp).astype(jnp.float32))
+    live = [0, 1, 2, 3, 5]
+    ref = reference_decode(q, pa.page_values(ref_kp), pa.page_values(ref_vp), args[0], args[2], window)
+    np.testing.assert_allclose(np.asarray(out)[live], np.asarray(ref)[live], atol=1e-5, rtol=1e-5)
+    assert not np.asarray(out)[4].any()  # the padding row sees no key

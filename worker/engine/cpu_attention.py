@@ -22,13 +22,15 @@ from worker.engine import cpu_build
 from worker.engine.paged_attention import AttentionOps, stored
 
 TARGET, WRITE = "redjax_paged_attention", "redjax_kv_write"
+WRITE_ATTEND = "redjax_paged_attention_write"  # decode rows: each row's new token written, then attended
 
 
 @lru_cache(maxsize=1)
 def load() -> bool:
-    """Build (once per source and flags) and register the kernels (attention and page writes);
-    False if they cannot be built."""
+    """Build (once per source and flags) and register the kernels (attention, page writes, and
+    the two together for decode rows); False if they cannot be built."""
     return (cpu_build.register("paged_attention.cc", "PagedAttention", TARGET)
+            and cpu_build.register("paged_attention.cc", "PagedAttentionWrite", WRITE_ATTEND)
             and cpu_build.register("kv_write.cc", "KvWrite", WRITE))
 
 
@@ -40,6 +42,26 @@ def write_pages(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Arr
                                     jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
                             input_output_aliases={0: 0, 1: 1})
     return call(k_pages, v_pages, stored(k, k_pages.dtype), stored(v, v_pages.dtype), slots.astype(jnp.int32))
+
+
+def write_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, k_pages: jax.Array,
+                           v_pages: jax.Array, page_tables: jax.Array, positions: jax.Array, context_lens: jax.Array,
+                           window: int | None = None):
+    """`write_pages` then `paged_decode_attention` in one call, in place: q [S, H, D], k and v
+    [S, KV, D] (row r's new token), slots i32[S] -> (out [S, H, D], k_pages, v_pages). Each
+    (row, KV head) work item writes its token just before it reads the row's pages, so the step
+    has no page-write pass of its own (`AttentionOps.write_decode`). Call `load()` first."""
+    s, h, d = q.shape
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    call = jax.ffi.ffi_call(WRITE_ATTEND, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                           jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                                           jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+                            input_output_aliases={1: 1, 2: 2})
+    out, k_pages, v_pages = call(q.astype(jnp.float32), k_pages, v_pages, i32(page_tables), i32(positions),
+                                 jnp.arange(s, dtype=jnp.int32), jnp.ones((s,), jnp.int32), i32(context_lens),
+                                 stored(k, k_pages.dtype), stored(v, v_pages.dtype), i32(slots),
+                                 window=np.int64(window or 0))
+    return out.astype(q.dtype), k_pages, v_pages
 
 
 def ragged_paged_attention(
@@ -87,4 +109,4 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 KERNEL = AttentionOps("cpu-kernel", paged_decode_attention, paged_attention, reads_own_context=True,
-                      ragged=ragged_paged_attention, write=write_pages)
+                      ragged=ragged_paged_attention, write=write_pages, write_decode=write_decode_attention)

@@ -202,7 +202,9 @@ class AttentionOps:
     rows of any length packed back to back (q [T, H, D], positions [T], row r the tokens
     `[q_starts[r], q_starts[r] + q_lens[r])`); with it a step packs prefill chunks without padding
     each to a common row length (`batch.StepShape.packed`). `write`: how a layer's new keys and
-    values go into the pages, with the contract of `write_pages`."""
+    values go into the pages, with the contract of `write_pages`. `write_decode` (optional): both
+    for a step of decode rows alone, (q, k, v, slots, k_pages, v_pages, page_tables, positions,
+    context_lens, window) -> (out, k_pages, v_pages), the same as `write` then `decode`."""
 
     name: str
     decode: Callable
@@ -210,6 +212,7 @@ class AttentionOps:
     reads_own_context: bool
     ragged: Callable | None = None
     write: Callable = write_pages
+    write_decode: Callable | None = None
 
 
 JNP = AttentionOps("jnp", paged_decode_attention, paged_attention, reads_own_context=False)

@@ -347,6 +347,10 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
 
         def attend(layer, q, k, v, cache):  # q [T, H, D] (or [R, H, D] for out_rows), k/v [T, KV, D]
             keys, values = cache
+            if attention.write_decode is not None and not shape.num_prefill:  # decode rows alone: one call
+                out, kp, vp = attention.write_decode(q, k, v, slots, keys[layer], values[layer], db.page_tables,
+                                                     positions, context_lens, cfg.window(layer))
+                return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
             kp, vp = attention.write(keys[layer], values[layer], k, v, slots)
             if out_rows is not None and layer == last:
                 out = attention.decode(q, kp, vp, db.page_tables, positions[out_rows], context_lens, cfg.window(layer))

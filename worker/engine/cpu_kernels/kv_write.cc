@@ -2,7 +2,7 @@
 // from JAX through the XLA FFI (the results alias the page operands).
 //
 // Key pages are transposed within the page ([D, page_size], see paged_attention.cc), so one token's
-// D key values land in D different cache lines, page_size floats apart. XLA's scatter does those
+// D key values land in D different cache lines, page_size floats apart (page_slot.h). XLA's scatter does those
 // writes one element at a time on one thread, with the index arithmetic of a general scatter: 300 us
 // per layer for 62 decode tokens of llama-100m (4 KV heads x 64 dimensions), 5 % of its decode step.
 // Here (token, KV head) pairs are spread over the intra-op pool, KV head by KV head, 128 to a work
@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "page_slot.h"
 #include "pool_work.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,17 +39,11 @@ constexpr int64_t kPairsPerItem = 128;
 template <typename E>
 void write(ffi::ThreadPool& pool, const E* k, const E* v, const int32_t* slots, E* kp, E* vp, int64_t tokens,
            int64_t kv_heads, int64_t num_pages, int64_t dim, int64_t ps) {
-  const int64_t page_elems = dim * ps, pairs = tokens * kv_heads;
+  const int64_t pairs = tokens * kv_heads;
   redjax::run_on_pool(pool, (pairs + kPairsPerItem - 1) / kPairsPerItem, [=](int64_t item) {
     for (int64_t pair = item * kPairsPerItem; pair < std::min(pairs, (item + 1) * kPairsPerItem); ++pair) {
-      const int64_t t = pair % tokens, h = pair / tokens;
-      const int64_t slot = slots[t], page = slot / ps, offset = slot % ps;
-      if (slot <= 0 || page >= num_pages) continue;  // padding, or outside the cache: no write
-      const E* key = k + (t * kv_heads + h) * dim;
-      E* column = kp + (h * num_pages + page) * page_elems + offset;  // dimension i at column[i * ps]
-      for (int64_t i = 0; i < dim; ++i) column[i * ps] = key[i];
-      std::memcpy(vp + (h * num_pages + page) * page_elems + offset * dim, v + (t * kv_heads + h) * dim,
-                  dim * sizeof(E));
+      const int64_t t = pair % tokens, h = pair / tokens, at = (t * kv_heads + h) * dim;
+      redjax::write_slot(kp, vp, num_pages, dim, ps, h, int64_t{slots[t]}, k + at, v + at);
     }
   });
 }
