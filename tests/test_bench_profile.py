@@ -31,7 +31,9 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     # the CPU kernels are named by their targets, so the kinds and the step count come out as on a GPU
     assert {"attention", "matmul"} <= set(p["by_kind"]) and p["steps_from"] == "attention kernels"
     names = {r["name"] for r in p["top"]}
-    assert {"redjax_paged_attention", "redjax_panel_matmul"} <= names, names
+    # decode steps write each row's new key and value in the attention call (one call a layer)
+    assert {"redjax_paged_attention_write", "redjax_panel_matmul"} <= names, names
+    assert not any("kv_write" in name for name in names), names
     # 2 layers of 7 projections and the output head: the traced steps are whole decode steps
     # (within 2 %: the window may cut a step between its attention and its products)
     assert next(r for r in p["top"] if r["name"] == "redjax_panel_matmul")["calls_per_step"] == pytest.approx(15, rel=0.02)
@@ -117,6 +119,20 @@ def test_summary_of_a_gpu_trace_counts_stream_kernels_once(tmp_path):
     # a window that cut a step: its kernels count in proportion (3 attention launches: 1.5 steps)
     cut = profile.summarize(gpu_trace(tmp_path / "cut.json.gz", events[1:7 + 7]), decode_steps=5, num_layers=2)
     assert cut["decode_steps"] == pytest.approx(1.5)
+
+
+def test_a_cpu_trace_counts_the_ops_inside_a_while_loop_and_not_the_loop():
+    """On a CPU, XLA's threads carry the op events; the thread running a fused decode call's loop
+    shows a `while` event around the iterations it ran, which must not count again."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "tf_XLAEigen/12"}}]
+    ops = [{"ph": "X", "name": "while.2", "pid": 1, "tid": 3, "ts": 0, "dur": 1000},
+           {"ph": "X", "name": "ffi_call.7", "pid": 1, "tid": 3, "ts": 10, "dur": 600},
+           {"ph": "X", "name": "multiply_multiply_fusion.1", "pid": 1, "tid": 3, "ts": 620, "dur": 300},
+           {"ph": "X", "name": "ThreadpoolListener::Record", "pid": 1, "tid": 3, "ts": 930, "dur": 5}]
+    by_op, intervals = profile.op_events(meta + ops, {"ffi_call.7": "redjax_panel_matmul"})
+    assert by_op == {"redjax_panel_matmul": (600.0, 1), "multiply_multiply_fusion": (300.0, 1)}
+    assert intervals == [(10.0, 610.0), (620.0, 920.0)]
 
 
 def test_busy_time_merges_overlapping_kernels():

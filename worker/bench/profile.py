@@ -38,6 +38,9 @@ KINDS = (
 )
 # host-thread events that are bookkeeping, not an XLA op (the CPU fallback)
 HOST_NOISE = ("threadpool", "await", "end: ", "thunkexecutor", "execute")
+# XLA's control flow on a CPU: the thread that runs a `while` (a fused decode call's loop over its
+# steps) shows it as one event around the ops of the iterations it ran, which count on their own
+CONTAINERS = ("while", "conditional", "call")
 TOP = 15  # kernels listed by name; the rest are summed into their kinds only
 
 
@@ -295,7 +298,8 @@ def op_events(events: list[dict], targets: dict[str, str]) -> tuple[dict[str, tu
     out: dict[str, list] = defaultdict(lambda: [0.0, 0])
     intervals = []
     for e in events:
-        if e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise):
+        if (e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise)
+                and not (noise and family(e["name"]) in CONTAINERS)):
             dur = float(e.get("dur", 0.0))
             entry = out[family(targets.get(e["name"], e["name"]))]
             entry[0] += dur
