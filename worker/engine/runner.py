@@ -350,17 +350,19 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
             if attention.write_decode is not None and not shape.num_prefill:  # decode rows alone: one call
                 out, kp, vp = attention.write_decode(q, k, v, slots, keys[layer], values[layer], db.page_tables,
                                                      positions, context_lens, cfg.window(layer))
-                return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
-            kp, vp = attention.write(keys[layer], values[layer], k, v, slots)
-            if out_rows is not None and layer == last:
-                out = attention.decode(q, kp, vp, db.page_tables, positions[out_rows], context_lens, cfg.window(layer))
-            elif shape.packed:  # decode rows and packed prefill chunks in one ragged call
-                out = attention.ragged(q, kp, vp, db.page_tables, positions, db.q_starts, db.q_lens, context_lens,
-                                       cfg.window(layer))
             else:
-                out = _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer),
-                                     attention)
+                kp, vp = attention.write(keys[layer], values[layer], k, v, slots)
+                out = attend_rows(layer, q, kp, vp)
             return out, (keys[:layer] + (kp,) + keys[layer + 1 :], values[:layer] + (vp,) + values[layer + 1 :])
+
+        def attend_rows(layer, q, kp, vp):  # the step's rows over pages that hold this step's tokens
+            if out_rows is not None and layer == last:
+                return attention.decode(q, kp, vp, db.page_tables, positions[out_rows], context_lens, cfg.window(layer))
+            if shape.packed:  # decode rows and packed prefill chunks in one ragged call
+                return attention.ragged(q, kp, vp, db.page_tables, positions, db.q_starts, db.q_lens, context_lens,
+                                        cfg.window(layer))
+            return _attend_groups(q, kp, vp, db.page_tables, positions, context_lens, shape, cfg.window(layer),
+                                  attention)
 
         hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values), out_rows)
         logits = model.logits(hidden if out_rows is not None else hidden[db.sample_rows])  # f32[R, V]

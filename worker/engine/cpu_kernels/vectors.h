@@ -55,8 +55,8 @@ inline f32xN exp_lanes(f32xN x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i32xN scale = (n + 127) << 23;  // 2^n, n in [-126, 127]
-  return p * reinterpret_cast<const f32xN&>(scale);
+  const i32xN scale = (n + 127) << 23;  // the bits of 2^n, n in [-126, 127]
+  return p * (f32xN)scale;  // a cast between vector types of one size keeps the bits
 }
 
 // p[t] = e^(p[t] - mx) for t in [from, to) and 0 elsewhere in [from rounded down, to rounded up to
