@@ -171,6 +171,15 @@ struct NewTokens {
   void* v_pages;
 };
 
+// Block `b`'s token (a decode row's one) for KV head `kvh` into its slot, pages of T
+template <typename T>
+void write_token(const Problem& pb, const NewTokens& nt, const Block& b, int64_t kvh) {
+  const int64_t at = (b.begin * pb.kv_heads + kvh) * pb.dim;
+  redjax::write_slot(static_cast<T*>(nt.k_pages), static_cast<T*>(nt.v_pages), pb.num_pages, pb.dim, pb.page_size,
+                     kvh, int64_t{nt.slots[b.begin]}, static_cast<const T*>(nt.k) + at,
+                     static_cast<const T*>(nt.v) + at);
+}
+
 // The attention of `PagedAttentionImpl`; with `nt`, each (decode row, KV head) item first writes
 // its row's token into its slot (page_slot.h).
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
@@ -218,15 +227,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     thread_local Scratch scratch;  // kept by the pool's threads across calls: no allocation per call
     queue_pages(pb, blocks, next, elem, scratch.ahead);
     const Block& b = blocks[i / pb.kv_heads];
-    const int64_t kvh = i % pb.kv_heads, at = (b.begin * pb.kv_heads + kvh) * pb.dim;
-    if (fresh.slots != nullptr && elem == 2)
-      redjax::write_slot(static_cast<uint16_t*>(fresh.k_pages), static_cast<uint16_t*>(fresh.v_pages), pb.num_pages,
-                         pb.dim, pb.page_size, kvh, int64_t{fresh.slots[b.begin]},
-                         static_cast<const uint16_t*>(fresh.k) + at, static_cast<const uint16_t*>(fresh.v) + at);
-    else if (fresh.slots != nullptr)
-      redjax::write_slot(static_cast<float*>(fresh.k_pages), static_cast<float*>(fresh.v_pages), pb.num_pages, pb.dim,
-                         pb.page_size, kvh, int64_t{fresh.slots[b.begin]}, static_cast<const float*>(fresh.k) + at,
-                         static_cast<const float*>(fresh.v) + at);
+    const int64_t kvh = i % pb.kv_heads;
+    if (fresh.slots != nullptr) (elem == 2 ? write_token<uint16_t> : write_token<float>)(pb, fresh, b, kvh);
     fn(pb, b, kvh, scratch);
   });
   return ffi::Error::Success();
