@@ -166,7 +166,8 @@ def test_names_and_kinds():
 
 def test_the_profiled_round_ends_after_its_trace_with_nothing_left_behind(tmp_path):
     """Once its calls are traced the round's requests are aborted: the engine is idle, every page
-    is free again (the prefix cache emptied), and only the traced calls were stepped past the trace."""
+    is free again (the prefix cache emptied), and only the traced calls were stepped past the trace.
+    The kernels of variants that ran through jit (none compiled ahead) are named too."""
     from worker.bench.offline import Workload, make_engine
     from worker.bench.probe import StepProbe
 
@@ -176,6 +177,10 @@ def test_the_profiled_round_ends_after_its_trace_with_nothing_left_behind(tmp_pa
     prompts = work.round_prompts(engine.model_config.vocab_size, 0)
     p = profile.profile_decode(engine, probe, prompts, work.output_lens, work, str(tmp_path), calls=3)
     assert p["calls"] == 3 and not engine.has_unfinished()
+    # nothing was compiled ahead: the variants ran through jit, and their kernels are named all the same
+    assert not engine.runner.ready
+    names = {r["name"] for r in p["top"]}
+    assert {"redjax_paged_attention_write", "redjax_panel_matmul"} <= names and "ffi_call" not in names, names
     assert probe.decode.decode_steps < 2 * 20  # far short of the 200 tokens the requests asked for
     engine.allocator.uncache(engine.allocator.cache_entries())
     assert engine.pages_used == 0

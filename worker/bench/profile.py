@@ -65,7 +65,7 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
     outputs = submit(engine, prompts, output_lens, work, tag="profile")
     programs = ProgramsRun(engine.runner)
     prefill = PrefillWindow(engine, probe, str(Path(directory) / "prefill"), calls, programs)
-    pure_in_a_row, traced, tracing, steps0, decode_texts = 0, 0, False, 0, []
+    pure_in_a_row, traced, tracing, steps0, decode_run = 0, 0, False, 0, {}
     while engine.has_unfinished():
         prefill.before_call()
         prefill_calls = probe.prefill.calls
@@ -78,7 +78,7 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
             if traced == calls or not engine.has_unfinished():
                 _settle(engine)  # launched in the window: traced whole
                 jax.profiler.stop_trace()
-                decode_texts, tracing = programs.stop(), False
+                decode_run, tracing = programs.stop(), False
                 steps = probe.decode.decode_steps - steps0
                 for request_id in outputs:  # the rest of the round tells nothing new (device time is scarce)
                     engine.abort(request_id)
@@ -94,10 +94,10 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
     on_cpu = jax.default_backend() == "cpu"
     layers = engine.model_config.num_layers
     summary = summarize(newest_trace(str(Path(directory) / "decode")), steps, layers,
-                        op_targets(decode_texts) if on_cpu else {})
+                        op_targets(programs.texts(decode_run)) if on_cpu else {})
     report = {"directory": directory, "calls": traced, **summary}
     if prefill.batches:
-        report["prefill"] = prefill.summary(op_targets(prefill.texts) if on_cpu else {})
+        report["prefill"] = prefill.summary(op_targets(programs.texts(prefill.run)) if on_cpu else {})
     else:
         report["prefill_error"] = prefill.why_not()
     return report
@@ -117,23 +117,32 @@ class ProgramsRun:
     programs that ran in the window alone."""
 
     def __init__(self, runner):
-        self.runner, self.keys, self.recording = runner, set(), False
+        self.runner, self.batches, self.recording = runner, {}, False
         run = runner._run
 
         def _run(key, db):
             if self.recording:
-                self.keys.add(key)
+                self.batches.setdefault(key, db)
             return run(key, db)
 
         runner._run = _run
 
     def start(self) -> None:
-        self.keys, self.recording = set(), True
+        self.batches, self.recording = {}, True
 
-    def stop(self) -> list[str]:
-        """The texts of the programs run since start()."""
+    def stop(self) -> dict:
+        """The variants run since start(), each with a batch of its shape."""
         self.recording = False
-        return [self.runner.ready[k].as_text() for k in self.keys if k in self.runner.ready]
+        return self.batches
+
+    def texts(self, batches: dict) -> list[str]:
+        """The optimized HLO of each variant in `batches`. One compiled in the background has its
+        executable at hand; one that ran through `jit` is compiled again from the same lowering (the
+        names of its ops, a fused decode loop's included, are the ones its trace shows), outside
+        the timed rounds."""
+        runner = self.runner
+        return [runner.ready[key].as_text() if key in runner.ready
+                else runner._lower(key, db, runner._specs()).compile().as_text() for key, db in batches.items()]
 
 
 class PrefillWindow:
@@ -144,7 +153,7 @@ class PrefillWindow:
 
     def __init__(self, engine, probe, directory: str, calls: int, programs: ProgramsRun):
         self.engine, self.probe, self.directory, self.calls = engine, probe, directory, calls
-        self.programs, self.texts = programs, []  # texts: the programs the traced calls ran
+        self.programs, self.run = programs, {}  # the variants the traced calls ran (ProgramsRun.stop)
         self.tracing = False
         self.done = False
         self.calls_before = probe.prefill.calls  # the timed rounds' (the probe counts on)
@@ -178,7 +187,7 @@ class PrefillWindow:
         if self.tracing:
             _settle(self.engine)
             jax.profiler.stop_trace()
-            self.texts = self.programs.stop()
+            self.run = self.programs.stop()
             self.tracing, self.done = False, True
 
     def why_not(self) -> str:
@@ -203,7 +212,7 @@ def op_targets(texts) -> dict[str, str]:
     is left out where they are not."""
     found: dict[str, set[str]] = {}
     for text in texts:
-        for name, target in re.findall(r'%([\w.\-]+) = [^\n]*?custom_call_target="([^"]+)"', text):
+        for name, target in re.findall(r'%?([\w.\-]+) = [^\n]*?custom_call_target="([^"]+)"', text):
             found.setdefault(name, set()).add(target)
     return {name: "|".join(sorted(ts)) for name, ts in found.items() if len({kind(t) for t in ts}) == 1}
 
