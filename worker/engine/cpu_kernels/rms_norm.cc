@@ -27,11 +27,7 @@ namespace {
 
 using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store;
 
-// A work item is at least kValuesPerItem values (128 KiB of x) and 16 rows. A call with fewer runs
-// on the calling thread alone: waking a pool thread costs more than it saves. Against items of 16
-// rows (session 41, in one process): the demo's 64 decode rows of 256 1.26-1.36x faster, its 931
-// prefill rows 1.30-1.50x, llama-100m's 768 1.03-1.15x; 4096 wide, the same 16-row items as before.
-constexpr int64_t kValuesPerItem = 32 * 1024;
+constexpr int64_t kRowsPerItem = 16;  // rows per work item: 64 decode rows are 4 items
 
 // out = w * (x * rsqrt(mean(x^2) + eps)) for one row of h values
 inline void norm_row(const float* x, const float* w, int64_t h, float eps, float* out) {
@@ -59,9 +55,8 @@ inline void norm_row(const float* x, const float* w, int64_t h, float eps, float
 // rows [0, m) of x (+ y into `sum` first when y is given) normalised into `out`
 void norm_rows(ffi::ThreadPool& pool, const float* x, const float* y, const float* w, float eps, int64_t m,
                int64_t h, float* sum, float* out) {
-  const int64_t per_item = std::max<int64_t>(16, kValuesPerItem / std::max<int64_t>(h, 1));  // rows an item
-  redjax::run_on_pool(pool, (m + per_item - 1) / per_item, [=](int64_t item) {
-    for (int64_t r = item * per_item; r < std::min(m, (item + 1) * per_item); ++r) {
+  redjax::run_on_pool(pool, (m + kRowsPerItem - 1) / kRowsPerItem, [=](int64_t item) {
+    for (int64_t r = item * kRowsPerItem; r < std::min(m, (item + 1) * kRowsPerItem); ++r) {
       const float* row = x + r * h;
       if (y != nullptr) {
         float* s = sum + r * h;

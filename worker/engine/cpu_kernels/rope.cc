@@ -26,11 +26,7 @@ namespace {
 
 using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store;
 
-// A work item is at least kValuesPerItem values (128 KiB of x) and 16 tokens; a call with fewer
-// runs on the calling thread alone, as in rms_norm.cc. Against items of 16 tokens (session 41):
-// the demo's 64 decode rows of q (8 heads of 32) 1.13-1.38x faster, of k (4 heads) 1.33-1.47x,
-// 931 prefill rows of q 1.29-1.50x.
-constexpr int64_t kValuesPerItem = 32 * 1024;
+constexpr int64_t kTokensPerItem = 16;
 
 inline void rotate(const float* x, const float* c, const float* s, int64_t d, float* out) {
   const int64_t half = d / 2;
@@ -53,9 +49,8 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t tokens = xd[0], heads = xd[1], d = xd[2];
   const float *xs = x.typed_data(), *cs = cos.typed_data(), *ss = sin.typed_data();
   float* o = out->typed_data();
-  const int64_t per_item = std::max<int64_t>(16, kValuesPerItem / std::max<int64_t>(heads * d, 1));  // tokens an item
-  redjax::run_on_pool(pool, (tokens + per_item - 1) / per_item, [=](int64_t item) {
-    for (int64_t t = item * per_item; t < std::min(tokens, (item + 1) * per_item); ++t)
+  redjax::run_on_pool(pool, (tokens + kTokensPerItem - 1) / kTokensPerItem, [=](int64_t item) {
+    for (int64_t t = item * kTokensPerItem; t < std::min(tokens, (item + 1) * kTokensPerItem); ++t)
       for (int64_t n = 0; n < heads; ++n)
         rotate(xs + (t * heads + n) * d, cs + t * d, ss + t * d, d, o + (t * heads + n) * d);
   });

@@ -229,12 +229,7 @@ ffi::Error SamplingArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits
     std::fill(out, out + rows, 0);
     return ffi::Error::Success();
   }
-  // rows of 32 Ki logits or more are an item each, shorter ones go in blocks that long (the demo's
-  // 64 rows of 4096: 1.04x against an item a row)
-  const int64_t per_item = std::max<int64_t>(1, 32 * 1024 / v);  // rows an item
-  redjax::run_on_pool(pool, (rows + per_item - 1) / per_item, [=](int64_t item) {
-    for (int64_t r = item * per_item; r < std::min(rows, (item + 1) * per_item); ++r) out[r] = row_argmax(x + r * v, v);
-  });
+  redjax::run_on_pool(pool, rows, [=](int64_t r) { out[r] = row_argmax(x + r * v, v); });
   return ffi::Error::Success();
 }
 
