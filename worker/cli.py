@@ -161,8 +161,12 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: the offline engine, a serving endpoint, the stack against the engine, "
                                      "one layer's decode attention, or a compiled step's launch")
-    p.add_argument("mode", choices=["offline", "serve", "stack", "attention", "launch"])
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("mode", choices=["offline", "serve", "stack", "attention", "launch"],
+                   help="offline: engine throughput (--compare hf: against transformers); serve: a load generator "
+                        "against any OpenAI-compatible URL; stack: serving against offline, alternating; attention: "
+                        "one layer's decode attention; launch: what a step's launch costs")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="...",
+                   help="the mode's own options: redjax bench MODE --help")
     return top
 
 
