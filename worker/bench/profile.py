@@ -212,7 +212,7 @@ def op_targets(texts) -> dict[str, str]:
     is left out where they are not."""
     found: dict[str, set[str]] = {}
     for text in texts:
-        for name, target in re.findall(r'%?([\w.\-]+) = [^\n]*?custom_call_target="([^"]+)"', text):
+        for name, target in re.findall(r'%([\w.\-]+) = [^\n]*?custom_call_target="([^"]+)"', text):
             found.setdefault(name, set()).add(target)
     return {name: "|".join(sorted(ts)) for name, ts in found.items() if len({kind(t) for t in ts}) == 1}
 
