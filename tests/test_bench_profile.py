@@ -33,6 +33,10 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     names = {r["name"] for r in p["top"]}
     # decode steps write each row's new key and value in the attention call (one call a layer)
     assert {"redjax_paged_attention_write", "redjax_panel_matmul"} <= names, names
+    # the host side of the traced launches: the runner's call, by the events inside it
+    launch = p["launch"]
+    assert launch["calls"] >= 1 and launch["ms_per_call"] > 0 and launch["self"]
+    assert all(0 < r["total_ms_per_call"] <= launch["ms_per_call"] * (1 + 1e-9) for r in launch["self"])
     assert not any("kv_write" in name for name in names), names
     # 2 layers of 7 projections and the output head: the traced steps are whole decode steps
     # (within 2 %: the window may cut a step between its attention and its products)

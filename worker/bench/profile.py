@@ -29,6 +29,9 @@ from pathlib import Path
 
 import jax
 
+from worker.bench.launch_trace import launch_breakdown
+from worker.bench.launch_trace import lines as launch_lines
+
 # a kernel's kind: the first whose words appear in its lowercased name
 KINDS = (
     ("attention", ("attention",)),
@@ -235,7 +238,8 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict
     count in proportion); else `decode_steps`, the steps of the calls read back in the window."""
     with gzip.open(trace, "rt") as f:
         data = json.load(f)
-    ops, intervals = op_events(data["traceEvents"] if isinstance(data, dict) else data, targets or {})
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    ops, intervals = op_events(events, targets or {})
     total = sum(us for us, _ in ops.values()) or 1.0
     by_kind: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for name, (us, calls) in ops.items():
@@ -250,6 +254,9 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict
 
     top = sorted(ops.items(), key=lambda item: -item[1][0])[:TOP]
     span, busy, short, long, long_count = busy_time(intervals)
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    launch = launch_breakdown(events, threads)
     return {
         "trace": str(trace), "decode_steps": steps, "steps_from": "attention kernels" if counted else "engine",
         "device_ms_per_step": total / 1e3 / steps,
@@ -258,6 +265,7 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict
         "long_gaps": long_count,
         "by_kind": {k: row(*v) for k, v in sorted(by_kind.items(), key=lambda item: -item[1][0])},
         "top": [{"name": name, "kind": kind(name), **row(*v)} for name, v in top],
+        **({"launch": launch} if launch else {}),
     }
 
 
@@ -341,4 +349,6 @@ def _kernels(summary: dict, unit: str) -> list[str]:
     for r in summary["top"]:
         lines.append(f"  {r['ms_per_step']:>8.3f} ms {r['share']:>6.1%} {r['calls_per_step']:>6.1f}/{unit:<4}  "
                      f"{r['kind']:<9} {r['name'][:80]}")
+    if "launch" in summary:
+        lines += launch_lines(summary["launch"], "call")
     return lines
