@@ -4,8 +4,9 @@
 #   scripts/gpu_bench.sh RUN... [--out OUTDIR] [--cache-in DIR] [--cache-out] [--autotune-out]
 #
 # Runs, in the order given:
-#   check          the machine (nvidia-smi, jax's devices) and tests/test_gpu_attention.py (the
-#                  compiled Pallas kernel against the reference)
+#   check          the machine (nvidia-smi, jax's devices), tests/test_gpu_attention.py and
+#                  tests/test_gpu_prefill.py (the compiled Pallas decode and prefill kernels against
+#                  the reference)
 #   attention      `bench attention`: one layer's decode attention at 64 x 1552 tokens, jnp, JAX's
 #                  own Pallas kernel and a sweep of the kernel's work splits, and its prefill
 #                  attention (2 rows x 512 tokens) through the reference and the Pallas prefill
@@ -151,7 +152,8 @@ for run in "${runs[@]}"; do
         "$python" -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
       } >>"$log" 2>&1
       tail -3 "$log"
-      timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py >>"$log" 2>&1
+      timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_gpu_prefill.py \
+        >>"$log" 2>&1
       say "check: GPU attention tests exit $? ($(tail -1 "$log"))"
       ;;
     attention)

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from worker.engine.config import MAX_AUTO_DECODE_STEPS
+
 DEMO_MODEL = Path(__file__).parent / "demo_model"
 
 
@@ -35,9 +37,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV page dtype (default: the compute dtype); bfloat16 halves KV memory and traffic")
     g.add_argument("--decode-steps", type=_decode_steps,
                    help="decode steps fused per call when nothing waits: a number, or auto (default): as many "
-                        "as one call runs in --decode-window-ms, timed at warm-up")
+                        f"as one call runs in --decode-window-ms, timed at warm-up, at most {MAX_AUTO_DECODE_STEPS}")
     g.add_argument("--decode-window-ms", type=float,
-                   help="auto decode steps: the longest one fused call should take (default 100)")
+                   help="auto decode steps: the longest one fused call should take (default 100); a longer "
+                        f"window fuses no more than {MAX_AUTO_DECODE_STEPS} steps (give --decode-steps a number for more)")
     g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
                    help="read each step back before dispatching the next")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)

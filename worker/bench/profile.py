@@ -86,7 +86,7 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
                 for request_id in outputs:  # the rest of the round tells nothing new (device time is scarce)
                     engine.abort(request_id)
         elif traced == 0 and pure_in_a_row >= 2 and not prefill.tracing:
-            jax.profiler.start_trace(str(Path(directory) / "decode"), create_perfetto_trace=True)
+            start_trace(str(Path(directory) / "decode"))
             tracing, steps0 = True, probe.decode.decode_steps
             programs.start()
     prefill.close()
@@ -104,6 +104,14 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
     else:
         report["prefill_error"] = prefill.why_not()
     return report
+
+
+def start_trace(directory: str) -> None:
+    """The JAX profiler on, with Python's frames traced on the host (the launch breakdown reads
+    the runner's `_run` among them), whatever the profiler's default."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 1
+    jax.profiler.start_trace(directory, create_perfetto_trace=True, profiler_options=options)
 
 
 def _settle(engine) -> None:
@@ -172,7 +180,7 @@ class PrefillWindow:
             self.close()
         elif not self.tracing and not self.done and self.probe.prefill.calls > self.calls_before and self._prompts_left():
             _settle(self.engine)
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            start_trace(self.directory)
             self.programs.start()
             self.tracing = True
 
