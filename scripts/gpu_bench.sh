@@ -123,7 +123,13 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 line = (f"{sys.argv[2]}: {r['output_tokens_per_s']:.0f} output tok/s, {r['roofline_fraction']:.2f}x the roofline, decode {r['decode_step_ms']:.2f} ms/step "
         f"at {r['decode_roofline_fraction']:.0%} of the roofline (batch {r['decode_mean_batch']:.0f}), "
-        f"prefill {r['prefill_roofline_fraction']:.0%}, host {r['host_fraction']:.0%}; "
+        f"prefill {r['prefill_roofline_fraction']:.0%}, host {r['host_fraction']:.0%}")
+d = r["decode_phase"]
+if d["calls"]:  # the host's decode share and where it goes, per call (the host target's figure)
+    line += (f" (decode {r['decode_host_fraction']:.1%}: per call " + ", ".join(
+        f"{part} {d[part + '_s'] / d['calls'] * 1e3:.2f}" for part in ("schedule", "build", "launch", "postprocess"))
+        + f" ms of {d['wall_s'] / d['calls'] * 1e3:.1f})")
+line += (f"; "
         f"attention {r['attention']} {r['engine'].get('pallas_tuning') or 'default'}"
         f"{', prefill kernel' if r['engine'].get('pallas_prefill') else ''}, {r['compiles_during_run']} compiles during the run; "
         f"{r['startup']['variants_compiled_ahead']} variants compiled ahead in {r['startup']['compile_ahead_s']:.0f} s")

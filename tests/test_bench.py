@@ -328,6 +328,10 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
         assert report["attention"] == attention
         assert f"{report['output_tokens_per_s']:.0f} output tok/s" in line
         assert f"{report['startup']['variants_compiled_ahead']} variants compiled ahead in " in line
+        d = report["decode_phase"]  # the host's decode share, split per call as the probe splits it
+        assert (f"(decode {report['decode_host_fraction']:.1%}: per call schedule "
+                f"{d['schedule_s'] / d['calls'] * 1e3:.2f}, build ") in line
+        assert re.search(r"launch [\d.]+, postprocess [\d.]+ ms of [\d.]+\); attention ", line), line
     # the kernel on a machine without a GPU: that run fails with the engine's reason, the next goes on
     done = script("1024-128", "1024-1024-jnp", "--out", str(tmp_path / "b"), ATTENTION="pallas", PALLAS_PREFILL="1",
                   BENCH_FLAGS="--compile-threads 1 --max-num-seqs 32")  # more flags for every run
