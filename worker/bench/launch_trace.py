@@ -21,9 +21,15 @@ RUN = re.compile(r"runner\.py:\d+ _run$")  # the Python tracer's name for `Model
 TOP = 12  # events listed by self time; other threads' by time inside the launches
 
 
+def family(name: str) -> str:
+    """An op's name without XLA's numbering ("fusion.12", "loop_add_fusion_3" -> "fusion",
+    "loop_add_fusion"): one layer's instance of an op is summed with the other layers'."""
+    return re.sub(r"([._]\d+)+$", "", name)
+
+
 def _name(name: str) -> str:
-    """An event's name without XLA's numbering ("fusion.12" -> "fusion"); Python frames as they are."""
-    return name if name.startswith("$") else re.sub(r"([._]\d+)+$", "", name)
+    """An event's family; Python frames (`$file:line function`) as they are."""
+    return name if name.startswith("$") else family(name)
 
 
 def launch_breakdown(events: list[dict], threads: dict[tuple, str]) -> dict | None:

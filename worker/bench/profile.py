@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jax
 
-from worker.bench.launch_trace import launch_breakdown
+from worker.bench.launch_trace import family, launch_breakdown
 from worker.bench.launch_trace import lines as launch_lines
 
 # a kernel's kind: the first whose words appear in its lowercased name
@@ -45,12 +45,6 @@ HOST_NOISE = ("threadpool", "await", "end: ", "thunkexecutor", "execute")
 # steps) shows it as one event around the ops of the iterations it ran, which count on their own
 CONTAINERS = ("while", "conditional", "call")
 TOP = 15  # kernels listed by name; the rest are summed into their kinds only
-
-
-def family(name: str) -> str:
-    """An op's name without XLA's numbering ("fusion.12", "loop_add_fusion_3" -> "fusion",
-    "loop_add_fusion"): one layer's instance of an op is summed with the other layers'."""
-    return re.sub(r"([._]\d+)+$", "", name)
 
 
 def kind(name: str) -> str:
