@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,11 +24,14 @@ def test_launch_rows_grow_each_argument_kind_to_the_engines_count():
     report = json.loads(out)
     rows = report["results"]
     assert [(r["name"], r["weights"], r["pages"], r["host"]) for r in rows] == [tuple(row) for row in launch.ROWS]
-    assert rows[-2]["weights"] == 291 and rows[-2]["pages"] == 64 and rows[-2]["host"] == 26
-    assert (rows[-1]["weights"], rows[-1]["pages"], rows[-1]["host"]) == (291, 64, 1)  # the batch packed
+    by_name = {r["name"]: (r["weights"], r["pages"], r["host"]) for r in rows}
+    assert by_name["all, batch unpacked"] == (291, 64, 26)
+    assert by_name["all, as the engine"] == by_name[launch.BUSY_ROW] == (291, 64, 1)  # the batch packed
     for r in rows:
         assert 0 < r["min_us"] <= r["median_us"], r
-    assert "us_per_added_argument" not in rows[0] and all("us_per_added_argument" in r for r in rows[1:])
+    # each row but the first adds arguments to it, except the busy one: the row before it, busy
+    assert "us_per_added_argument" not in rows[0] and rows[-1]["name"] == launch.BUSY_ROW
+    assert "us_per_added_argument" not in rows[-1] and all("us_per_added_argument" in r for r in rows[1:-1])
     base = rows[0]["median_us"]
     assert rows[1]["us_per_added_argument"] == pytest.approx((rows[1]["median_us"] - base) / 290)
 
@@ -43,6 +47,20 @@ def test_the_stand_in_step_reads_every_argument_and_updates_every_page():
     new_pages, s = launch._step(weights, pages, host)
     assert float(s) == 2 + 3 + 4 + 5
     assert [float(p[0, 0]) for p in new_pages] == [14.0, 15.0] and all(p.dtype == jnp.bfloat16 for p in new_pages)
+
+
+def test_a_busy_launch_takes_the_running_calls_output():
+    """The busy row's stand-in takes the output of the call in front of it (pending when launched),
+    as the engine's step takes the previous step's tokens; it still reads every argument."""
+    weights = (jnp.full((16, 16), 2.0, jnp.bfloat16),)
+    pages = (jnp.zeros((16, 16), jnp.bfloat16),)
+    _, s = launch._step(weights, pages, (np.full(16, 4, np.int32),), (jnp.full(16, 7, jnp.int32),))
+    assert float(s) == 2 + 4 + 7
+    hog, x = launch.busy_call(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    y, tokens = hog(x)
+    assert y.shape == x.shape and tokens.shape == (16,) and tokens.dtype == jnp.int32
+    times = launch.launch_us(3, 2, 1, repeats=4, busy=True)
+    assert len(times) == 4 and min(times) > 0
 
 
 def test_launch_refuses_no_repeats():

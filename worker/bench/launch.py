@@ -8,7 +8,11 @@ over issue 7's 10 % host target), against ~1.5 ms for the same number of arrays 
 project's CPUs. This bench times the launch alone, with the device idle and each argument tiny,
 so the figure is the runtime's cost per argument: a call with one of each kind, then with each
 kind grown to the engine's count, then all together, with the batch as 26 host arrays and as the
-engine now hands it, one. The rows say which kind to cut.
+engine now hands it, one. The rows say which kind to cut. The last row launches the engine's
+arguments as the engine does, behind a call that keeps the device busy (~5 ms of square products)
+and taking that call's output, as a step takes the previous step's tokens: on an H200 the engine's
+own launch took ~7 ms against this bench's ~1.2 ms idle (session 42), and the row says whether a
+busy device is the difference.
 
 Each row: microseconds from the call to its return (the asynchronous launch; the outputs are waited
 for before the next call), the median and the minimum of `--repeats` calls, and the microseconds
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -28,28 +34,56 @@ import numpy as np
 from worker.bench import roofline
 
 ENGINE = (291, 64, 26)  # llama3-8b's step: weight arrays, page arrays (donated), host arrays unpacked
-# (name, weight arrays, page arrays, host arrays) of each row
+BUSY_ROW = "all, as the engine, device busy"
+# (name, weight arrays, page arrays, host arrays) of each row; the last launches as the engine does,
+# behind a call still running whose output it takes (the engine's previous step and its tokens)
 ROWS = (("one of each", 1, 1, 1), ("weights", ENGINE[0], 1, 1), ("pages, donated", 1, ENGINE[1], 1),
-        ("host arrays", 1, 1, ENGINE[2]), ("all, batch unpacked", *ENGINE), ("all, as the engine", *ENGINE[:2], 1))
+        ("host arrays", 1, 1, ENGINE[2]), ("all, batch unpacked", *ENGINE), ("all, as the engine", *ENGINE[:2], 1),
+        (BUSY_ROW, *ENGINE[:2], 1))
+BUSY_S = 0.005  # how long the call in front of each busy launch runs, at least
 
 
-def _step(weights: tuple, pages: tuple, host: tuple):
+def _step(weights: tuple, pages: tuple, host: tuple, pending: tuple = ()):
     """A stand-in for the engine's step: reads every argument, updates every page array."""
-    s = sum(w[0, 0] for w in weights) + sum(h[0] for h in host).astype(jnp.float32)
+    s = sum(w[0, 0] for w in weights) + sum(h[0] for h in (*host, *pending)).astype(jnp.float32)
     return tuple((p + s).astype(p.dtype) for p in pages), s
 
 
-def launch_us(weights: int, pages: int, host: int, repeats: int) -> list[float]:
-    """Microseconds each of `repeats` launches took, with the device idle before each."""
+def busy_call(device) -> tuple:
+    """(call, x): `call(x) -> (x, i32[16])` keeps the device busy for at least BUSY_S, products of
+    square matrices in a loop of fixed length (no host round trip between iterations)."""
+    n = 512 if jax.default_backend() == "cpu" else 4096
+    x = jax.device_put(jnp.full((n, n), 1e-3, jnp.float32), device)
+
+    def work(x, loops: int):  # x f32[n, n]
+        x = jax.lax.fori_loop(0, loops, lambda i, y: jnp.tanh(y @ y), x)
+        return x, (x[0, :16] * 1e3).astype(jnp.int32)
+
+    once = jax.jit(partial(work, loops=1))
+    jax.block_until_ready(once(x))
+    t = time.perf_counter()
+    jax.block_until_ready(once(x))
+    loops = max(1, math.ceil(BUSY_S / max(time.perf_counter() - t, 1e-6)))
+    return jax.jit(partial(work, loops=loops)), x
+
+
+def launch_us(weights: int, pages: int, host: int, repeats: int, busy: bool = False) -> list[float]:
+    """Microseconds each of `repeats` launches took: with the device idle before each, or (`busy`)
+    right behind a call that keeps it busy, whose output the launch takes as an argument."""
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     ws = tuple(jax.device_put(jnp.ones((16, 16), jnp.bfloat16), device) for _ in range(weights))
     ps = tuple(jax.device_put(jnp.zeros((16, 16), jnp.bfloat16), device) for _ in range(pages))
     hs = tuple(np.ones(16, np.int32) for _ in range(host))
-    step = jax.jit(_step, donate_argnums=(1,)).lower(ws, ps, hs).compile()
+    hog, x = busy_call(device) if busy else (None, None)
+    pending = (jax.device_put(np.ones(16, np.int32), device),) if busy else ()
+    step = jax.jit(_step, donate_argnums=(1,)).lower(ws, ps, hs, pending).compile()
     times = []
     for _ in range(repeats + 3):  # the first calls warm the runtime's caches
+        if busy:
+            x, tokens = hog(x)  # launched, not waited for
+            pending = (tokens,)
         t = time.perf_counter()
-        ps, s = step(ws, ps, hs)
+        ps, s = step(ws, ps, hs, pending)
         times.append((time.perf_counter() - t) * 1e6)
         jax.block_until_ready((ps, s))
     return times[3:]
@@ -70,18 +104,21 @@ def run(argv: list[str]) -> int:
         p.error("--repeats must be at least 1")
     rows = []
     for name, weights, pages, host in ROWS:
-        times = launch_us(weights, pages, host, args.repeats)
+        times = launch_us(weights, pages, host, args.repeats, busy=name == BUSY_ROW)
         rows.append({"name": name, "weights": weights, "pages": pages, "host": host,
                      "median_us": float(np.median(times)), "min_us": float(min(times))})
     base = rows[0]
     for row in rows[1:]:
+        if row["name"] == BUSY_ROW:  # the row before it in another state, not more arguments
+            continue
         added = row["weights"] + row["pages"] + row["host"] - 3
         row["us_per_added_argument"] = (row["median_us"] - base["median_us"]) / added
     report = {"device_name": roofline.device_name(), "repeats": args.repeats, "results": rows}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"launch of a compiled step on {report['device_name']} ({args.repeats} calls a row, the device idle)")
+    print(f"launch of a compiled step on {report['device_name']} ({args.repeats} calls a row, the device idle "
+          "but in the last)")
     for row in rows:
         extra = f", {row['us_per_added_argument']:.2f} us per added argument" if "us_per_added_argument" in row else ""
         print(f"  {row['name']:<20} {row['weights']:>3} weights, {row['pages']:>2} pages, {row['host']:>2} host arrays: "
