@@ -103,8 +103,11 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
 def start_trace(directory: str) -> None:
     """The JAX profiler on, with Python's frames traced on the host (the launch breakdown reads
     the runner's `_run` among them), whatever the profiler's default."""
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 1
+    try:
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 1
+    except (AttributeError, TypeError):  # a profiler without these options: its defaults (frames on in jax 0.10)
+        options = None
     jax.profiler.start_trace(directory, create_perfetto_trace=True, profiler_options=options)
 
 
