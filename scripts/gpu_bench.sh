@@ -128,6 +128,7 @@ d = r["decode_phase"]
 if d["calls"]:  # the host's decode share and where it goes, per call (the host target's figure)
     line += (f" (decode {r['decode_host_fraction']:.1%}: per call " + ", ".join(
         f"{part} {d[part + '_s'] / d['calls'] * 1e3:.2f}" for part in ("schedule", "build", "launch", "postprocess"))
+        + (f", launch thread {d['launch_thread_s'] / d['calls'] * 1e3:.2f}" if d.get("launch_thread_s") else "")
         + f" ms of {d['wall_s'] / d['calls'] * 1e3:.1f})")
 line += (f"; "
         f"attention {r['attention']} {r['engine'].get('pallas_tuning') or 'default'}"

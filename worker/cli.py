@@ -43,6 +43,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         f"window fuses no more than {MAX_AUTO_DECODE_STEPS} steps (give --decode-steps a number for more)")
     g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
                    help="read each step back before dispatching the next")
+    g.add_argument("--launch-thread", action="store_const", const=True,
+                   help="launch each step from a helper thread while the engine thread reads back and schedules "
+                        "(for accelerators, where a launch costs the host milliseconds)")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
     g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
     g.add_argument("--attention", choices=["auto", "kernel", "pallas", "jnp"],
@@ -65,7 +68,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
-               "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "enable_prefix_cache", "tensor_parallel",
+               "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "launch_thread", "enable_prefix_cache", "tensor_parallel",
                "attention", "matmul", "sampler", "compile_threads", "pallas_tuning", "pallas_prefill")
 
 
@@ -106,7 +109,7 @@ def engine_argv(overrides: dict) -> list[str]:
     for key, value in overrides.items():
         if isinstance(value, bool):  # a flag that gives the value other than the default
             flag = {("async_overlap", False): "--no-async-overlap", ("enable_prefix_cache", False): "--no-prefix-cache",
-                    ("pallas_prefill", True): "--pallas-prefill"}.get((key, value))
+                    ("pallas_prefill", True): "--pallas-prefill", ("launch_thread", True): "--launch-thread"}.get((key, value))
             if flag:
                 argv.append(flag)
         else:

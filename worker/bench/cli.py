@@ -199,6 +199,8 @@ def _host_parts(phase: dict) -> str:
     calls = max(phase["calls"], 1)
     parts = ", ".join(f"{part} {phase[part + '_s'] / calls * 1e3:.2f}" for part in ("schedule", "build", "launch",
                                                                                    "postprocess"))
+    if phase.get("launch_thread_s"):  # --launch-thread: the launches ran beside the engine thread
+        parts += f"; on the launch thread {phase['launch_thread_s'] / calls * 1e3:.2f}"
     return f"per call, ms: {parts}"
 
 

@@ -13,10 +13,13 @@ attributed to the batch it reads back (the first call, reading nothing, to the o
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
 import jax
+
+from worker.engine.runner import landed
 
 
 @dataclass
@@ -29,6 +32,7 @@ class PhaseTimes:
     schedule_s: float = 0.0  # the scheduler's decisions
     build_s: float = 0.0  # the device batch's inputs (dispatch less its launch)
     launch_s: float = 0.0  # the jitted step's call (argument handling, the asynchronous launch)
+    launch_thread_s: float = 0.0  # the same on the engine's launch thread (launch_thread): not in host_s
     postprocess_s: float = 0.0  # tokens read back, detokenized, stop checks, outputs
     wait_s: float = 0.0  # blocked on the device
     decode_steps: int = 0  # fused steps count each
@@ -51,6 +55,8 @@ class StepProbe:
     _wait: float = 0.0
     _scheduled: object = None
     _read_back: object = None
+    _stepping: int | None = None  # the thread running step()
+    _off_thread: list = field(default_factory=list)  # seconds of launches on the launch thread, not yet counted
 
     def install(self, engine) -> "StepProbe":
         schedule, dispatch, postprocess = engine.scheduler.schedule, engine.runner.dispatch, engine._postprocess
@@ -76,13 +82,18 @@ class StepProbe:
             t0 = time.perf_counter()
             out = launch(*args)
             seconds = time.perf_counter() - t0
+            if threading.get_ident() != self._stepping:  # the launch thread: counted once read back
+                self._off_thread.append(seconds)
+                return out
             self._count("launch", seconds)
             self._count("build", -seconds)
             return out
 
         def timed_postprocess(flight):
             t0 = time.perf_counter()
-            jax.block_until_ready(flight.out)
+            jax.block_until_ready(landed(flight.out))  # with a launch thread, its call has returned
+            while self._off_thread:
+                self._count("launch_thread", self._off_thread.pop(0))
             t1 = time.perf_counter()
             out = postprocess(flight)
             self._wait += t1 - t0
@@ -108,6 +119,7 @@ class StepProbe:
         """One engine.step(), timed and attributed."""
         self._parts, self._wait = {}, 0.0
         self._scheduled = self._read_back = None
+        self._stepping = threading.get_ident()
         t0 = time.perf_counter()
         outputs = engine.step()
         wall = time.perf_counter() - t0
@@ -122,7 +134,7 @@ class StepProbe:
         phase.wall_s += wall
         for part, seconds in self._parts.items():
             setattr(phase, f"{part}_s", getattr(phase, f"{part}_s") + seconds)
-            phase.host_s += seconds
+            phase.host_s += 0.0 if part == "launch_thread" else seconds  # the engine thread's time only
         phase.wait_s += self._wait
         if not counted:  # the same batch is counted when it is read back
             return

@@ -30,6 +30,7 @@ from pathlib import Path
 import jax
 
 from worker.bench.launch_trace import family, launch_breakdown
+from worker.engine.runner import landed
 from worker.bench.launch_trace import lines as launch_lines
 
 # a kernel's kind: the first whose words appear in its lowercased name
@@ -115,7 +116,7 @@ def _settle(engine) -> None:
     """Wait for the step in flight, so a trace starts or ends on the device's call boundary."""
     flight = getattr(engine, "_inflight", None)
     if flight is not None:
-        jax.block_until_ready(flight.out)
+        jax.block_until_ready(landed(flight.out))
 
 
 class ProgramsRun:

@@ -30,6 +30,9 @@ class EngineConfig:
     # request that arrives during a call waits for its end, and streams get their text this far apart;
     # 100 ms is about where a pause starts to be noticed
     async_overlap: bool = True  # dispatch step k+1 before reading back step k
+    launch_thread: bool = False  # launch each step's jitted call from a helper thread, while the engine
+    # thread reads back the step before and schedules the next: on an H200 a launch held the engine
+    # thread 5.8-7.8 ms (session 42), ~1.2 ms of it for the arguments. Off until a GPU measures it
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
     kv_cache_dtype: str | None = None  # KV page dtype ("float32", "bfloat16"); None: the compute dtype.

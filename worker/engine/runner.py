@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from typing import Any
@@ -77,13 +77,13 @@ class InFlight:
     rows: list  # ScheduledChunk per sampled row, in row order
     starts: list[int]  # index in T of the first token of each row's chunk
     shape: StepShape
-    out: StepOutput
+    out: StepOutput | Future  # a Future with a launch thread (`landed` waits for its call to return)
 
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
                  attention: AttentionOps = JNP, fixed_pages: int | None = None,
-                 sampling_kernels: SamplingKernels | None = None):
+                 sampling_kernels: SamplingKernels | None = None, launch_thread: bool = False):
         self.graphdef, state = nnx.split(model)
         # a flat tuple of arrays: jit flattens an nnx.State through Python callbacks on every call
         # (~0.3 ms for 110 leaves), a tuple in C++
@@ -117,6 +117,9 @@ class ModelRunner:
         self.fixed_pages = fixed_pages  # page-table width of every step (None: bucketed to the batch)
         # the graph definition is bound once: hashing it as a static argument on every call costs ms
         self._step = _jitted_step(self.graphdef, self.param_def, attention, sampling_kernels)
+        # EngineConfig.launch_thread: each step's call runs on this one thread, in dispatch order, while
+        # the engine thread reads back the step before and schedules the next
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="redjax-launch") if launch_thread else None
 
     def model(self):
         """The model module over the runner's weights (shared arrays, no copy)."""
@@ -147,13 +150,20 @@ class ModelRunner:
             if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
                 wanted, self._compile_next = self._compile_next, None
                 self._compile_in_background(wanted, build_batch(*args)[0])
-            out = self._run(key, db)
+            out = self._launch(key, db)
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, starts, shape, out)
 
     def waits(self, chunk: ScheduledChunk) -> bool:
         """Whether `chunk` is one the last `PromptsWait` held back."""
         return needs_arrays(chunk.seq.params) if self.wait_sampler else chunk.num_tokens > 1
+
+    def _launch(self, key: tuple, db: DeviceBatch) -> StepOutput | Future:
+        """The step's call; with a launch thread, its future there: the calls run one after another
+        in dispatch order, each taking the pages and tokens the one before left."""
+        if self._launcher is None:
+            return self._run(key, db)
+        return self._launcher.submit(lambda: self._run(key, db))  # `_run` as wrapped by then (bench probes)
 
     def _run(self, key: tuple, db: DeviceBatch) -> StepOutput:
         ready = self.ready.get(key)
@@ -431,10 +441,17 @@ def _no_prompt(flags: SamplerFlags):
     return jnp.zeros((0,)), jnp.zeros((0, flags.num_logprobs), jnp.int32), jnp.zeros((0, flags.num_logprobs))
 
 
-def to_host(out: StepOutput, logprobs: bool = True, prompt: bool = True) -> StepOutput:
+def landed(out: StepOutput | Future) -> StepOutput:
+    """A dispatched step's outputs (on the device), once its call has returned them: with a launch
+    thread, the wait for that call (and any error it raised, raised here)."""
+    return out.result() if isinstance(out, Future) else out
+
+
+def to_host(out: StepOutput | Future, logprobs: bool = True, prompt: bool = True) -> StepOutput:
     """Block until the step is done and copy to numpy the results the batch uses: the tokens, the
     sampled logprobs if `logprobs`, the prompt logprobs if `prompt` (the rest are None). Each array
     read back costs ~10 us of host time whatever its size, the host's share of a decode step."""
+    out = landed(out)
     names = ["tokens"]
     names += ["logprobs", "top_ids", "top_logprobs"] if logprobs else []
     names += ["prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs"] if prompt else []
