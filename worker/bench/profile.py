@@ -30,8 +30,8 @@ from pathlib import Path
 import jax
 
 from worker.bench.launch_trace import family, launch_breakdown
-from worker.engine.runner import landed
 from worker.bench.launch_trace import lines as launch_lines
+from worker.engine.runner import landed
 
 # a kernel's kind: the first whose words appear in its lowercased name
 KINDS = (
