@@ -243,10 +243,11 @@ class LLMEngine:
                 continue
             if not chunk.samples:
                 continue
-            steps = range(chunk.num_steps)
-            lps = ([(out.logprobs[k, row], out.top_ids[k, row], out.top_logprobs[k, row]) for k in steps]
-                   if seq.params.logprobs is not None else None)
-            results.append(self._take_tokens(seq, track, tokens_by_row[row][: chunk.num_steps], lps))
+            n, steps = seq.params.logprobs, chunk.num_steps
+            lps = None if n is None else list(zip(
+                out.logprobs[:steps, row].tolist(), out.top_ids[:steps, row, :n].tolist(),
+                out.top_logprobs[:steps, row, :n].tolist()))  # one conversion an array, not one a number
+            results.append(self._take_tokens(seq, track, tokens_by_row[row][:steps], lps))
         return results
 
     def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list | None) -> RequestOutput:
@@ -254,15 +255,14 @@ class LLMEngine:
 
         With stop strings each token's text goes through the stop check on its own; without, the
         text of all of them is decoded at once (one detokenizer call per fused step instead of one
-        per token). `lps`: (logprob, top ids, top logprobs) per token, only when the request asks
-        for logprobs."""
+        per token). `lps`: (logprob, top ids, top logprobs) per token as Python numbers, the top
+        lists cut to the request's `logprobs`, only when the request asks for logprobs."""
         end = self._first_stop(seq, tokens)
         ids = tokens if end is None else tokens[: end + 1]
         logprobs = []
         if lps is not None:
             for token, (lp, top_ids, top_lps) in zip(ids, lps):
-                top = [[int(i), float(x)] for i, x in zip(top_ids, top_lps)][: seq.params.logprobs]
-                logprobs.append({"token_id": token, "logprob": float(lp), "top": top})
+                logprobs.append({"token_id": token, "logprob": lp, "top": [[i, x] for i, x in zip(top_ids, top_lps)]})
         if not seq.params.stop:
             seq.resolve_in_flight(ids)
             reason = None if end is None else self._stop_reason(seq, ids[-1])
@@ -351,17 +351,16 @@ class LLMEngine:
             return
         if not track.prompt_logprobs:
             track.prompt_logprobs.append(None)
-        base = flight.starts[row]
-        n = seq.params.prompt_logprobs
+        n, rows = seq.params.prompt_logprobs, slice(flight.starts[row], flight.starts[row] + chunk.num_tokens)
+        # the chunk's numbers as Python ones, one conversion an array
+        lps, ids, tops = (out.prompt_logprobs[rows].tolist(), out.prompt_top_ids[rows, :n].tolist(),
+                          out.prompt_top_logprobs[rows, :n].tolist())
         for i in range(chunk.num_tokens):
             pos = chunk.start + i
             if pos + 1 >= seq.num_prompt_tokens or len(track.prompt_logprobs) > pos + 1:
                 continue
-            t = base + i
-            top = [[int(a), float(b)] for a, b in zip(out.prompt_top_ids[t], out.prompt_top_logprobs[t])][:n]
-            track.prompt_logprobs.append(
-                {"token_id": seq.prompt_token_ids[pos + 1], "logprob": float(out.prompt_logprobs[t]), "top": top}
-            )
+            top = [[a, b] for a, b in zip(ids[i], tops[i])]
+            track.prompt_logprobs.append({"token_id": seq.prompt_token_ids[pos + 1], "logprob": lps[i], "top": top})
 
     def _take_prompt_logprobs(self, seq: Sequence, track: _Track):
         """Prompt logprobs go out once, with the choice's first output."""
