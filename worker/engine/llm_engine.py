@@ -237,7 +237,7 @@ class LLMEngine:
             seq, track = chunk.seq, self._tracks[chunk.seq.seq_id]
             if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens:
                 self._collect_prompt_logprobs(seq, track, chunk, row, flight, out)
-            if seq.num_output_tokens == 0 and seq.params.max_tokens == 0 and chunk.end >= seq.num_prompt_tokens:
+            if seq.params.max_tokens == 0 and not seq.output_token_ids and chunk.end >= seq.num_prompt_tokens:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
                 results.append(self._finish_output(seq))
                 continue
@@ -333,9 +333,10 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, track: _Track, ids: list[int], text: str, logprobs) -> RequestOutput:
         prompt_lps = self._take_prompt_logprobs(seq, track)
+        done = False
         if seq.is_finished:  # its last output: choices finished together (abort) each still get theirs
             self._tracks.pop(seq.seq_id, None)
-        done = seq.group.is_finished and not any(s.seq_id in self._tracks for s in seq.group.sequences)
+            done = seq.group.is_finished and not any(s.seq_id in self._tracks for s in seq.group.sequences)
         if done:  # the request's last output says so, once
             self._groups.pop(seq.request_id, None)
         return RequestOutput(
