@@ -146,6 +146,30 @@ def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_mode
     assert all(f["output_tokens"] == 4 * 8 and f["greedy_match_fraction"] == 1.0 for f in report["per_round"])
 
 
+def test_offline_logprobs_asks_both_engines_for_them(tiny_model, capsys):
+    """--logprobs N: every engine request asks for its tokens' logprobs and N alternatives, and
+    transformers computes the same (raw logits, log-softmax, top N) in its timed batches; the greedy
+    tokens still agree. Out of range is a usage error."""
+    work = Workload(2, 4, 4, logprobs=3)
+    assert work.params(4, seed=1).logprobs == 3 and Workload(2, 4, 4).params(4, seed=1).logprobs is None
+    code, out = run_bench("offline", "--model", str(tiny_model), *TINY, "--compare", "hf", "--hf-batch-size", "2",
+                          "--logprobs", "3")
+    report = json.loads(out)
+    assert code == 0 and report["sampling"]["logprobs"] == 3 and report["greedy_match_fraction"] == 1.0
+    code, out = run_bench("offline", "--model", str(tiny_model), *TINY[:-1], "--logprobs", "0")
+    assert code == 0 and "greedy, logprobs 0" in out
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("offline", "--model", str(tiny_model), *TINY, "--logprobs", "21")
+    assert exit_.value.code == 2 and "--logprobs must be in [0, 20]" in capsys.readouterr().err
+
+
+def test_hf_baseline_with_logprobs_gives_the_same_tokens(tiny_model):
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    _, plain = run_hf(tiny_model, prompts, 5, 2)
+    _, with_logprobs = run_hf(tiny_model, prompts, 5, 2, logprobs=4)
+    assert with_logprobs == plain and all(len(o) == 5 for o in plain)
+
+
 def test_offline_text_summary(tiny_model):
     code, out = run_bench("offline", "--model", str(tiny_model), *TINY[:-1], "--decode-steps", "1")
     assert code == 0 and "output tokens/s" in out and "host" in out

@@ -229,6 +229,26 @@ def test_serve_sends_the_sampling_flags_with_every_request(stack, tmp_path):
     assert report["sampling"] == {"temperature": 0.9, "top_p": 0.8, "top_k": 5, "min_p": 0.05}
 
 
+def test_serve_logprobs_asks_every_request_for_them(stack, tmp_path):
+    """--logprobs N: completions send logprobs N, chat sends logprobs true and top_logprobs N (the
+    API's two spellings); the server answers them and the report records N."""
+    from worker.bench.prompts import Prompt
+    from worker.bench.serve import Load
+
+    assert "logprobs" not in Load(1).body("m", Prompt("hi", 3))
+    assert Load(1, logprobs=3).body("m", Prompt("hi", 3))["logprobs"] == 3
+    chat = Load(1, logprobs=3, endpoint="chat").body("m", Prompt("hi", 3))
+    assert chat["logprobs"] is True and chat["top_logprobs"] == 3
+    out = tmp_path / "report.json"
+    for endpoint in ("completions", "chat"):
+        code, text = run_bench("serve", "--url", stack, "--num-prompts", "3", "--input-len", "4", "--output-len", "8",
+                               "--endpoint", endpoint, "--logprobs", "2", "--json-out", str(out))
+        assert code == 0, text
+        report = json.loads(out.read_text())
+        check_serve_report(report, 3)
+        assert report["logprobs"] == 2 and report["endpoint"] == endpoint
+
+
 def test_sharegpt_file_gives_each_conversations_first_human_turn(tmp_path):
     from worker.bench.prompts import Prompt, file_prompts
 

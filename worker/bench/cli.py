@@ -12,6 +12,8 @@ import tempfile
 from worker.bench import cpu_usage
 from worker.cli import _engine_flags, _engine_overrides, engine_argv, log_to_stderr, resolve_model
 
+MAX_LOGPROBS = 20  # --logprobs at most: OpenAI's top_logprobs limit, and the engine's default max_logprobs
+
 
 def run(mode: str, argv: list[str]) -> int:
     if mode in ("attention", "launch"):
@@ -43,6 +45,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampled, by both engines")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--logprobs", type=int, metavar="N", help="every request also asks for its tokens' logprobs and "
+                   "the N most likely alternatives (0-20; default: none)")
     p.add_argument("--compare", choices=["hf"], help="also run transformers generate on the same weights and prompts")
     p.add_argument("--hf-batch-size", type=_batch_size, default=None, metavar="N|auto",
                    help="transformers batch size, or auto (default): the fastest of 16/32/64 (up to the number of "
@@ -100,13 +104,14 @@ def offline(argv: list[str]) -> int:
         parser.error("--num-prompts, --input-len, --output-len and --profile-calls must be at least 1")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
+    _check_logprobs(parser, args)
     _check_prompt_source(parser, args)
     overrides = _checked_overrides(parser, args)
 
     model = resolve_model(args.model) if args.model else None
     work = Workload(args.num_prompts, args.input_len or 128, args.output_len, args.seed, args.temperature, args.top_p,
                     args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file,
-                    args.prefix_len)
+                    args.prefix_len, args.logprobs)
     try:
         report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf", args.hf_batch_size,
                                args.rounds, (args.profile, args.profile_calls) if args.profile else None)
@@ -119,6 +124,7 @@ def offline(argv: list[str]) -> int:
     s = r["sampling"]
     sampling = (f"sampled (temperature {s['temperature']:g}, top-p {s['top_p']:g}, top-k {s['top_k']}, "
                 f"{r['sampler']} sampler)" if s["temperature"] else "greedy")
+    sampling += "" if s["logprobs"] is None else f", logprobs {s['logprobs']}"
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
           f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
@@ -251,6 +257,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="every request's top_k, an extension vLLM and redjax honour (default: "
                    "not sent)")
     p.add_argument("--min-p", type=float, help="every request's min_p, the same kind of extension (default: not sent)")
+    p.add_argument("--logprobs", type=int, metavar="N", help="every request also asks for its tokens' logprobs and "
+                   "the N most likely alternatives (0-20; default: none)")
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2e)")
     p.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report, comma-separated "
@@ -285,6 +293,7 @@ def serve(argv: list[str]) -> int:
     if not (args.temperature >= 0 and (args.top_p is None or 0 < args.top_p <= 1)
             and (args.top_k is None or args.top_k >= 1) and (args.min_p is None or 0 <= args.min_p <= 1)):
         parser.error("sampling: --temperature must be >= 0, --top-p in (0, 1], --top-k >= 1, --min-p in [0, 1]")
+    _check_logprobs(parser, args)
     percentiles = _percentiles(parser, args.percentiles)
     prompts = _serve_prompts(parser, args)
     runs = _serve_runs(parser, args)
@@ -306,7 +315,7 @@ def serve(argv: list[str]) -> int:
         if index and not args.prompts_file:  # fresh words, the same lengths: nothing cached by an earlier run
             prompts = _serve_prompts(parser, args, draw=index)
         load = Load(args.num_prompts, rate, concurrency, args.output_len, args.seed, args.burstiness,
-                    args.endpoint, args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p)
+                    args.endpoint, args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p, args.logprobs)
         reports.append(bench_serve(args.url, model, prompts, load, args.api_key, slo, percentiles))
         print(_summary(reports[-1]))
     if args.json_out:
@@ -344,6 +353,11 @@ def _serve_prompts(parser: argparse.ArgumentParser, args, draw: int = 0) -> list
         return _read_prompts_file(parser, args, tokenizer)
     return random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio, args.seed,
                            args.prefix_len, draw)
+
+
+def _check_logprobs(parser: argparse.ArgumentParser, args) -> None:
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        parser.error(f"--logprobs must be in [0, {MAX_LOGPROBS}]")
 
 
 def _check_prompt_source(parser: argparse.ArgumentParser, args) -> None:

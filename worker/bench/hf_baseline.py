@@ -15,7 +15,7 @@ def hf_device() -> str:
 
 def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | list[int], batch_size: int,
            dtype: str = "float32", temperature: float = 0.0, top_p: float = 1.0,
-           top_k: int = 0) -> tuple[float, list[list[int]]]:
+           top_k: int = 0, logprobs: int | None = None) -> tuple[float, list[list[int]]]:
     """Generation of exactly `output_len` tokens per prompt (one for all, or each prompt's), in
     batches, greedy or sampled with the engine's settings; -> (seconds, outputs in prompt order).
 
@@ -24,6 +24,9 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
     the mask set. Requests are batched in order of output then input length, so that a batch's
     requests are alike and the padding and extra tokens least: the baseline at its best. With one
     length for all, that is the prompts' own order and no padding. A short warmup call is excluded.
+    With `logprobs`, each batch also gives every new token's log-probability and the `logprobs` most
+    likely alternatives, read to the host as the engine reads its own (the work a transformers user
+    does for the same answer: the raw logits of each step, log-softmax, top-k).
     """
     import torch
     import transformers
@@ -42,8 +45,16 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], dtype=torch.long, device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, min_new_tokens=new, max_new_tokens=new,
-                                 pad_token_id=0, eos_token_id=None, **sampling)
-        return out[:, width:].tolist()  # to the host: waits for the device
+                                 pad_token_id=0, eos_token_id=None, output_logits=logprobs is not None,
+                                 return_dict_in_generate=True, **sampling)
+            tokens = out.sequences[:, width:]  # [B, new]
+            if logprobs is not None:
+                lps = torch.log_softmax(torch.stack(out.logits, 1).float(), -1)  # [B, new, V]
+                lps.gather(-1, tokens.unsqueeze(-1)).tolist()
+                if logprobs:
+                    top = lps.topk(logprobs, -1)
+                    top.values.tolist(), top.indices.tolist()
+        return tokens.tolist()  # to the host: waits for the device
 
     order = sorted(range(len(prompts)), key=lambda i: (lens[i], len(prompts[i])))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

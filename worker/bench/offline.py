@@ -53,10 +53,11 @@ class Workload:
     requests: tuple[tuple[tuple[int, ...], int], ...] | None = None
     prompts_file: str | None = None  # where `requests` came from (the report's label)
     prefix_len: int = 0  # random prompts: ids shared by all of a round, before each one's input_len
+    logprobs: int | None = None  # every request's logprobs (the sampled token's and this many alternatives)
 
     def params(self, max_tokens: int, seed: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=max_tokens, ignore_eos=True, seed=seed)
+                              max_tokens=max_tokens, ignore_eos=True, seed=seed, logprobs=self.logprobs)
 
     @cached_property
     def sizes(self) -> list[tuple[int, int]]:
@@ -274,7 +275,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "range_ratio": work.range_ratio, "prompts_file": work.prompts_file, "prefix_len": work.prefix_len,
         "prompt_tokens": sum(i for i, _ in work.sizes),
         "mean_input_len": float(np.mean([i for i, _ in work.sizes])), "mean_output_len": float(np.mean(work.output_lens)),
-        "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k},
+        "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k,
+                     "logprobs": work.logprobs},
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
         "matmul": engine.matmul, "decode_steps": engine.decode_steps,
@@ -329,7 +331,7 @@ def _fastest_baseline(weights_dir, prompts, work: Workload, dtype: str, sizes: l
     best, trials = None, {}
     for size in sizes:
         seconds, outputs = run_hf_baseline(weights_dir, prompts, work.output_lens, size, dtype, work.temperature,
-                                           work.top_p, work.top_k)
+                                           work.top_p, work.top_k, work.logprobs)
         trials[size] = sum(len(o) for o in outputs) / seconds
         if best is None or seconds < best[0]:
             best = (seconds, outputs, size)

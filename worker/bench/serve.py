@@ -53,6 +53,7 @@ class Load:
     top_p: float | None = None  # None: not sent (the server's default)
     top_k: int | None = None  # an extension (vLLM's, redjax's); None: not sent
     min_p: float | None = None  # the same
+    logprobs: int | None = None  # every request asks for its tokens' logprobs and this many alternatives
 
     def sampling(self) -> dict:
         """The sampling fields every request sends."""
@@ -71,7 +72,11 @@ class Load:
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.endpoint == "chat":
+            if self.logprobs is not None:  # the chat API's spelling of the same request
+                body |= {"logprobs": True, "top_logprobs": self.logprobs}
             return {**body, "messages": [{"role": "user", "content": prompt.text}]}
+        if self.logprobs is not None:
+            body["logprobs"] = self.logprobs
         return {**body, "prompt": prompt.text}
 
 
@@ -198,6 +203,7 @@ def bench_serve(base_url: str, model: str | None, prompts: list[Prompt], load: L
     rate = None if load.request_rate == float("inf") else load.request_rate
     return {"model": model, "endpoint": load.endpoint, "request_rate": rate, "burstiness": load.burstiness,
             "concurrency": load.concurrency, "ignore_eos": load.ignore_eos, "sampling": load.sampling(),
+            "logprobs": load.logprobs,
             **summarize(results, seconds, slo or {}, percentiles or PERCENTILES)}
 
 
