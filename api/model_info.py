@@ -7,7 +7,7 @@ transformers is imported when a model is loaded, not when `api` is imported.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,9 @@ class ModelInfo:
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     max_model_len: int  # prompt tokens + generated tokens at most
     vocab_size: int  # token ids must be below this
+    # token id -> its own text (logprobs name every alternative by it): filled as ids are first seen,
+    # at most the vocabulary; a decode call per new id, then a lookup (~12 us -> ~1 us for 5 ids)
+    _token_text: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def load(cls, model_dir: str, name: str, max_model_len: int | None = None) -> "ModelInfo":
@@ -46,9 +49,11 @@ class ModelInfo:
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, as shown in logprobs (special tokens kept)."""
-        if not token_ids:  # batch_decode([]) is not an empty list in every transformers version
-            return []
-        return list(self.tokenizer.batch_decode([[t] for t in token_ids], skip_special_tokens=False))
+        known = self._token_text
+        new = list({t for t in token_ids if t not in known})
+        if new:  # (batch_decode([]) is not an empty list in every transformers version)
+            known.update(zip(new, self.tokenizer.batch_decode([[t] for t in new], skip_special_tokens=False)))
+        return [known[t] for t in token_ids]
 
     @property
     def has_chat_template(self) -> bool:

@@ -105,6 +105,15 @@ def test_n_choices_and_prompt_list_fan_out(start_api, fake_worker, redis_client,
     assert sorted(by_index) == [0, 1, 2] and len(set(by_index.values())) == 1
 
 
+def test_token_strings_are_each_tokens_own_text_in_order(tiny_model):
+    """Logprobs name tokens by their own text; repeats, special tokens and a second call (served
+    from what the first learned) give the tokenizer's decode of each id alone."""
+    ids = [5, 17, 5, 0, tiny_model.vocab_size - 1]
+    want = [tiny_model.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert tiny_model.token_strings(ids) == want
+    assert tiny_model.token_strings(ids[::-1]) == want[::-1] and tiny_model.token_strings([]) == []
+
+
 def test_echo_logprobs_scoring_format(start_api, fake_worker, tiny_model):
     """lm-evaluation-harness loglikelihood: echo=true, max_tokens=0, logprobs=1."""
     worker = fake_worker()
