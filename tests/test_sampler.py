@@ -309,3 +309,38 @@ def test_greedy_argmax_equals_numpy_including_ties_infinities_and_nans(kernels, 
     x[13, v // 3] = np.nan  # a NaN anywhere: the last index, on both paths
     want[13] = v - 1
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), want)
+
+
+@pytest.mark.parametrize("v,n", [(1000, 20), (32000, 5), (7, 7), (17, 1)])  # tails past the 16-lane blocks
+def test_kernel_top_n_equals_lax_top_k_including_ties_and_infinities(v, n):
+    """Logprobs' alternatives on the CPU come from the top-N kernel: the same values and ids as
+    jax.lax.top_k, in its order (descending, equal values by lower index)."""
+    assert cpu_sampling.load(), "the sampling kernels did not build"
+    rng = np.random.default_rng(6)
+    x = rng.integers(-3, 3, (64, v)).astype(np.float32)  # many ties
+    x[7] = -1e30  # all equal
+    x[8] = -np.inf  # all masked
+    x[9, : v // 2] = -np.inf  # half masked
+    x[10, -1] = np.inf
+    x[11, -1] = 100.0  # the largest in the tail
+    x[12] = rng.standard_normal(v).astype(np.float32)  # no ties
+    x[13] = np.sort(x[12])  # ascending: every value a new largest
+    got = jax.jit(lambda a: cpu_sampling.top_n(a, n))(jnp.asarray(x))
+    want = jax.jit(lambda a: jax.lax.top_k(a, n))(jnp.asarray(x))
+    for ours, theirs in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_reported_logprobs_are_the_raw_log_softmax_and_its_top_n(kernels):
+    """Each row's logprob of its token and its 5 most likely tokens (ties by lower id), greedy and
+    sampled rows alike, on the jnp path and through the CPU kernels."""
+    logits = random_logits(4, 300, seed=8)
+    logits[1, [3, 50, 200]] = logits[1].max() + 1.0  # three equal largest
+    t = tensors(4, temperature=[0.0, 0.0, 1.0, 0.7], seed=[1, 2, 3, 4])
+    flags = SamplerFlags(all_greedy=False, logprobs=True, num_logprobs=5)
+    tokens, chosen, top_ids, top_lps = (np.asarray(x) for x in sample(jnp.asarray(logits), t, flags, kernels))
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    np.testing.assert_allclose(chosen, raw[np.arange(4), tokens], atol=1e-6)
+    order = np.argsort(-raw, axis=-1, kind="stable")[:, :5]
+    assert top_ids.tolist() == order.tolist() and order[1, :3].tolist() == [3, 50, 200]
+    np.testing.assert_allclose(top_lps, np.take_along_axis(raw, order, -1), atol=1e-6)

@@ -58,6 +58,7 @@ class SamplingKernels:
     cutoffs: Callable  # (logits f32[R, V], top_k i32[R], top_p f32[R]) -> f32[R]: mask the logits below
     draw: Callable  # (logits f32[R, V] with -inf for masked, u f32[R] in [0, 1)) -> i32[R]: inverse-CDF draw
     argmax: Callable  # (logits f32[R, V]) -> i32[R]: first_argmax
+    top_n: Callable  # (x f32[R, V], n) -> (f32[R, n], i32[R, n]): jax.lax.top_k
 
 
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: SamplingKernels | None = None):
@@ -87,7 +88,9 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
         zeros = jnp.zeros((r, 0))
         return tokens, jnp.zeros((r,)), zeros.astype(jnp.int32), zeros
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(raw, flags.num_logprobs) if flags.num_logprobs else (jnp.zeros((r, 0)), jnp.zeros((r, 0), jnp.int32))
+    n = flags.num_logprobs
+    top = kernels.top_n if kernels is not None else jax.lax.top_k
+    top_lp, top_ids = top(raw, n) if n else (jnp.zeros((r, 0)), jnp.zeros((r, 0), jnp.int32))
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp
 
 
