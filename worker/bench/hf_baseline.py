@@ -48,7 +48,7 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
                                  pad_token_id=0, eos_token_id=None, output_logits=logprobs is not None,
                                  return_dict_in_generate=True, **sampling)
             tokens = out.sequences[:, width:]  # [B, new]
-            if logprobs is not None:
+            if logprobs is not None:  # read to the host and dropped: the run times the work, as the engine's
                 lps = torch.log_softmax(torch.stack(out.logits, 1).float(), -1)  # [B, new, V]
                 lps.gather(-1, tokens.unsqueeze(-1)).tolist()
                 if logprobs:
