@@ -16,6 +16,8 @@
 #                  pages, host arrays, as many as llama3-8b's step passes), the device idle
 #   batch1         1 x 128/128: batch-1 decode against the memory-bandwidth roofline
 #   128-128        64 x 128/128, with transformers on the same GPU and prompts (--compare hf)
+#   128-128-engine 64 x 128/128, the engine alone: a variant of 128-128 (BENCH_FLAGS) without
+#                  transformers' ~60 s again
 #   1024-128       64 x 1024/128
 #   1024-1024      64 x 1024/1024
 #   1024-1024-jnp  64 x 1024/1024 with the jnp reference attention instead of the kernel
@@ -219,10 +221,11 @@ EOF
     # transformers on the same GPU: leave it half the memory (JAX takes 75 % by default)
     128-128) XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 bench 128-128 64 128 128 --attention "$attention" "${tuning[@]}" \
                --compare hf --hf-batch-size 64 ;;
+    128-128-engine) bench 128-128-engine 64 128 128 --attention "$attention" "${tuning[@]}" ;;
     1024-128) bench 1024-128 64 1024 128 --attention "$attention" "${tuning[@]}" ;;
     1024-1024) bench 1024-1024 64 1024 1024 --attention "$attention" "${tuning[@]}" ;;
     1024-1024-jnp) bench 1024-1024-jnp 64 1024 1024 --attention jnp ;;
-    *) say "$run: unknown run (check, attention, launch, batch1, 128-128, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
+    *) say "$run: unknown run (check, attention, launch, batch1, 128-128, 128-128-engine, 1024-128, 1024-1024, 1024-1024-jnp)" ;;
   esac
 done
 

@@ -395,6 +395,12 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     assert traced["calls"] == 8 and traced["trace"].startswith(str(tmp_path / "prof" / "batch1"))
     assert "batch1 profile: 8 decode calls (" in done.stdout and "batch1   by kind: " in done.stdout
     assert "batch1 prefill: not traced (" in done.stdout  # one prompt: admitted whole in the first call
+    # 128/128 for the engine alone (a variant of 128-128 through BENCH_FLAGS): no transformers run
+    done = script("128-128-engine", "--out", str(tmp_path / "f"), BENCH_FLAGS="--launch-thread")
+    assert done.returncode == 0 and done.stdout.startswith("128-128-engine: "), done.stdout + done.stderr
+    report = json.loads((tmp_path / "f" / "128-128-engine.json").read_text())
+    assert (report["num_prompts"], report["input_len"], report["output_len"]) == (64, 2, 2)
+    assert "ratio" not in report and report["engine"]["launch_thread"] is True
     # past the deadline: killed and reported
     done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
     assert done.returncode == 0
