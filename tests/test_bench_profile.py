@@ -13,6 +13,27 @@ from worker.bench import profile
 from worker.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _own_xla_flags(monkeypatch):
+    """--profile adds a flag to XLA_FLAGS for the backend it would start: not for later tests' processes."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+
+
+def test_traced_calls_keep_the_command_buffers_the_timed_ones_use():
+    # XLA would run a profiled GPU program op by op: another launch than the one the report times
+    environ = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
+    profile.trace_as_timed(environ)
+    assert environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=0 --xla_enable_command_buffers_during_profiling=true"
+    profile.trace_as_timed(environ)  # once only
+    assert environ["XLA_FLAGS"].count("during_profiling") == 1
+    mine = {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=false"}  # the user's own choice stands
+    profile.trace_as_timed(mine)
+    assert mine == {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=false"}
+    empty: dict = {}
+    profile.trace_as_timed(empty)
+    assert empty == {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=true"}
+
+
 def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     out = tmp_path / "trace"
     code = main(["bench", "offline", "--dummy", "llama-tiny", "--num-prompts", "4", "--input-len", "16",

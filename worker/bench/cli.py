@@ -56,7 +56,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="DIR", help="after the timed rounds, one more round with --profile-calls of "
                    "its calls holding prompt chunks and as many steady decode calls traced by the JAX profiler into "
                    "DIR/prefill and DIR/decode (Perfetto JSON); the report adds device time per prefill call and "
-                   "per decode step by kernel and kind (attention, matmul, copy, scatter, other)")
+                   "per decode step by kernel and kind (attention, matmul, copy, scatter, other); on a GPU the traced "
+                   "calls keep XLA's command buffers, as the timed ones run")
     p.add_argument("--profile-calls", type=int, default=8, metavar="N",
                    help="prefill calls and decode calls to trace (default 8 each)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
@@ -91,6 +92,10 @@ def offline(argv: list[str]) -> int:
     parser = offline_parser()
     args = parser.parse_args(argv)
     log_to_stderr(args.log_level)
+    if args.profile:
+        from worker.bench.profile import trace_as_timed
+
+        trace_as_timed(os.environ)
     from worker.bench.offline import Workload, WorkloadError, bench_offline
     from worker.engine.attention_choice import AttentionUnavailable
     from worker.models.config import ModelConfig, ModelConfigError

@@ -46,6 +46,17 @@ HOST_NOISE = ("threadpool", "await", "end: ", "thunkexecutor", "execute")
 # steps) shows it as one event around the ops of the iterations it ran, which count on their own
 CONTAINERS = ("while", "conditional", "call")
 TOP = 15  # kernels listed by name; the rest are summed into their kinds only
+# XLA runs a GPU program op by op while a profiler is active, not through the command buffers (CUDA
+# graphs) its timed calls use, unless told otherwise: the traced launches would be another launch
+COMMAND_BUFFERS_FLAG = "--xla_enable_command_buffers_during_profiling"
+
+
+def trace_as_timed(environ: dict) -> None:
+    """Have XLA keep its command buffers in traced calls (unless XLA_FLAGS already says): call it
+    before JAX's backend starts, which reads XLA_FLAGS once. Inert on a CPU, which has none."""
+    flags = environ.get("XLA_FLAGS", "")
+    if COMMAND_BUFFERS_FLAG not in flags:
+        environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFERS_FLAG}=true".strip()
 
 
 def kind(name: str) -> str:
