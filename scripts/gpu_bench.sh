@@ -13,7 +13,8 @@
 #                  kernel; the runs after it take the fastest correct split (--pallas-tuning) and
 #                  the prefill kernel where it is faster (--pallas-prefill)
 #   launch         `bench launch`: a compiled step's launch time by argument kind (weights, donated
-#                  pages, host arrays, as many as llama3-8b's step passes), the device idle
+#                  pages, host arrays, as many as llama3-8b's step passes), the device idle and busy,
+#                  and with a program of one product a weight (a real step's kernel count)
 #   batch1         1 x 128/128: batch-1 decode against the memory-bandwidth roofline
 #   128-128        64 x 128/128, with transformers on the same GPU and prompts (--compare hf)
 #   128-128-engine 64 x 128/128, the engine alone: a variant of 128-128 (BENCH_FLAGS) without
@@ -210,7 +211,8 @@ EOF
 import json, sys
 for row in json.load(open(sys.argv[1]))["results"]:
     per = f", {row['us_per_added_argument']:.2f} us per added argument" if "us_per_added_argument" in row else ""
-    print(f"launch {row['name']} ({row['weights']} weights, {row['pages']} pages, {row['host']} host arrays): "
+    products = f", {row['products']} products" if row.get("products") else ""
+    print(f"launch {row['name']} ({row['weights']} weights, {row['pages']} pages, {row['host']} host arrays{products}): "
           f"{row['median_us']:.0f} us{per}")
 EOF
       else

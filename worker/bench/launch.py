@@ -12,7 +12,12 @@ engine now hands it, one. The rows say which kind to cut. The last row launches 
 arguments as the engine does, behind a call that keeps the device busy (~5 ms of square products)
 and taking that call's output, as a step takes the previous step's tokens: on an H200 the engine's
 own launch took ~7 ms against this bench's ~1.2 ms idle (session 42), and the row says whether a
-busy device is the difference.
+busy device is the difference. The stand-in's program is a few kernels where a real step's is
+hundreds; the two "products" rows hand over the same arguments to a program that multiplies
+through every weight in turn, one product (one kernel) each, as a step's layers do: on a GPU, where
+XLA records a program's kernels into command buffers (CUDA graphs) and must re-record them when an
+address they use changes, as each call's batch does, these rows say what a program's size costs a
+launch (run them again with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` for the op-by-op launch).
 
 Each row: microseconds from the call to its return (the asynchronous launch; the outputs are waited
 for before the next call), the median and the minimum of `--repeats` calls, and the microseconds
@@ -35,17 +40,33 @@ from worker.bench import roofline
 
 ENGINE = (291, 64, 26)  # llama3-8b's step: weight arrays, page arrays (donated), host arrays unpacked
 BUSY_ROW = "all, as the engine, device busy"
-# (name, weight arrays, page arrays, host arrays) of each row; the last launches as the engine does,
-# behind a call still running whose output it takes (the engine's previous step and its tokens)
-ROWS = (("one of each", 1, 1, 1), ("weights", ENGINE[0], 1, 1), ("pages, donated", 1, ENGINE[1], 1),
-        ("host arrays", 1, 1, ENGINE[2]), ("all, batch unpacked", *ENGINE), ("all, as the engine", *ENGINE[:2], 1),
-        (BUSY_ROW, *ENGINE[:2], 1))
+PRODUCTS_ROW = "as the engine, products"
+PRODUCTS_BUSY_ROW = "as the engine, products, busy"
+BUSY = (BUSY_ROW, PRODUCTS_BUSY_ROW)  # rows launched behind a call still running whose output they take
+# (name, weight arrays, page arrays, host arrays, products) of each row. The busy ones launch as the
+# engine does, behind a call still running whose output they take (the previous step and its
+# tokens); the products rows run a program of one product a weight (a real step's kernel count)
+ROWS = (("one of each", 1, 1, 1, 0), ("weights", ENGINE[0], 1, 1, 0), ("pages, donated", 1, ENGINE[1], 1, 0),
+        ("host arrays", 1, 1, ENGINE[2], 0), ("all, batch unpacked", *ENGINE, 0),
+        ("all, as the engine", *ENGINE[:2], 1, 0), (BUSY_ROW, *ENGINE[:2], 1, 0),
+        (PRODUCTS_ROW, *ENGINE[:2], 1, ENGINE[0]), (PRODUCTS_BUSY_ROW, *ENGINE[:2], 1, ENGINE[0]))
 BUSY_S = 0.005  # how long the call in front of each busy launch runs, at least
 
 
 def _step(weights: tuple, pages: tuple, host: tuple, pending: tuple = ()):
     """A stand-in for the engine's step: reads every argument, updates every page array."""
     s = sum(w[0, 0] for w in weights) + sum(h[0] for h in (*host, *pending)).astype(jnp.float32)
+    return tuple((p + s).astype(p.dtype) for p in pages), s
+
+
+def _products_step(weights: tuple, pages: tuple, host: tuple, pending: tuple = ()):
+    """The stand-in with a real step's kernel count: a [16, 16] operand multiplied through every
+    weight in turn (tanh between: one product, one kernel, each); the sum of its entries joins
+    the host arrays' in what every page array gets."""
+    y = jnp.full((16, 16), 0.5, weights[0].dtype)  # bf16[16, 16]
+    for w in weights:
+        y = jnp.tanh(y @ w)
+    s = y.astype(jnp.float32).sum() + sum(h[0] for h in (*host, *pending)).astype(jnp.float32)
     return tuple((p + s).astype(p.dtype) for p in pages), s
 
 
@@ -67,16 +88,18 @@ def busy_call(device) -> tuple:
     return jax.jit(partial(work, loops=loops)), x
 
 
-def launch_us(weights: int, pages: int, host: int, repeats: int, busy: bool = False) -> list[float]:
+def launch_us(weights: int, pages: int, host: int, repeats: int, busy: bool = False,
+              products: bool = False) -> list[float]:
     """Microseconds each of `repeats` launches took: with the device idle before each, or (`busy`)
-    right behind a call that keeps it busy, whose output the launch takes as an argument."""
+    right behind a call that keeps it busy, whose output the launch takes as an argument; the
+    stand-in's program, or (`products`) one of a product a weight."""
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     ws = tuple(jax.device_put(jnp.ones((16, 16), jnp.bfloat16), device) for _ in range(weights))
     ps = tuple(jax.device_put(jnp.zeros((16, 16), jnp.bfloat16), device) for _ in range(pages))
     hs = tuple(np.ones(16, np.int32) for _ in range(host))
     hog, x = busy_call(device) if busy else (None, None)
     pending = (jax.device_put(np.ones(16, np.int32), device),) if busy else ()
-    step = jax.jit(_step, donate_argnums=(1,)).lower(ws, ps, hs, pending).compile()
+    step = jax.jit(_products_step if products else _step, donate_argnums=(1,)).lower(ws, ps, hs, pending).compile()
     times = []
     for _ in range(repeats + 3):  # the first calls warm the runtime's caches
         if busy:
@@ -103,13 +126,13 @@ def run(argv: list[str]) -> int:
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     rows = []
-    for name, weights, pages, host in ROWS:
-        times = launch_us(weights, pages, host, args.repeats, busy=name == BUSY_ROW)
-        rows.append({"name": name, "weights": weights, "pages": pages, "host": host,
+    for name, weights, pages, host, products in ROWS:
+        times = launch_us(weights, pages, host, args.repeats, busy=name in BUSY, products=products > 0)
+        rows.append({"name": name, "weights": weights, "pages": pages, "host": host, "products": products,
                      "median_us": float(np.median(times)), "min_us": float(min(times))})
     base = rows[0]
     for row in rows[1:]:
-        if row["name"] == BUSY_ROW:  # the row before it in another state, not more arguments
+        if row["name"] in BUSY or row["products"]:  # a row before it in another state, not more arguments
             continue
         added = row["weights"] + row["pages"] + row["host"] - 3
         row["us_per_added_argument"] = (row["median_us"] - base["median_us"]) / added
@@ -118,9 +141,10 @@ def run(argv: list[str]) -> int:
         print(json.dumps(report))
         return 0
     print(f"launch of a compiled step on {report['device_name']} ({args.repeats} calls a row, the device idle "
-          "but in the last)")
+          "but where busy)")
     for row in rows:
         extra = f", {row['us_per_added_argument']:.2f} us per added argument" if "us_per_added_argument" in row else ""
-        print(f"  {row['name']:<20} {row['weights']:>3} weights, {row['pages']:>2} pages, {row['host']:>2} host arrays: "
-              f"{row['median_us']:8.1f} us (min {row['min_us']:.1f}){extra}")
+        products = f", {row['products']} products" if row["products"] else ""
+        print(f"  {row['name']:<20} {row['weights']:>3} weights, {row['pages']:>2} pages, {row['host']:>2} host arrays"
+              f"{products}: {row['median_us']:8.1f} us (min {row['min_us']:.1f}){extra}")
     return 0
