@@ -83,3 +83,29 @@ def test_stack_refuses_an_unknown_preset_before_starting_anything(capsys):
         run_bench("stack", "--dummy", "no-such-preset", "--pairs", "1")
     assert exit_.value.code == 2
     assert "unknown preset 'no-such-preset'" in capsys.readouterr().err
+
+
+def test_stack_with_workers_pins_each_and_runs_as_many_engines_offline():
+    """`--workers 2`: redjax serve starts two workers, each on its own cores, and waits for both;
+    the offline half runs two engines on every other prompt, on the same cores, timed together:
+    between them they run every prompt and write as many tokens as were served."""
+    code, out = run_bench("stack", "--dummy", "llama-tiny", "--pairs", "1", "--num-prompts", "6", "--input-len", "6",
+                          "--output-len", "8", "--workers", "2", "--json", "--max-num-seqs", "4",
+                          "--max-num-batched-tokens", "64", "--page-size", "8", "--num-pages", "64")
+    assert code == 0, out
+    report = json.loads(out)
+    pair = report["pairs"][0]
+    assert report["workers"] == 2 and pair["serve_failed"] == 0
+    assert pair["serve_output_tokens"] == pair["offline_output_tokens"] == 6 * 8
+    assert pair["serve_prompt_tokens"] == pair["offline_prompt_tokens"]
+    engines = pair["offline_engines"]
+    assert len(engines) == 2 and all(e["seconds"] > 0 and e["output_tokens_per_s"] > 0 for e in engines)
+    # all output tokens over the longest engine's round
+    assert pair["offline_output_tokens_per_s"] == pytest.approx(48 / max(e["seconds"] for e in engines))
+    assert {"engine compute", "engine other"} <= set(pair["offline_cpu"]["by_thread_group"])  # both engines' threads
+
+
+def test_stack_refuses_no_workers(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("stack", "--workers", "0")
+    assert exit_.value.code == 2 and "--workers must be >= 1" in capsys.readouterr().err

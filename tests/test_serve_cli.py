@@ -23,6 +23,7 @@ SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page
 @pytest.mark.parametrize("argv,env,message", [
     (["serve", "--max-num-batched-tokens", "4"], {}, "max_num_batched_tokens must be >= max_num_seqs"),
     (["serve"], {"REDJAX_MAX_NUM_SEQS": "many"}, "REDJAX_MAX_NUM_SEQS='many' is not a number"),
+    (["serve", "--workers", "0"], {}, "--workers must be at least 1"),
     (["worker", "--page-size", "3"], {}, "page_size must be a power of two"),
     (["generate", "--prompt", "x", "--max-num-batched-tokens", "4"], {}, "max_num_batched_tokens must be >= max_num_seqs"),
     (["bench", "offline", "--dummy", "llama-tiny", "--max-num-batched-tokens", "4"], {},
@@ -69,6 +70,12 @@ def running_serve(model: Path, workers: int = 1):
 
 def test_serve_goes_on_while_a_worker_is_left_and_stops_when_none_is(model):
     with running_serve(model, workers=2) as (serve, workers, _):
+        mine = sorted(os.sched_getaffinity(0))
+        runs = [sorted(os.sched_getaffinity(pid)) for pid in workers]
+        if len(mine) >= 2:  # each worker its own run of the cores, together all of them
+            assert sorted(runs[0] + runs[1]) == mine and not set(runs[0]) & set(runs[1]), runs
+        else:
+            assert runs == [mine, mine]
         os.kill(workers[0], signal.SIGKILL)
         wait_until(lambda: not _alive(workers[0]), 30)
         url = serve.args[serve.args.index("--port") + 1]

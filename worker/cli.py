@@ -126,7 +126,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", help="Redis URL (default: an embedded Redis)")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes, each pinned to its own share of this machine's cores and taking its "
+                        "share of the KV memory fraction (default 1: one worker over all cores)")
     p.add_argument("--served-model-name")
     _engine_flags(p)
 
@@ -286,14 +288,17 @@ def cmd_dashboard(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from worker.service.cores import kv_share
     from worker.service.stack import serve
 
     import os
 
     model_dir = resolve_model(args.model or os.environ.get("REDJAX_MODEL_DIR"))
     overrides = _engine_overrides(args)
-    worker_config("serve", {"model_dir": model_dir, "engine": overrides})  # what its workers will build
-    return serve(args, model_dir, overrides)
+    if args.workers < 1:
+        usage_error("serve", "--workers must be at least 1")
+    engine = worker_config("serve", {"model_dir": model_dir, "engine": overrides}).engine  # what workers will build
+    return serve(args, model_dir, kv_share(overrides, args.workers, engine))
 
 
 def cmd_bench(args) -> int:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import tempfile
 
 from worker.bench import cpu_usage
-from worker.cli import _engine_flags, _engine_overrides, engine_argv, log_to_stderr, resolve_model
+from worker.cli import _engine_flags, _engine_overrides, log_to_stderr, resolve_model
 
 MAX_LOGPROBS = 20  # --logprobs at most: OpenAI's top_logprobs limit, and the engine's default max_logprobs
 
@@ -20,7 +18,11 @@ def run(mode: str, argv: list[str]) -> int:
         from worker.bench import attention, launch
 
         return {"attention": attention, "launch": launch}[mode].run(argv)
-    return {"offline": offline, "serve": serve, "stack": stack}[mode](argv)
+    if mode == "stack":
+        from worker.bench.stack_cli import stack
+
+        return stack(argv)
+    return {"offline": offline, "serve": serve}[mode](argv)
 
 
 def offline_parser() -> argparse.ArgumentParser:
@@ -63,8 +65,19 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="stderr logging (info: each phase's duration and each step variant compiled)")
+    p.add_argument("--barrier", type=_barrier, metavar="DIR:N", help="one of N processes of a data-parallel run "
+                   "(bench stack --workers N starts them): all start and end their timed rounds together")
     _engine_flags(p)
     return p
+
+
+def _barrier(text: str):
+    from worker.bench.barrier import Barrier
+
+    try:
+        return Barrier.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _checked_overrides(parser: argparse.ArgumentParser, args) -> dict:
@@ -111,6 +124,8 @@ def offline(argv: list[str]) -> int:
         parser.error("--range-ratio must be in [0, 1)")
     _check_logprobs(parser, args)
     _check_prompt_source(parser, args)
+    if args.barrier and args.compare:
+        parser.error("--barrier times the engine alone: not with --compare")
     overrides = _checked_overrides(parser, args)
 
     model = resolve_model(args.model) if args.model else None
@@ -119,7 +134,7 @@ def offline(argv: list[str]) -> int:
                     args.prefix_len, args.logprobs)
     try:
         report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf", args.hf_batch_size,
-                               args.rounds, (args.profile, args.profile_calls) if args.profile else None)
+                               args.rounds, (args.profile, args.profile_calls) if args.profile else None, args.barrier)
     except (WorkloadError, AttentionUnavailable) as exc:
         parser.error(str(exc))
     if args.json:
@@ -408,70 +423,6 @@ def _serve_runs(parser: argparse.ArgumentParser, args) -> list[tuple[float, int 
     if not all(c is None or c >= 1 for c in caps):
         parser.error("--concurrency must be >= 1")
     return [(rate, cap) for rate in rates for cap in caps]
-
-
-def stack_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="redjax bench stack",
-        description="serving through Redis and the API (redjax serve, saturated) against the engine alone "
-                    "(bench offline), in alternating pairs on this machine; prints the ratio")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="local Hugging Face model directory (default: the demo model)")
-    src.add_argument("--dummy", metavar="PRESET", help="random weights of a preset shape (llama-100m, ...) or of a "
-                     "config.json, with a word-level tokenizer, written to a temporary directory and served like "
-                     "any model")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len", type=int, default=100, help="words per random prompt; the offline run gets the "
-                   "same prompts, tokenized as the API tokenizes them")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=0.0, help="each request's words in and tokens out drawn "
-                   "uniformly from [len * (1 - R), len * (1 + R)] (default 0: fixed)")
-    p.add_argument("--prefix-len", type=int, default=0, help="this many random words before each prompt, the same "
-                   "in all (a shared system prompt: both halves' prefix caches serve it)")
-    p.add_argument("--pairs", type=int, default=3, help="serving/offline pairs, alternating which goes first")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
-    _engine_flags(p)
-    return p
-
-
-def stack(argv: list[str]) -> int:
-    parser = stack_parser()
-    args = parser.parse_args(argv)
-    if args.pairs < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
-        parser.error("--pairs, --num-prompts, --input-len and --output-len must be >= 1")
-    if not 0 <= args.range_ratio < 1:
-        parser.error("--range-ratio must be in [0, 1)")
-    if args.prefix_len < 0:
-        parser.error("--prefix-len must be >= 0")
-    from worker.bench.stack import StackRun, bench_stack
-
-    overrides = _checked_overrides(parser, args)
-    with tempfile.TemporaryDirectory(prefix="redjax-dummy-") if args.dummy else contextlib.nullcontext() as tmp:
-        if args.dummy:
-            from worker.bench.prompts import WORDS
-            from worker.models.config import ModelConfigError
-            from worker.models.dummy_model import write_dummy_model
-
-            try:
-                write_dummy_model(args.dummy, tmp, list(WORDS), overrides.get("dtype"))
-            except ModelConfigError as exc:
-                parser.error(str(exc))
-        run = StackRun(tmp or resolve_model(args.model), args.num_prompts, args.input_len,
-                       args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)), args.range_ratio,
-                       args.prefix_len)
-        report = bench_stack(run, log=(lambda *a: None) if args.json else print)
-    if args.dummy:
-        report["model"] = f"dummy:{args.dummy}"
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(f"{args.num_prompts} requests x ~{report['prompt_tokens_per_request']} prompt tokens / "
-              f"{args.output_len}{f' +-{args.range_ratio:.0%}' if args.range_ratio else ''} out, {args.pairs} pairs: serving {report['serve_output_tokens_per_s']:.1f}, "
-              f"offline {report['offline_output_tokens_per_s']:.1f} output tok/s (medians); "
-              f"median ratio {report['median_ratio']:.3f}x")
-        print("last serving run, " + _summary(report["last_serve_report"]))
-    return 0 if report["failed"] == 0 else 1
 
 
 def _summary(r: dict) -> str:

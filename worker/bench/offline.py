@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from worker.bench import cpu_usage, roofline
+from worker.bench.barrier import Barrier
 from worker.bench.probe import StepProbe
 from worker.bench.prompts import draw_lengths
 from worker.bench.tokenizer import IdTokenizer
@@ -185,13 +186,15 @@ def warmup(engine: LLMEngine, work: Workload, vocab: int) -> None:
 
 def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, work: Workload,
                   compare_hf: bool = False, hf_batch_size: int | None = None, rounds: int = 1,
-                  profile: tuple[str, int] | None = None) -> dict:
+                  profile: tuple[str, int] | None = None, barrier: Barrier | None = None) -> dict:
     """Run the workload `rounds` times (each round on fresh prompts from an empty prefix cache, which
     serves only what the round's prompts share), with --compare hf transformers right after each
     round on the same prompts.
     Throughputs are medians over rounds and the ratio the median of the per-round ratios: on a
     shared VM a neighbour's burst then moves one round, not the answer. `profile` (directory,
-    calls): one more round afterwards, with that many of its steady decode calls traced (profile.py)."""
+    calls): one more round afterwards, with that many of its steady decode calls traced (profile.py).
+    `barrier`: this process is one of a data-parallel run's, whose timed rounds start and end
+    together (barrier.py); the CPU figures then cover all of them."""
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
     with tempfile.TemporaryDirectory(prefix="redjax-bench-") as tmp:
@@ -199,7 +202,8 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
         save_to = Path(tmp) / "model" if compare_hf and preset else None
         engine, weights_dir = make_engine(model_dir, preset, overrides, work, save_to)
         work.check(engine.model_config.vocab_size, engine.max_model_len)
-        report, probe = _bench(engine, weights_dir, model_dir, preset, work, compare_hf, hf_batch_size, rounds)
+        report, probe = _bench(engine, weights_dir, model_dir, preset, work, compare_hf, hf_batch_size, rounds,
+                               barrier)
         if profile:
             from worker.bench.profile import profile_decode
 
@@ -216,7 +220,7 @@ def bench_offline(model_dir: str | None, preset: str | None, overrides: dict, wo
 
 
 def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, compare_hf: bool, hf_batch_size: int | None,
-           rounds: int) -> tuple[dict, StepProbe]:
+           rounds: int, barrier: Barrier | None) -> tuple[dict, StepProbe]:
     cfg = engine.model_config
     dtype = engine.config.dtype or cfg.dtype
     itemsize = jnp.dtype(DTYPES[dtype]).itemsize
@@ -241,15 +245,16 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     freeze_startup_heap()  # as a worker does after its warm-up (and the baseline runs after it too)
     compiled = len(engine.runner.compiled) + len(engine.runner.ready)
     probe = StepProbe().install(engine)
+    engines = barrier.meet("start") if barrier else [os.getpid()]  # the processes whose CPU the figures count
     per_round: list[dict] = []
     first_trials: dict[int, float] = {}  # transformers output tokens/s by batch size, first round
     for r in range(rounds):
         prompts = work.round_prompts(cfg.vocab_size, r)
         # each round from an empty prefix cache: a file's prompts repeat, and the warm-up ran them before
         engine.allocator.uncache(engine.allocator.cache_entries())
-        before, hits = cpu_usage.take({"engine": [os.getpid()]}), engine.scheduler.num_hit_tokens
+        before, hits = cpu_usage.take({"engine": engines}), engine.scheduler.num_hit_tokens
         seconds, outputs = run_engine(engine, prompts, work.output_lens, probe, work=work)
-        cpu = cpu_usage.between(before, cpu_usage.take({"engine": [os.getpid()]}))
+        cpu = cpu_usage.between(before, cpu_usage.take({"engine": engines}))
         out_tokens = sum(len(o) for o in outputs)
         log.info("round %d: %d output tokens in %.2f s", r, out_tokens, seconds)
         fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
@@ -270,6 +275,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
             if not work.temperature:  # sampled outputs differ by construction (other random streams)
                 fig |= greedy_agreement(outputs, hf_outputs)
         per_round.append(fig)
+    if barrier:
+        barrier.meet("end")  # none goes on to the machine probes while another still times its rounds
     median = lambda key: float(np.median([f[key] for f in per_round]))  # noqa: E731
     seconds = median("seconds")
     report = {

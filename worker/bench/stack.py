@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import httpx
 
 from worker.bench import cpu_usage
+from worker.service.cores import children_on, split_cores
 
 WARMUP_PROMPTS = 64  # the first serving load of a fresh stack, at most this many requests
 WARMUP_OUTPUT_LEN = 16
@@ -47,6 +48,8 @@ class StackRun:
     engine_argv: tuple[str, ...]  # engine flags for the worker and the offline engine alike
     range_ratio: float = 0.0  # each request's words in and tokens out drawn around input_len, output_len
     prefix_len: int = 0  # random words before every prompt, the same in all of a pair
+    workers: int = 1  # redjax serve's workers, each on its own cores; offline, as many engines on the same
+    offline_argv: tuple[str, ...] = ()  # each offline engine's flags with several (its share of KV memory)
 
 
 def bench_stack(run: StackRun, log=print) -> dict:
@@ -76,6 +79,8 @@ def bench_stack(run: StackRun, log=print) -> dict:
                 pair["offline_output_tokens"] = offline["output_tokens"]
                 pair["offline_cached_prompt_tokens"] = offline["prefix_cache_hit_tokens"]
                 pair["offline_cpu"] = offline["cpu"]
+                if "engines" in offline:  # several engines, each on its own cores: each one's figures
+                    pair["offline_engines"] = offline["engines"]
         pair["ratio"] = pair["serve_output_tokens_per_s"] / pair["offline_output_tokens_per_s"]
         pairs.append(pair)
         log(f"pair {i + 1}/{run.pairs} ({order[0]} first): serving {pair['serve_output_tokens_per_s']:.1f}, "
@@ -91,6 +96,7 @@ def bench_stack(run: StackRun, log=print) -> dict:
         "model": run.model_dir, "num_prompts": run.num_prompts, "input_words": run.input_len,
         "range_ratio": run.range_ratio, "prefix_words": run.prefix_len,
         "prompt_tokens_per_request": prompt_tokens, "output_len": run.output_len, "engine_flags": list(run.engine_argv),
+        "workers": run.workers,
         "pairs": [{k: v for k, v in p.items() if k != "serve_report"} for p in pairs],
         "serve_output_tokens_per_s": statistics.median(serve),
         "offline_output_tokens_per_s": statistics.median(offline),
@@ -110,11 +116,11 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
     with tempfile.TemporaryFile(mode="w+") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker.cli", "serve", "--model", run.model_dir, "--port", str(port),
-             *run.engine_argv],
+             "--workers", str(run.workers), *run.engine_argv],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:
-            _wait_ready(proc, url, out)
+            _wait_ready(proc, url, out, run.workers)
             warm = min(run.num_prompts, WARMUP_PROMPTS)
             # shaped as the measured prompts (a prefix of their own: the cache serves it in the same places)
             bench_serve(url, None, random_workload(warm, run.input_len, WARMUP_OUTPUT_LEN, 0.0, seed + 7, run.prefix_len),
@@ -136,6 +142,8 @@ def _prompts(run: StackRun, seed: int) -> list:
 
 
 def _offline_once(run: StackRun, seed: int) -> dict:
+    if run.workers > 1:
+        return _offline_parallel(run, seed)
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as file:
         file.writelines(json.dumps({"prompt": p.text, "max_tokens": p.output_len}) + "\n" for p in _prompts(run, seed))
         file.flush()
@@ -147,15 +155,47 @@ def _offline_once(run: StackRun, seed: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, out) -> None:
-    """Until /ready says a worker serves the model; the stack's own output on failure."""
+def _offline_parallel(run: StackRun, seed: int) -> dict:
+    """The offline half with several workers: as many `bench offline` processes, each on the cores
+    its worker gets and every n-th prompt, timing their rounds together (barrier.py). Output tok/s:
+    all their output tokens over the longest round; the CPU figures are the longest one's (they count
+    every engine's threads)."""
+    prompts, n = _prompts(run, seed), run.workers
+    cores = split_cores(sorted(os.sched_getaffinity(0)), n)
+    with tempfile.TemporaryDirectory(prefix="redjax-offline-") as tmp:
+        procs = []
+        for i in range(n):
+            share = prompts[i::n]
+            path = os.path.join(tmp, f"prompts-{i}.jsonl")
+            with open(path, "w") as file:
+                file.writelines(json.dumps({"prompt": p.text, "max_tokens": p.output_len}) + "\n" for p in share)
+            cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir, "--num-prompts",
+                   str(len(share)), "--prompts-file", path, "--json", "--barrier", f"{tmp}:{n}", *run.offline_argv]
+            with children_on(cores and cores[i]):
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        done = [(proc, *proc.communicate()) for proc in procs]
+    for proc, _, err in done:
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench offline exited {proc.returncode}: {err[-2000:]}")
+    reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
+    longest = max(reports, key=lambda r: r["seconds"])
+    tokens, prompts_run = sum(r["output_tokens"] for r in reports), sum(r["num_prompts"] for r in reports)
+    return {"output_tokens_per_s": tokens / longest["seconds"], "output_tokens": tokens, "num_prompts": prompts_run,
+            "mean_input_len": sum(r["mean_input_len"] * r["num_prompts"] for r in reports) / prompts_run,
+            "prefix_cache_hit_tokens": sum(r["prefix_cache_hit_tokens"] for r in reports), "cpu": longest["cpu"],
+            "engines": [{"seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]} for r in reports]}
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, out, workers: int = 1) -> None:
+    """Until /ready says `workers` workers serve the model; the stack's own output on failure."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             out.seek(0)
             raise RuntimeError(f"redjax serve exited {proc.returncode} before it was ready:\n{out.read()[-2000:]}")
         try:
-            if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
+            ready = httpx.get(url + "/ready", timeout=2.0)
+            if ready.status_code == 200 and len(ready.json()["workers"]) >= workers:
                 return
         except httpx.HTTPError:
             pass  # not listening yet

@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from worker.service.cores import children_on, split_cores
+
 
 def serve(args, model_dir: str, engine_overrides: dict) -> int:
     from api.config import ApiConfig
@@ -31,10 +33,14 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
         embedded, redis_url = _embedded_redis()
     api_config = ApiConfig.from_env({"model_dir": model_dir, "redis_url": redis_url, "host": args.host,
                                      "port": args.port, "served_model_name": args.served_model_name})
-    workers = [_start_worker(i, model_dir, redis_url, args, engine_overrides) for i in range(args.workers)]
+    cores = split_cores(sorted(os.sched_getaffinity(0)), args.workers)  # None: every worker on every core
+    workers = [_start_worker(i, model_dir, redis_url, args, engine_overrides, cores and cores[i])
+               for i in range(args.workers)]
     demo = Path(model_dir).resolve() == (Path(__file__).parent.parent / "demo_model").resolve()
     print(f"redjax: model {api_config.model_name}{' (the demo model shipped with redjax)' if demo else ''}", flush=True)
-    print(f"redjax: redis {'embedded at ' if embedded else ''}{_display(redis_url)}; {len(workers)} worker(s)", flush=True)
+    pinned = f", each on its own cores ({'; '.join(','.join(map(str, run)) for run in cores)})" if cores else ""
+    print(f"redjax: redis {'embedded at ' if embedded else ''}{_display(redis_url)}; {len(workers)} worker(s){pinned}",
+          flush=True)
     print(f"redjax: API       http://{api_config.host}:{api_config.port}/v1", flush=True)
     print(f"redjax: dashboard http://{api_config.host}:{api_config.port}/dashboard/", flush=True)
     stopping, exited = threading.Event(), []
@@ -105,7 +111,9 @@ def _announce_ready(redis_url: str, model: str, stopping: threading.Event) -> No
             return
 
 
-def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict) -> subprocess.Popen:
+def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides: dict,
+                  cores: tuple[int, ...] | None) -> subprocess.Popen:
+    """Worker i, on `cores` alone when given (its engine's thread pools size themselves to them)."""
     from worker.cli import engine_argv
 
     cmd = [sys.executable, "-m", "worker.cli", "worker", "--model", model_dir, "--redis", redis_url,
@@ -115,11 +123,12 @@ def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides
     cmd += engine_argv(engine_overrides)
     # a session of its own: a terminal's Ctrl-C reaches this process alone, which stops the API and
     # then the workers in order (and the watcher never mistakes that for a crash)
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    with children_on(cores):
+        return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
 
 def _die_with_parent() -> None:
-    """In the worker, before it runs: SIGTERM when this process ends, however it ends (Linux), so
+    """In a child, before it runs: SIGTERM when this process ends, however it ends (Linux), so
     a killed `redjax serve` leaves no worker behind."""
     if sys.platform.startswith("linux"):
         import ctypes
