@@ -48,8 +48,11 @@ def _message(i: int) -> RequestMessage:
 def test_a_worker_holds_its_slots_plus_the_backlog_and_hands_unstarted_ones_back_when_draining(model_dir, redis_url):  # noqa: F811
     worker = _worker(model_dir, redis_url)
     engine, pages = worker.engine, worker.engine.allocator.num_free_pages
-    assert worker._capacity() == SEQS + BACKLOG
-    for i in range(SEQS + BACKLOG):
+    assert worker._capacity() == SEQS  # the free slots first: a burst fills other workers' slots too
+    for i in range(SEQS):
+        worker._start(Incoming(f"0-{i + 1}", _message(i)))
+    assert worker._capacity() == BACKLOG  # every slot taken: the backlog
+    for i in range(SEQS, SEQS + BACKLOG):
         worker._start(Incoming(f"0-{i + 1}", _message(i)))
     assert worker._capacity() == 0  # holds SEQS + BACKLOG: pulls nothing more
 

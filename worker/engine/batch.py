@@ -379,7 +379,6 @@ def sampler_widths(chunks: list[ScheduledChunk], flags: SamplerFlags) -> Sampler
 
 def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows: dict[int, int]):
     r = len(rows)
-    real = [c for c in rows if c is not None]
     penalties = flags.penalties
     out_len, prompt_len, b = flags.widths
     f = {name: np.zeros(r, np.float32) for name in ("temperature", "top_p", "min_p", "presence", "frequency")}
