@@ -105,7 +105,22 @@ def test_stack_with_workers_pins_each_and_runs_as_many_engines_offline():
     assert {"engine compute", "engine other"} <= set(pair["offline_cpu"]["by_thread_group"])  # both engines' threads
 
 
-def test_stack_refuses_no_workers(capsys):
+def test_stack_refuses_no_workers_and_more_workers_than_prompts(capsys):
     with pytest.raises(SystemExit) as exit_:
         run_bench("stack", "--workers", "0")
     assert exit_.value.code == 2 and "--workers must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        run_bench("stack", "--workers", "3", "--num-prompts", "2")
+    assert exit_.value.code == 2 and "--workers must not exceed --num-prompts" in capsys.readouterr().err
+
+
+def test_offline_engines_stop_together_when_one_fails(tmp_path):
+    """One engine of a data-parallel offline half that fails (here: no prompt left for it) stops
+    the others, which would wait for it at the barrier, and the failure is its own."""
+    from worker.bench.stack import StackRun, _offline_parallel
+
+    model = make_served_model(tmp_path / "served")
+    run = StackRun(str(model), 1, 6, 8, 1, 0, (), workers=2, offline_argv=("--max-num-seqs", "4", "--num-pages", "64",
+                                                                         "--page-size", "8"))
+    with pytest.raises(RuntimeError, match=r"(?s)bench offline exited 2: .*error: --num-prompts"):
+        _offline_parallel(run, seed=0)

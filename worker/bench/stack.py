@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -171,13 +172,19 @@ def _offline_parallel(run: StackRun, seed: int) -> dict:
                 file.writelines(json.dumps({"prompt": p.text, "max_tokens": p.output_len}) + "\n" for p in share)
             cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir, "--num-prompts",
                    str(len(share)), "--prompts-file", path, "--json", "--barrier", f"{tmp}:{n}", *run.offline_argv]
-            with children_on(cores and cores[i]):
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        done = [(proc, *proc.communicate()) for proc in procs]
-    for proc, _, err in done:
-        if proc.returncode != 0:
-            raise RuntimeError(f"bench offline exited {proc.returncode}: {err[-2000:]}")
-    reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
+            out, err = (open(os.path.join(tmp, f"{name}-{i}"), "w+") for name in ("out", "err"))
+            with children_on(cores and cores[i]), out, err:
+                procs.append((subprocess.Popen(cmd, stdout=out, stderr=err), out.name, err.name))
+        while any(proc.poll() is None for proc, _, _ in procs):  # one that fails: the others stop too, not
+            if any(proc.poll() for proc, _, _ in procs):  # waiting for it at the barrier
+                for proc, _, _ in procs:
+                    proc.kill()
+            time.sleep(0.1)
+        failed = sorted(((proc.returncode, Path(err).read_text()) for proc, _, err in procs if proc.returncode),
+                        key=lambda f: f[0] < 0)  # the one that failed before those stopped for it
+        if failed:
+            raise RuntimeError(f"bench offline exited {failed[0][0]}: {failed[0][1][-2000:]}")
+        reports = [json.loads(Path(out).read_text().strip().splitlines()[-1]) for _, out, _ in procs]
     longest = max(reports, key=lambda r: r["seconds"])
     tokens, prompts_run = sum(r["output_tokens"] for r in reports), sum(r["num_prompts"] for r in reports)
     return {"output_tokens_per_s": tokens / longest["seconds"], "output_tokens": tokens, "num_prompts": prompts_run,

@@ -43,6 +43,8 @@ def stack(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if min(args.pairs, args.num_prompts, args.input_len, args.output_len, args.workers) < 1:
         parser.error("--pairs, --num-prompts, --input-len, --output-len and --workers must be >= 1")
+    if args.workers > args.num_prompts:
+        parser.error("--workers must not exceed --num-prompts (each offline engine runs its share)")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
     if args.prefix_len < 0:
