@@ -27,7 +27,7 @@ namespace {
 
 using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store;
 
-constexpr int64_t kRowsPerItem = 16;  // rows per work item: 64 decode rows are 4 items
+constexpr int64_t kRowsPerItem = 16;  // rows per work item at least (pool_work.h: units_per_item)
 
 // out = w * (x * rsqrt(mean(x^2) + eps)) for one row of h values
 inline void norm_row(const float* x, const float* w, int64_t h, float eps, float* out) {
@@ -55,8 +55,9 @@ inline void norm_row(const float* x, const float* w, int64_t h, float eps, float
 // rows [0, m) of x (+ y into `sum` first when y is given) normalised into `out`
 void norm_rows(ffi::ThreadPool& pool, const float* x, const float* y, const float* w, float eps, int64_t m,
                int64_t h, float* sum, float* out) {
-  redjax::run_on_pool(pool, (m + kRowsPerItem - 1) / kRowsPerItem, [=](int64_t item) {
-    for (int64_t r = item * kRowsPerItem; r < std::min(m, (item + 1) * kRowsPerItem); ++r) {
+  const int64_t per_item = redjax::units_per_item(h, kRowsPerItem);
+  redjax::run_on_pool(pool, (m + per_item - 1) / per_item, [=](int64_t item) {
+    for (int64_t r = item * per_item; r < std::min(m, (item + 1) * per_item); ++r) {
       const float* row = x + r * h;
       if (y != nullptr) {
         float* s = sum + r * h;

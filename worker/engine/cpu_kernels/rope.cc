@@ -26,7 +26,7 @@ namespace {
 
 using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store;
 
-constexpr int64_t kTokensPerItem = 16;
+constexpr int64_t kTokensPerItem = 16;  // tokens per work item at least (pool_work.h: units_per_item)
 
 inline void rotate(const float* x, const float* c, const float* s, int64_t d, float* out) {
   const int64_t half = d / 2;
@@ -49,8 +49,9 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t tokens = xd[0], heads = xd[1], d = xd[2];
   const float *xs = x.typed_data(), *cs = cos.typed_data(), *ss = sin.typed_data();
   float* o = out->typed_data();
-  redjax::run_on_pool(pool, (tokens + kTokensPerItem - 1) / kTokensPerItem, [=](int64_t item) {
-    for (int64_t t = item * kTokensPerItem; t < std::min(tokens, (item + 1) * kTokensPerItem); ++t)
+  const int64_t per_item = redjax::units_per_item(heads * d, kTokensPerItem);
+  redjax::run_on_pool(pool, (tokens + per_item - 1) / per_item, [=](int64_t item) {
+    for (int64_t t = item * per_item; t < std::min(tokens, (item + 1) * per_item); ++t)
       for (int64_t n = 0; n < heads; ++n)
         rotate(xs + (t * heads + n) * d, cs + t * d, ss + t * d, d, o + (t * heads + n) * d);
   });
