@@ -76,6 +76,9 @@ def test_serve_goes_on_while_a_worker_is_left_and_stops_when_none_is(model):
             assert sorted(runs[0] + runs[1]) == mine and not set(runs[0]) & set(runs[1]), runs
         else:
             assert runs == [mine, mine]
+        for pid in workers:  # the pages are given outright: no share of the memory fraction to pass on
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert b"--num-pages" in argv and b"--kv-cache-memory-fraction" not in argv
         os.kill(workers[0], signal.SIGKILL)
         wait_until(lambda: not _alive(workers[0]), 30)
         url = serve.args[serve.args.index("--port") + 1]
@@ -125,3 +128,21 @@ def _children(pid: int) -> list[int]:
         except FileNotFoundError:  # a thread that ended meanwhile (the stack's ready announcer)
             pass
     return out
+
+
+def test_workers_size_their_kv_caches_from_their_share_of_the_memory_fraction(model):
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--model", str(model), "--port", str(port),
+                              "--workers", "2", "--kv-cache-memory-fraction", "0.3", "--max-num-seqs", "4",
+                              "--max-num-batched-tokens", "64", "--page-size", "8"], cwd=REPO, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def workers() -> list[list[bytes]]:
+            cmds = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in _children(serve.pid)]
+            return [c for c in cmds if b"worker.cli" in c]
+        wait_until(lambda: len(workers()) == 2, 60)
+        for argv in workers():
+            assert argv[argv.index(b"--kv-cache-memory-fraction") + 1] == b"0.15"  # 0.3 shared by two
+    finally:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve.wait()
