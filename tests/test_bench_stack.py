@@ -117,10 +117,10 @@ def test_stack_refuses_no_workers_and_more_workers_than_prompts(capsys):
 def test_offline_engines_stop_together_when_one_fails(tmp_path):
     """One engine of a data-parallel offline half that fails (here: no prompt left for it) stops
     the others, which would wait for it at the barrier, and the failure is its own."""
-    from worker.bench.stack import StackRun, _offline_parallel
+    from worker.bench.stack import StackRun, _offline_once
 
     model = make_served_model(tmp_path / "served")
     run = StackRun(str(model), 1, 6, 8, 1, 0, (), workers=2, offline_argv=("--max-num-seqs", "4", "--num-pages", "64",
                                                                          "--page-size", "8"))
     with pytest.raises(RuntimeError, match=r"(?s)bench offline exited 2: .*error: --num-prompts"):
-        _offline_parallel(run, seed=0)
+        _offline_once(run, seed=0)

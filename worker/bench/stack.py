@@ -143,26 +143,13 @@ def _prompts(run: StackRun, seed: int) -> list:
 
 
 def _offline_once(run: StackRun, seed: int) -> dict:
-    if run.workers > 1:
-        return _offline_parallel(run, seed)
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as file:
-        file.writelines(json.dumps({"prompt": p.text, "max_tokens": p.output_len}) + "\n" for p in _prompts(run, seed))
-        file.flush()
-        cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir,
-               "--num-prompts", str(run.num_prompts), "--prompts-file", file.name, "--json", *run.engine_argv]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench offline exited {done.returncode}: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _offline_parallel(run: StackRun, seed: int) -> dict:
-    """The offline half with several workers: as many `bench offline` processes, each on the cores
-    its worker gets and every n-th prompt, timing their rounds together (barrier.py). Output tok/s:
-    all their output tokens over the longest round; the CPU figures are the longest one's (they count
-    every engine's threads)."""
+    """The offline half: `bench offline` on the pair's prompts. With several workers, as many
+    processes, each on the cores its worker gets and every n-th prompt, timing their rounds together
+    (barrier.py); output tok/s is then all their output tokens over the longest round, and the CPU
+    figures are the longest one's (they count every engine's threads)."""
     prompts, n = _prompts(run, seed), run.workers
     cores = split_cores(sorted(os.sched_getaffinity(0)), n)
+    flags = [*run.offline_argv] if n > 1 else [*run.engine_argv]
     with tempfile.TemporaryDirectory(prefix="redjax-offline-") as tmp:
         procs = []
         for i in range(n):
@@ -171,7 +158,9 @@ def _offline_parallel(run: StackRun, seed: int) -> dict:
             with open(path, "w") as file:
                 file.writelines(json.dumps({"prompt": p.text, "max_tokens": p.output_len}) + "\n" for p in share)
             cmd = [sys.executable, "-m", "worker.cli", "bench", "offline", "--model", run.model_dir, "--num-prompts",
-                   str(len(share)), "--prompts-file", path, "--json", "--barrier", f"{tmp}:{n}", *run.offline_argv]
+                   str(len(share)), "--prompts-file", path, "--json", *flags]
+            if n > 1:
+                cmd += ["--barrier", f"{tmp}:{n}"]
             out, err = (open(os.path.join(tmp, f"{name}-{i}"), "w+") for name in ("out", "err"))
             with children_on(cores and cores[i]), out, err:
                 procs.append((subprocess.Popen(cmd, stdout=out, stderr=err), out.name, err.name))
@@ -185,6 +174,8 @@ def _offline_parallel(run: StackRun, seed: int) -> dict:
         if failed:
             raise RuntimeError(f"bench offline exited {failed[0][0]}: {failed[0][1][-2000:]}")
         reports = [json.loads(Path(out).read_text().strip().splitlines()[-1]) for _, out, _ in procs]
+    if n == 1:
+        return reports[0]
     longest = max(reports, key=lambda r: r["seconds"])
     tokens, prompts_run = sum(r["output_tokens"] for r in reports), sum(r["num_prompts"] for r in reports)
     return {"output_tokens_per_s": tokens / longest["seconds"], "output_tokens": tokens, "num_prompts": prompts_run,
