@@ -9,7 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tests.byte_bpe import byte_level_bpe
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.byte_detokenizer import ByteLevelDetokenizer, byte_table
+from worker.engine.detokenizer import IncrementalDetokenizer, detokenizers
 
 CORPUS = [
     "Héllo wörld! The café serves crème brûlée to a naïve guest at the façade.",
@@ -41,8 +42,23 @@ def metaspace() -> PreTrainedTokenizerFast:
                                    clean_up_tokenization_spaces=False)
 
 
-def stream(tokenizer, prompt: list[int], output: list[int], sizes: list[int], skip: bool = True) -> list[str]:
-    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+def windows(tokenizer, prompt: list[int], skip: bool = True) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+
+
+def table(tokenizer, prompt: list[int], skip: bool = True) -> ByteLevelDetokenizer:
+    bytes_of = byte_table(tokenizer)
+    assert bytes_of is not None, "not a byte-level tokenizer"
+    return ByteLevelDetokenizer(bytes_of, prompt, skip_special_tokens=skip)
+
+
+# both detokenizers, for the byte-level tokenizer: the engine uses the table's
+BOTH = pytest.mark.parametrize("make", [windows, table], ids=["windows", "byte-table"])
+
+
+def stream(tokenizer, prompt: list[int], output: list[int], sizes: list[int], skip: bool = True,
+           make=windows) -> list[str]:
+    detok = make(tokenizer, prompt, skip)
     deltas, i = [], 0
     for size in sizes:
         deltas.append(detok.add(output[i : i + size]))
@@ -53,39 +69,43 @@ def stream(tokenizer, prompt: list[int], output: list[int], sizes: list[int], sk
     return deltas
 
 
-def test_multibyte_characters_split_over_tokens_are_never_emitted_half(byte_level):
+@BOTH
+def test_multibyte_characters_split_over_tokens_are_never_emitted_half(byte_level, make):
     split = 0
     for text in SAMPLES:
         ids = byte_level.encode(text, add_special_tokens=False)
         split += sum("\ufffd" in byte_level.decode([i]) for i in ids)
         prompt = byte_level.encode("Prompt: 日本", add_special_tokens=False)
-        deltas = stream(byte_level, prompt, ids, [1] * len(ids))  # token by token
+        deltas = stream(byte_level, prompt, ids, [1] * len(ids), make=make)  # token by token
         assert "".join(deltas) == byte_level.decode(ids) == text
         assert not any("\ufffd" in d for d in deltas)
     assert split > 10  # the test really exercises partial characters
 
 
-def test_random_groupings_give_the_same_text(byte_level):
+@BOTH
+def test_random_groupings_give_the_same_text(byte_level, make):
     rng = random.Random(7)
     for text in SAMPLES:
         ids = byte_level.encode(text, add_special_tokens=False)
         for _ in range(5):
             sizes = [rng.randrange(0, 4) for _ in range(len(ids))]
-            deltas = stream(byte_level, [], ids, sizes)
+            deltas = stream(byte_level, [], ids, sizes, make=make)
             assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
 
 
-def test_special_tokens_skipped_or_kept(byte_level):
+@BOTH
+def test_special_tokens_skipped_or_kept(byte_level, make):
     eos = byte_level.eos_token_id
     ids = byte_level.encode("café 🎉", add_special_tokens=False) + [eos]
-    assert "".join(stream(byte_level, [1, 2], ids, [1] * len(ids))) == "café 🎉"
-    assert "".join(stream(byte_level, [1, 2], ids, [1] * len(ids), skip=False)) == "café 🎉<eos>"
+    assert "".join(stream(byte_level, [1, 2], ids, [1] * len(ids), make=make)) == "café 🎉"
+    assert "".join(stream(byte_level, [1, 2], ids, [1] * len(ids), skip=False, make=make)) == "café 🎉<eos>"
 
 
-def test_incomplete_character_is_held_then_flushed(byte_level):
+@BOTH
+def test_incomplete_character_is_held_then_flushed(byte_level, make):
     ids = byte_level.encode("ok 🎉", add_special_tokens=False)
     cut = next(i for i in range(len(ids), 0, -1) if byte_level.decode(ids[:i]).endswith("\ufffd"))
-    detok = IncrementalDetokenizer(byte_level, [])
+    detok = make(byte_level, [])
     text = "".join(detok.add([t]) for t in ids[:cut])
     assert text.startswith("ok") and "\ufffd" not in text
     rest = detok.flush()
@@ -93,10 +113,11 @@ def test_incomplete_character_is_held_then_flushed(byte_level):
     assert detok.flush() == ""
 
 
-def test_prompt_ending_inside_a_character(byte_level):
+@BOTH
+def test_prompt_ending_inside_a_character(byte_level, make):
     ids = byte_level.encode("語🎉 fin", add_special_tokens=False)
     cut = next(i for i in range(1, len(ids)) if byte_level.decode(ids[:i]).endswith("\ufffd"))
-    deltas = stream(byte_level, ids[:cut], ids[cut:], [1] * (len(ids) - cut))
+    deltas = stream(byte_level, ids[:cut], ids[cut:], [1] * (len(ids) - cut), make=make)
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas).endswith("🎉 fin")
 
@@ -110,8 +131,27 @@ def test_sentencepiece_leading_spaces_follow_the_prompt(metaspace):
     assert metaspace.decode(output) == "fox jumps over the lazy dog"  # alone, the space is lost
 
 
-@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
-def test_a_stream_resumed_by_another_detokenizer_repeats_and_loses_nothing(name, request):
+def test_a_window_ending_in_skipped_special_tokens_keeps_text_as_context(metaspace):
+    """The next window's context is the last few tokens emitted, reaching back past skipped special
+    tokens to one that is text: with only specials before it, a SentencePiece window would lose its
+    leading space."""
+    eos = metaspace.convert_tokens_to_ids("</s>")
+    prompt = metaspace.encode("The quick brown", add_special_tokens=False)
+    fox, jumps = (metaspace.encode(w, add_special_tokens=False) for w in ("fox", "jumps over"))
+    for specials in (1, 6, 7, 20):
+        output = fox + [eos] * specials + jumps
+        joined = "".join(stream(metaspace, prompt, output, [len(fox) + specials]))
+        assert joined == " fox jumps over", specials
+    # a long window is still cut back to a few tokens: emitting 40 tokens at once leaves a short context
+    detok = IncrementalDetokenizer(metaspace, prompt)
+    long = metaspace.encode("the lazy dog " * 8, add_special_tokens=False)
+    detok.add(long)
+    assert len(detok._ids) <= 6
+
+
+@pytest.mark.parametrize("name, make", [("byte_level", windows), ("byte_level", table), ("metaspace", windows)],
+                         ids=["byte_level-windows", "byte_level-byte-table", "metaspace-windows"])
+def test_a_stream_resumed_by_another_detokenizer_repeats_and_loses_nothing(name, make, request):
     """A worker that resumes a request continues the text exactly where the client's stream stopped,
     whether the dead worker's last tokens completed their characters or were held back inside one
     (sent as token ids with no text); every cut point of every sample, one token at a time."""
@@ -119,15 +159,70 @@ def test_a_stream_resumed_by_another_detokenizer_repeats_and_loses_nothing(name,
     prompt = tokenizer.encode("the quick", add_special_tokens=False)
     for sample in SAMPLES:
         output = tokenizer.encode(sample, add_special_tokens=False)
-        whole = "".join(stream(tokenizer, prompt, output, [1] * len(output)))
+        whole = "".join(stream(tokenizer, prompt, output, [1] * len(output), make=make))
         for cut in range(1, len(output)):
-            first = IncrementalDetokenizer(tokenizer, prompt)
+            first = make(tokenizer, prompt)
             sent_text, held = "", 0  # what the client got, and the trailing tokens with no text yet
             for token in output[:cut]:
                 delta = first.add([token])
                 sent_text += delta
                 held = 0 if delta else held + 1
-            second = IncrementalDetokenizer(tokenizer, prompt)
+            second = make(tokenizer, prompt)
             assert second.resume(output[: cut - held], output[cut - held : cut]) == first.text
             rest = "".join(second.add([t]) for t in output[cut:]) + second.flush()
             assert sent_text + rest == whole, (sample, cut)
+
+
+def test_the_byte_table_decodes_as_the_tokenizer_does(byte_level, metaspace):
+    """Any ids, special or not, skipped or kept: the table's bytes, decoded as UTF-8 with U+FFFD for
+    what forms no character, are the tokenizer's own decode. Only a byte-level decoder gets one."""
+    rng = random.Random(3)
+    bytes_of, specials = byte_table(byte_level)
+    assert specials == {byte_level.eos_token_id}
+    for _ in range(500):
+        ids = [rng.randrange(len(byte_level)) for _ in range(rng.randrange(1, 30))]
+        for skip in (True, False):
+            mine = b"".join(bytes_of[i] for i in ids if not (skip and i in specials)).decode("utf-8", "replace")
+            assert mine == byte_level.decode(ids, skip_special_tokens=skip), ids
+    assert byte_table(metaspace) is None
+
+
+def output_text(tokenizer, prompt: list[int], output: list[int], skip: bool) -> str:
+    """The output's text by the tokenizer's own decode: the whole text less the prompt's, where a
+    character the prompt left open (its text ends in U+FFFD) belongs to the output if it completes."""
+    whole, head = tokenizer.decode(prompt + output, skip_special_tokens=skip), tokenizer.decode(prompt, skip_special_tokens=skip)
+    if whole.startswith(head):
+        return whole[len(head):]
+    assert head.endswith("\ufffd")
+    return whole[len(head) - 1:]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_byte_tables_stream_is_the_tokenizers_decode(byte_level, skip):
+    """Random ids (pieces of characters, invalid bytes, specials) in random groupings after random
+    prompts: what the table's detokenizer streams is the tokenizer's decode of the output."""
+    rng = random.Random(11)
+    for _ in range(300):
+        prompt = [rng.randrange(len(byte_level)) for _ in range(rng.randrange(1, 7))]
+        output = [rng.randrange(len(byte_level)) for _ in range(rng.randrange(0, 40))]
+        sizes = [rng.randrange(1, 17) for _ in range(len(output))]
+        streamed = "".join(stream(byte_level, prompt, output, sizes, skip, make=table))
+        assert streamed == output_text(byte_level, prompt, output, skip), (prompt, output)
+
+
+def test_both_detokenizers_stream_the_same_text_after_a_text_prompt(byte_level):
+    """Prompts of real text cut anywhere (inside a character too), random output ids and groupings:
+    the table's detokenizer and the windowed one end with the same text."""
+    rng = random.Random(12)
+    for _ in range(300):
+        ids = byte_level.encode(rng.choice(CORPUS), add_special_tokens=False)
+        prompt = ids[: rng.randrange(1, len(ids))]
+        output = [rng.randrange(len(byte_level)) for _ in range(rng.randrange(0, 40))]
+        sizes = [rng.randrange(1, 17) for _ in range(len(output))]
+        assert "".join(stream(byte_level, prompt, output, sizes, make=table)) == "".join(
+            stream(byte_level, prompt, output, sizes, make=windows)), (prompt, output)
+
+
+def test_the_engine_picks_the_table_for_byte_level_tokenizers_only(byte_level, metaspace):
+    assert isinstance(detokenizers(byte_level)([1, 2], True), ByteLevelDetokenizer)
+    assert isinstance(detokenizers(metaspace)([1, 2], True), IncrementalDetokenizer)

@@ -25,7 +25,7 @@ from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, has_p
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling
 from worker.engine.attention_choice import choose_attention
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import Detokenizer, detokenizers
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.runner import COMPILE_THREADS, InFlight, ModelRunner, to_host
@@ -63,7 +63,7 @@ class RequestOutput:
 class _Track:
     """Host-side text state of one sequence."""
 
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     stops: StopChecker
     prompt_logprobs: list[dict[str, Any] | None] = field(default_factory=list)
     prompt_sent: bool = False
@@ -106,10 +106,10 @@ class LLMEngine:
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}
+        self._detokenizer = detokenizers(tokenizer)  # (prompt ids, skip specials) -> a sequence's detokenizer
         self._seq_ids = itertools.count()
         self._inflight: InFlight | None = None
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
+        self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_steps = 0
         self.num_step_seqs = 0  # sum of sequences over steps (mean batch size)
 
@@ -142,7 +142,7 @@ class LLMEngine:
         group = SequenceGroup.create(request_id, prompt_token_ids, params, first, arrival_time or time.time())
         self._groups[request_id] = group
         for seq in group.sequences:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            detok = self._detokenizer(prompt_token_ids, params.skip_special_tokens)
             self._tracks[seq.seq_id] = _Track(detok, StopChecker(params.stop, params.include_stop_str_in_output))
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
@@ -280,12 +280,11 @@ class LLMEngine:
     def _first_stop(self, seq: Sequence, tokens: list[int]) -> int | None:
         """Index of the first of `tokens` (the next ones read back for `seq`) at which a stop token,
         EOS or a length limit ends the sequence; None if none does. Same order as `_stop_reason`."""
-        p = seq.params
-        known = seq.num_tokens - seq.num_in_flight  # tokens before tokens[0]
-        limits = [self.max_model_len - known - 1]
-        if p.max_tokens is not None:
-            limits.append(p.max_tokens - (known - seq.num_prompt_tokens) - 1)
-        end = max(0, min(limits))
+        p, outputs = seq.params, len(seq.output_token_ids) - seq.num_in_flight  # outputs before tokens[0]
+        end = self.max_model_len - len(seq.prompt_token_ids) - outputs - 1
+        if p.max_tokens is not None and p.max_tokens - outputs - 1 < end:
+            end = p.max_tokens - outputs - 1
+        end = max(0, end)
         stops = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos_ids)
         if stops:
             end = next((k for k, t in enumerate(tokens[:end]) if t in stops), end)
@@ -297,6 +296,8 @@ class LLMEngine:
         delta = track.detok.add(ids[:-1] if stop_token else ids) if ids else ""
         if reason is not None:
             delta += track.detok.flush()
+        if track.stops.idle:  # no stop strings: nothing held back, the text goes out as decoded
+            return text + delta, reason
         check = track.stops.add(delta)
         text += check.text
         if check.stop is not None:

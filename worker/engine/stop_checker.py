@@ -23,6 +23,11 @@ class StopChecker:
         self._held = ""  # text not emitted yet: a possible beginning of a stop string
         self.matched: str | None = None
 
+    @property
+    def idle(self) -> bool:
+        """No stop strings to look for: `add` would return its delta as it is."""
+        return not self._stop
+
     def add(self, delta: str) -> StopCheck:
         """Feed newly decoded text; returns what may be emitted and the match, if any."""
         if self.matched is not None:
