@@ -34,35 +34,34 @@ def _byte_of_char() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-def byte_table(tokenizer) -> tuple[list[bytes], frozenset[int]] | None:
-    """(each id's bytes, the special ids) for a tokenizer whose decoder is byte-level alone; None
-    for any other (or a slow tokenizer), which then decodes through its windows."""
+def byte_table(tokenizer) -> tuple[list[bytes], list[bytes]] | None:
+    """Each id's bytes, as (special tokens kept, special tokens skipped: b""), for a tokenizer whose
+    decoder is byte-level alone; None for any other (or a slow tokenizer), which then decodes
+    through its windows."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None
     byte_of = _byte_of_char()
-    size = backend.get_vocab_size(with_added_tokens=True)
-    table = []
-    for i in range(size):
+    kept = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
         token = backend.id_to_token(i)
-        if token is None:
-            table.append(b"")
-            continue
         try:
-            table.append(bytes(byte_of[c] for c in token))
+            kept.append(b"" if token is None else bytes(byte_of[c] for c in token))
         except KeyError:  # not in the alphabet: an added token's literal text
-            table.append(token.encode())
-    specials = frozenset(i for i in getattr(tokenizer, "all_special_ids", ()) if 0 <= i < size)
-    return table, specials
+            kept.append(token.encode())
+    skipped = list(kept)
+    for i in getattr(tokenizer, "all_special_ids", ()):
+        if 0 <= i < len(skipped):
+            skipped[i] = b""
+    return kept, skipped
 
 
 class ByteLevelDetokenizer:
     """`IncrementalDetokenizer`'s interface over a byte table: `add`, `flush`, `resume`, `text`."""
 
-    def __init__(self, table: tuple[list[bytes], frozenset[int]], prompt_token_ids: list[int],
+    def __init__(self, table: tuple[list[bytes], list[bytes]], prompt_token_ids: list[int],
                  skip_special_tokens: bool = True):
-        self._bytes, specials = table
-        self._skip = specials if skip_special_tokens else frozenset()
+        self._bytes = table[1] if skip_special_tokens else table[0]  # id -> its bytes
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._decoder.decode(self._join(prompt_token_ids[-PROMPT_CONTEXT:]))  # the prompt's text: not output
         # the prompt ended inside a character: bytes wait in the decoder. If the output completes
@@ -98,5 +97,4 @@ class ByteLevelDetokenizer:
         return delta
 
     def _join(self, token_ids: list[int]) -> bytes:
-        table, skip = self._bytes, self._skip
-        return b"".join([table[t] for t in token_ids if t not in skip])
+        return b"".join(map(self._bytes.__getitem__, token_ids))
