@@ -25,7 +25,6 @@ in-flight tokens drain). Nothing is preempted for a newer sequence, so the oldes
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -295,7 +294,7 @@ class Scheduler:
         capacity = (len(seq.page_table) + self.allocator.num_free_pages) * size
         steps = max(1, min(max_steps, self.room(seq), capacity - chunk.start))
         self._grow(seq, chunk.start + steps)
-        return dataclasses.replace(chunk, num_steps=steps)
+        return ScheduledChunk(seq, chunk.start, chunk.num_tokens, chunk.samples, steps)  # half the cost of dataclasses.replace
 
     def _pages_short(self, seq: Sequence, end: int) -> bool:
         return not self.allocator.can_allocate(self.config.pages_for(end) - len(seq.page_table))
