@@ -173,17 +173,22 @@ def test_a_stream_resumed_by_another_detokenizer_repeats_and_loses_nothing(name,
             assert sent_text + rest == whole, (sample, cut)
 
 
-def test_the_byte_table_decodes_as_the_tokenizer_does(byte_level, metaspace):
-    """Any ids, special or not, skipped or kept: the table's bytes, decoded as UTF-8 with U+FFFD for
-    what forms no character, are the tokenizer's own decode. Only a byte-level decoder gets one."""
+def test_the_byte_table_decodes_as_the_tokenizer_does(metaspace):
+    """Any ids, special or not, skipped or kept, added tokens among them (text outside the byte
+    alphabet, spaces, one written in it): the table's bytes, decoded as UTF-8 with U+FFFD for what
+    forms no character, are the tokenizer's own decode. Only a byte-level decoder gets a table."""
+    tokenizer = byte_level_bpe(CORPUS)
+    tokenizer.add_tokens(["<my tok>", "日本", " plain", "Ġx"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|sp ecial|>"]})
+    added = list(range(len(tokenizer) - 5, len(tokenizer)))
     rng = random.Random(3)
-    kept, skipped = byte_table(byte_level)
-    assert [i for i in range(len(kept)) if kept[i] != skipped[i]] == [byte_level.eos_token_id]
+    kept, skipped = byte_table(tokenizer)
+    assert [i for i in range(len(kept)) if kept[i] != skipped[i]] == [tokenizer.eos_token_id, added[-1]]
     for _ in range(500):
-        ids = [rng.randrange(len(byte_level)) for _ in range(rng.randrange(1, 30))]
+        ids = [rng.choice([rng.randrange(len(tokenizer)), *added]) for _ in range(rng.randrange(1, 30))]
         for skip, table_ in ((True, skipped), (False, kept)):
             mine = b"".join(table_[i] for i in ids).decode("utf-8", "replace")
-            assert mine == byte_level.decode(ids, skip_special_tokens=skip), ids
+            assert mine == tokenizer.decode(ids, skip_special_tokens=skip), ids
     assert byte_table(metaspace) is None
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import codecs
 
-PROMPT_CONTEXT = 6  # prompt tokens fed first, so that a character the prompt left open can complete
-REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT = 6  # the prompt's last tokens decoded first (left context; a character they leave open)
+REPLACEMENT = "\ufffd"  # what UTF-8 decoding puts for bytes that form no character
 
 
 def _byte_of_char() -> dict[str, int]:

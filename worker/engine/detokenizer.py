@@ -5,18 +5,17 @@ first token in a string; byte-level BPE spreads one character over several token
 step decodes a short window twice, with and without the tokens not emitted yet, and emits the
 difference. While the longer text ends in U+FFFD (an incomplete character) nothing is emitted.
 After an emission the last CONTEXT tokens emitted (and back to one that is text, where special
-tokens are skipped) become the next window's context: a fused call's 16 tokens kept whole cost a
-second decode as long as the first (session 45: 8.3 -> 4 us a row per read-back).
+tokens are skipped) become the next window's context, not a whole fused call's 16 (session 45: the
+two decodes of a row 5.0 -> 3.3 us in a loop). Byte-level tokenizers skip all this
+(byte_detokenizer.py); `detokenizers` gives each sequence the right one.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from worker.engine.byte_detokenizer import ByteLevelDetokenizer, byte_table
+from worker.engine.byte_detokenizer import PROMPT_CONTEXT, REPLACEMENT, ByteLevelDetokenizer, byte_table
 
-REPLACEMENT = "\ufffd"
-PROMPT_CONTEXT = 6  # prompt tokens decoded as left context for the first output tokens
 CONTEXT = 6  # emitted tokens kept as left context for the next ones
 MAX_WINDOW = 32  # tokens that decoded to nothing (skipped specials) kept as context at most
 
