@@ -178,9 +178,9 @@ def test_the_byte_table_decodes_as_the_tokenizer_does(metaspace):
     alphabet, spaces, one written in it): the table's bytes, decoded as UTF-8 with U+FFFD for what
     forms no character, are the tokenizer's own decode. Only a byte-level decoder gets a table."""
     tokenizer = byte_level_bpe(CORPUS)
-    tokenizer.add_tokens(["<my tok>", "日本", " plain", "Ġx"])
+    tokenizer.add_tokens(["<my tok>", "日本", " plain", "Ġx", "Ġ日"])  # the last: alphabet and not, kept as text
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|sp ecial|>"]})
-    added = list(range(len(tokenizer) - 5, len(tokenizer)))
+    added = list(range(len(tokenizer) - 6, len(tokenizer)))
     rng = random.Random(3)
     kept, skipped = byte_table(tokenizer)
     assert [i for i in range(len(kept)) if kept[i] != skipped[i]] == [tokenizer.eos_token_id, added[-1]]
