@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tests.byte_bpe import byte_level_bpe
+from worker.bench.tokenizer import IdTokenizer
 from worker.engine.byte_detokenizer import ByteLevelDetokenizer, byte_table
 from worker.engine.detokenizer import IncrementalDetokenizer, detokenizers
 
@@ -231,3 +232,14 @@ def test_both_detokenizers_stream_the_same_text_after_a_text_prompt(byte_level):
 def test_the_engine_picks_the_table_for_byte_level_tokenizers_only(byte_level, metaspace):
     assert isinstance(detokenizers(byte_level)([1, 2], True), ByteLevelDetokenizer)
     assert isinstance(detokenizers(metaspace)([1, 2], True), IncrementalDetokenizer)
+
+
+def test_the_benchmarks_stand_in_tokenizer_takes_the_table_way_once_it_knows_its_size():
+    """Dummy-weight benchmarks stand in for byte-level models (llama3-8b): with the vocabulary's size
+    the stand-in's text goes through the byte table, as a real byte-level tokenizer's would, and
+    reads the same as its own decode."""
+    sized, bare = IdTokenizer(vocab_size=1000), IdTokenizer()
+    detok = detokenizers(sized)([1, 2], True)
+    assert isinstance(detok, ByteLevelDetokenizer)
+    assert detok.add([5, 999]) + detok.add([0]) + detok.flush() == sized.decode([5, 999, 0]) == " t5 t999 t0"
+    assert isinstance(detokenizers(bare)([1, 2], True), IncrementalDetokenizer)

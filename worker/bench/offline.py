@@ -120,7 +120,7 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
     t0 = time.perf_counter()
     if preset:
         cfg = ModelConfig.preset(preset)
-        model, tokenizer, path = build_model(cfg, overrides.get("dtype"), seed=0), IdTokenizer(), None
+        model, tokenizer, path = build_model(cfg, overrides.get("dtype"), seed=0), IdTokenizer(cfg.vocab_size), None
         if save_to is not None:
             save_checkpoint(model, save_to, overrides.get("dtype"))
             path = save_to
@@ -129,7 +129,7 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
         try:
             tokenizer = load_tokenizer(model_dir)
         except FileNotFoundError:
-            tokenizer = IdTokenizer()
+            tokenizer = IdTokenizer(model.cfg.vocab_size)
     if "num_pages" not in overrides:  # enough for every sequence that can run at once, no more
         page_size = EngineConfig(**overrides).for_backend(jax.default_backend()).page_size
         per_seq = -(-work.longest // page_size)
