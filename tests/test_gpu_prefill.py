@@ -51,7 +51,8 @@ def test_kernel_matches_the_reference(heads, kv_heads, dim, page_size, window, c
     contexts = [chunk, 5 * page_size + 3, chunk // 2 + 1, 0]
     q, k, v, tables, positions, lens = rows_of_chunks(rng, heads, kv_heads, dim, page_size, 40, 8, contexts, chunk)
     got = np.asarray(prefill(q, k, v, tables, positions, lens, window))
-    ref = np.asarray(pa.paged_attention(q, k, v, tables, positions, lens, window))
+    with jax.default_matmul_precision("highest"):  # a GPU's float32 einsum defaults to TF32 (10-bit mantissa)
+        ref = np.asarray(pa.paged_attention(q, k, v, tables, positions, lens, window))
     keep = valid(positions, lens)
     np.testing.assert_allclose(got[keep], ref[keep], rtol=1e-5, atol=1e-5)
     assert not got[3].any()  # a row with no context sees nothing: zeros
@@ -76,7 +77,8 @@ def test_a_long_context_over_many_blocks_of_pages():
     rng = np.random.default_rng(2)
     q, k, v, tables, positions, lens = rows_of_chunks(rng, 8, 2, 32, 16, 200, 63, [1000, 520], 32)
     got = np.asarray(prefill(q, k, v, tables, positions, lens))
-    ref = np.asarray(pa.paged_attention(q, k, v, tables, positions, lens))
+    with jax.default_matmul_precision("highest"):  # not TF32 on a GPU
+        ref = np.asarray(pa.paged_attention(q, k, v, tables, positions, lens))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -2,7 +2,7 @@
 reads back and schedules. Same tokens as the engine launching its calls itself (greedy and seeded
 sampling, prompts chunked beside decode rows, fused decode steps, sequences ending mid-call), the
 same pages free at the end, a launch's error raised from `step()`, and the bench probe counting
-the launches apart from the engine thread's host time."""
+the launches apart from the engine thread's host time; on by default on accelerators alone."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from worker.bench.offline import Workload, make_engine, submit
 from worker.bench.probe import StepProbe
-from worker.cli import engine_argv, main
+from worker.cli import engine_argv, main, parser
+from worker.engine.config import EngineConfig
 
 SMALL = {"max_num_batched_tokens": 64, "decode_steps": 4, "max_num_seqs": 8}
 
@@ -85,9 +86,19 @@ def test_the_probe_counts_the_launch_thread_apart_from_host_time():
         assert parts == pytest.approx(phase.host_s, abs=1e-6)
 
 
+def test_on_by_default_on_accelerators_and_off_on_the_cpu():
+    assert EngineConfig().for_backend("gpu").launch_thread is True
+    assert EngineConfig().for_backend("tpu").launch_thread is True
+    assert EngineConfig().for_backend("cpu").launch_thread is False
+    assert EngineConfig(launch_thread=False).for_backend("gpu").launch_thread is False
+    assert EngineConfig(launch_thread=True).for_backend("cpu").launch_thread is True
+
+
 def test_the_flag_reaches_the_engine_and_child_processes(capsys):
     assert engine_argv({"launch_thread": True}) == ["--launch-thread"]
-    assert engine_argv({"launch_thread": False}) == []
+    assert engine_argv({"launch_thread": False}) == ["--no-launch-thread"]
+    assert parser().parse_args(["worker", "--no-launch-thread"]).launch_thread is False
+    assert parser().parse_args(["worker"]).launch_thread is None
     assert main(["bench", "offline", "--dummy", "llama-tiny", "--num-prompts", "4", "--input-len", "16",
                  "--output-len", "24", "--launch-thread"]) == 0
     assert "on the launch thread" in capsys.readouterr().out

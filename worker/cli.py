@@ -45,7 +45,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="read each step back before dispatching the next")
     g.add_argument("--launch-thread", action="store_const", const=True,
                    help="launch each step from a helper thread while the engine thread reads back and schedules "
-                        "(for accelerators, where a launch costs the host milliseconds)")
+                        "(default on accelerators, where a launch costs the host milliseconds; off on the CPU)")
+    g.add_argument("--no-launch-thread", dest="launch_thread", action="store_const", const=False,
+                   help="launch each step from the engine thread, also on an accelerator")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
     g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
     g.add_argument("--attention", choices=["auto", "kernel", "pallas", "jnp"],
@@ -109,7 +111,8 @@ def engine_argv(overrides: dict) -> list[str]:
     for key, value in overrides.items():
         if isinstance(value, bool):  # a flag that gives the value other than the default
             flag = {("async_overlap", False): "--no-async-overlap", ("enable_prefix_cache", False): "--no-prefix-cache",
-                    ("pallas_prefill", True): "--pallas-prefill", ("launch_thread", True): "--launch-thread"}.get((key, value))
+                    ("pallas_prefill", True): "--pallas-prefill", ("launch_thread", True): "--launch-thread",
+                    ("launch_thread", False): "--no-launch-thread"}.get((key, value))
             if flag:
                 argv.append(flag)
         else:

@@ -30,9 +30,10 @@ class EngineConfig:
     # request that arrives during a call waits for its end, and streams get their text this far apart;
     # 100 ms is about where a pause starts to be noticed
     async_overlap: bool = True  # dispatch step k+1 before reading back step k
-    launch_thread: bool = False  # launch each step's jitted call from a helper thread, while the engine
-    # thread reads back the step before and schedules the next: on an H200 a launch held the engine
-    # thread 5.8-7.8 ms (session 42), ~1.2 ms of it for the arguments. Off until a GPU measures it
+    launch_thread: bool | None = None  # launch each step's jitted call from a helper thread, while the
+    # engine thread reads back the step before and schedules the next; None: on accelerators, off on the
+    # CPU. On an H200 the launch held the engine thread 4.4-7.8 ms a call (sessions 42, 46); on the thread,
+    # 128/128's host share went 15 -> 6 % and batch 1's 11 -> 3 % (session 46). A CPU launch is ~0.3 ms
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
     kv_cache_dtype: str | None = None  # KV page dtype ("float32", "bfloat16"); None: the compute dtype.
@@ -86,9 +87,9 @@ class EngineConfig:
 
     def for_backend(self, backend: str) -> "EngineConfig":
         """This config with the defaults that depend on the JAX backend ("cpu", "gpu", ...) filled in."""
-        if self.page_size is not None:
-            return self
-        return replace(self, page_size=DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE))
+        page_size = self.page_size or DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE)
+        launch_thread = backend != "cpu" if self.launch_thread is None else self.launch_thread
+        return replace(self, page_size=page_size, launch_thread=launch_thread)
 
     def fused_steps_for(self, step_s: float) -> int:
         """Auto decode_steps for a full-batch decode step of `step_s` seconds: as many as fit in the
