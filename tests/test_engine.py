@@ -353,8 +353,23 @@ def test_n_choices_share_prompt_pages_and_differ(model, tokenizer, prompts):
 
 # ---- 5. pages come back after finishing and aborting ----
 
-def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts):
-    engine = make_engine(model, tokenizer, TIGHT, async_overlap=True)
+def test_greedy_batch_equals_generate_with_launches_on_their_own_thread(model, tokenizer, prompts, greedy_refs):
+    """The accelerators' default (`launch_thread`): chunked prompts, preemptions and fused steps as in
+    the tight case above, every call launched from the helper thread."""
+    engine = make_engine(model, tokenizer, TIGHT, decode_steps=4, launch_thread=True)
+    free = engine.allocator.num_free_pages
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    results = drain(engine)
+    assert [results[(f"r{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+    assert engine.runner._launcher is not None and engine.scheduler.num_preemptions > 0
+    assert_pages_returned(engine, free)
+
+
+@pytest.mark.parametrize("launch_thread", [False, True], ids=["inline", "launch-thread"])
+def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts, launch_thread):
+    engine = make_engine(model, tokenizer, TIGHT, async_overlap=True, launch_thread=launch_thread)
     free = engine.allocator.num_free_pages
     sampled = dataclasses.replace(SAMPLED, seed=3)
     for i, p in enumerate(prompts[2:]):
