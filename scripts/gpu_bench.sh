@@ -48,8 +48,9 @@
 # fail rather than fall back to jnp unnoticed), SIZE_SCALE (default 1; a dry run on a CPU divides
 # the prompt and output lengths by it), PYTHON (default python3), BENCH_FLAGS (more `bench offline`
 # flags for every run, e.g. "--compile-threads 1"), PALLAS_TUNING (the kernel runs' --pallas-tuning,
-# until an `attention` run picks one), PALLAS_PREFILL (1: the kernel runs take --pallas-prefill, until an
-# `attention` run finds whether the prefill kernel beats the reference), ATTENTION_FLAGS (more `bench attention` flags), PROFILE (a directory: each
+# until an `attention` run picks one), PALLAS_PREFILL (1: the kernel runs take --pallas-prefill, which fails
+# rather than fall back; 0: --no-pallas-prefill, the reference; unset: the engine's default, the kernel
+# where it compiles; until an `attention` run finds whether the prefill kernel beats the reference), ATTENTION_FLAGS (more `bench attention` flags), PROFILE (a directory: each
 # `bench offline` run also traces 8 calls with prompt chunks and 8 steady decode calls of one more
 # round into PROFILE/RUN/prefill and PROFILE/RUN/decode, and reports device time per prefill call and
 # per decode step by kind; summary.txt gets the kinds and the top kernels of both).
@@ -79,7 +80,7 @@ scale=${SIZE_SCALE:-1}
 python=${PYTHON:-python3}
 extra=${BENCH_FLAGS:-}  # word-split on purpose: several flags
 tuning=(); [ -z "${PALLAS_TUNING:-}" ] || tuning=(--pallas-tuning "$PALLAS_TUNING")
-[ -z "${PALLAS_PREFILL:-}" ] || tuning+=(--pallas-prefill)
+case "${PALLAS_PREFILL:-}" in 1) tuning+=(--pallas-prefill) ;; 0) tuning+=(--no-pallas-prefill) ;; esac
 mkdir -p "$out"
 log="$out/gpu_bench.log"
 export PYTHONUNBUFFERED=1
@@ -198,7 +199,7 @@ EOF
         [ "$picked" != - ] || picked=
         if [ "$attention" = pallas ]; then
           tuning=(); [ -z "$picked" ] || tuning=(--pallas-tuning "$picked")
-          [ -z "$prefill_pick" ] || tuning+=(--pallas-prefill)
+          if [ -n "$prefill_pick" ]; then tuning+=(--pallas-prefill); else tuning+=(--no-pallas-prefill); fi
         fi
         say "attention: fastest Pallas setting ${picked:-none}, prefill kernel $([ -n "$prefill_pick" ] && echo "faster than the reference" || echo "not faster"); the kernel runs after this use ${tuning[*]:-the defaults} [$((SECONDS - started)) s]"
       else

@@ -378,8 +378,9 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     picked = min(sweep["results"][2:4], key=lambda r: r["us_per_call"])["name"].split()[1]
     # interpreted, the prefill kernel's time is the interpreter's: never taken on it
     assert (f"attention: fastest Pallas setting {picked}, prefill kernel not faster; the kernel runs after this use "
-            f"--pallas-tuning {picked}") in done.stdout
-    assert f"=== 1024-1024: 64 x 16/16 --attention pallas --pallas-tuning {picked}\n" in (tmp_path / "d" / "gpu_bench.log").read_text()
+            f"--pallas-tuning {picked} --no-pallas-prefill") in done.stdout
+    assert (f"=== 1024-1024: 64 x 16/16 --attention pallas --pallas-tuning {picked} --no-pallas-prefill\n"
+            in (tmp_path / "d" / "gpu_bench.log").read_text())
     summary = (tmp_path / "d" / "summary.txt").read_text()
     assert "attention pallas 1:512:4:2: " in summary and " us/layer, " in summary
     prefill = sweep["prefill"]

@@ -79,4 +79,8 @@ def test_pallas_prefill_from_the_cli_and_the_environment():
     assert "pallas_prefill" not in _engine_overrides(_worker_args())
     env = {"REDJAX_PALLAS_PREFILL": "1"}
     assert WorkerConfig.from_env({"model_dir": "m"}, environ=env).engine.pallas_prefill is True
-    assert EngineConfig().pallas_prefill is False
+    assert EngineConfig().pallas_prefill is None  # auto: with the Pallas decode kernel, where it compiles
+    off = _engine_overrides(_worker_args("--no-pallas-prefill"))
+    assert off["pallas_prefill"] is False and _engine_overrides(_worker_args(*engine_argv(off))) == off
+    for raw, value in (("0", False), ("auto", None)):
+        assert WorkerConfig.from_env({"model_dir": "m"}, environ={"REDJAX_PALLAS_PREFILL": raw}).engine.pallas_prefill is value

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from worker.engine import gpu_prefill, paged_attention as pa
+from worker.engine import attention_choice, gpu_attention, gpu_prefill, paged_attention as pa
 from worker.engine.attention_choice import AttentionUnavailable, choose_attention
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -99,14 +99,31 @@ def test_lowers_to_one_triton_kernel_for_cuda(stored, rows, chunk, n, p):
     assert "redjax_paged_prefill_attention" in text
 
 
-def test_the_choice():
-    """`pallas_prefill` applies with the Pallas decode kernel alone; on a GPU it swaps the prefill
-    rows' attention for the kernel."""
+def test_the_choice(monkeypatch):
+    """With the Pallas decode kernel, prefill rows take the Pallas prefill kernel where it compiles
+    (`pallas_prefill` None), always (True: else an error) or never (False); True with another
+    attention is an error, False there changes nothing."""
     with pytest.raises(AttentionUnavailable, match="pallas_prefill applies to the Pallas decode kernel, and this "
                                                    "engine runs jnp attention"):
         choose_attention("jnp", 1, 128, 16, jnp.float32, jnp.float32, None, True)
+    assert choose_attention("jnp", 1, 128, 16, jnp.float32, jnp.float32, None, False) is pa.JNP
+    assert choose_attention("jnp", 1, 128, 16, jnp.float32, jnp.float32) is pa.JNP
     if ON_GPU:
-        ops = choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, None, True)
+        ops = choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16)
         assert ops.name == "pallas" and ops.prefill is gpu_prefill.pallas_prefill_attention
-        assert choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16).prefill is gpu_prefill.prefill_attention
-
+        assert choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, None, True).prefill is ops.prefill
+        off = choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, None, False)
+        assert off.name == "pallas" and off.prefill is gpu_prefill.prefill_attention
+    # the same decisions wherever the decode kernel was chosen, the prefill kernel compiling or not
+    monkeypatch.setattr(attention_choice, "_choose", lambda *args: gpu_attention.PALLAS)
+    for compiles in (True, False):
+        monkeypatch.setattr(attention_choice, "prefill_compiles", lambda *args, ok=compiles: ok)
+        auto = choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16)
+        assert auto.prefill is (gpu_prefill.pallas_prefill_attention if compiles else gpu_prefill.prefill_attention)
+        off = choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, None, False)
+        assert off.prefill is gpu_prefill.prefill_attention
+        if compiles:
+            assert choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, None, True).prefill is auto.prefill
+        else:
+            with pytest.raises(RuntimeError, match="the Pallas prefill kernel did not compile"):
+                choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, None, True)

@@ -65,8 +65,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the GPU decode kernel's work split (default 4:1024:4:2; `redjax bench attention` times "
                         "settings); only with the Pallas kernel")
     g.add_argument("--pallas-prefill", action="store_const", const=True,
-                   help="prefill rows through the Pallas prefill kernel instead of the reference (`redjax bench "
-                        "attention` times both); only with the Pallas kernel")
+                   help="prefill rows through the Pallas prefill kernel, or fail (default: with the Pallas decode "
+                        "kernel, where it compiles; `redjax bench attention` times it against the reference)")
+    g.add_argument("--no-pallas-prefill", dest="pallas_prefill", action="store_const", const=False,
+                   help="prefill rows through the reference attention, also with the Pallas decode kernel")
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
@@ -111,8 +113,8 @@ def engine_argv(overrides: dict) -> list[str]:
     for key, value in overrides.items():
         if isinstance(value, bool):  # a flag that gives the value other than the default
             flag = {("async_overlap", False): "--no-async-overlap", ("enable_prefix_cache", False): "--no-prefix-cache",
-                    ("pallas_prefill", True): "--pallas-prefill", ("launch_thread", True): "--launch-thread",
-                    ("launch_thread", False): "--no-launch-thread"}.get((key, value))
+                    ("pallas_prefill", True): "--pallas-prefill", ("pallas_prefill", False): "--no-pallas-prefill",
+                    ("launch_thread", True): "--launch-thread", ("launch_thread", False): "--no-launch-thread"}.get((key, value))
             if flag:
                 argv.append(flag)
         else:

@@ -7,8 +7,8 @@
 - "auto": the kernel for the backend where it applies (and, for Pallas, compiles on this GPU),
   else jnp. A kernel that does not apply or fails is logged, never silent.
 
-With the Pallas kernel, prefill rows run the reference (rounded like the kernel) unless
-`pallas_prefill` asks for the Pallas prefill kernel (gpu_prefill.py).
+With the Pallas kernel, prefill rows run the Pallas prefill kernel (gpu_prefill.py) where it
+compiles, unless `pallas_prefill` is False: then the reference, rounded like the kernel.
 """
 
 from __future__ import annotations
@@ -33,19 +33,22 @@ class AttentionUnavailable(ValueError):
 
 
 def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtype, kv_dtype,
-                     tuning: tuple[int, int, int, int] | None = None, prefill_kernel: bool = False) -> AttentionOps:
+                     tuning: tuple[int, int, int, int] | None = None, prefill_kernel: bool | None = None) -> AttentionOps:
     """The attention for these settings; `tuning` (EngineConfig.pallas_tuning) and `prefill_kernel`
     (EngineConfig.pallas_prefill) apply to the Pallas kernels alone, and are errors where another
-    attention runs."""
+    attention runs. `prefill_kernel` None: the Pallas prefill kernel if it compiles here (a failure
+    is logged and the reference runs), True: it or an error, False: the reference."""
     settings = None if tuning is None else gpu_attention.Tuning(*tuning)
     ops = _choose(mode, tensor_parallel, head_dim, page_size, dtype, kv_dtype, settings)
-    for asked, name in ((tuning is not None, "pallas_tuning"), (prefill_kernel, "pallas_prefill")):
-        if asked and ops.name != gpu_attention.PALLAS.name:
+    pallas = ops.name == gpu_attention.PALLAS.name
+    for asked, name in ((tuning is not None, "pallas_tuning"), (prefill_kernel is True, "pallas_prefill")):
+        if asked and not pallas:
             raise AttentionUnavailable(f"{name} applies to the Pallas decode kernel, and this engine runs {ops.name} attention")
-    if prefill_kernel:
-        if not prefill_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name):
+    if pallas and prefill_kernel is not False:
+        if prefill_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name):
+            return replace(ops, prefill=gpu_prefill.pallas_prefill_attention)
+        if prefill_kernel:
             raise RuntimeError("the Pallas prefill kernel did not compile on this GPU (see the log)")
-        ops = replace(ops, prefill=gpu_prefill.pallas_prefill_attention)
     return ops
 
 

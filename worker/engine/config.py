@@ -54,8 +54,9 @@ class EngineConfig:
     pallas_tuning: str | None = None  # the Pallas decode kernel's work split, "PAGES:PROGRAMS:WARPS:STAGES"
     # (pages read per loop iteration, programs to aim for, Triton's warps and stages; gpu_attention.Tuning);
     # None: its defaults. `redjax bench attention` times settings on the GPU at hand
-    pallas_prefill: bool = False  # prefill rows through the Pallas prefill kernel (gpu_prefill.py) instead of
-    # the reference; with the Pallas decode kernel only. `redjax bench attention` times both on the GPU at hand
+    pallas_prefill: bool | None = None  # prefill rows through the Pallas prefill kernel (gpu_prefill.py) instead
+    # of the reference, with the Pallas decode kernel only. None: where it compiles (3.0x the reference's
+    # attention on an H200, session 34); True: it or an error; False: the reference
 
     def __post_init__(self) -> None:
         checks = {
