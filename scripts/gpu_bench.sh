@@ -136,7 +136,7 @@ if d["calls"]:  # the host's decode share and where it goes, per call (the host 
         + f" ms of {d['wall_s'] / d['calls'] * 1e3:.1f})")
 line += (f"; "
         f"attention {r['attention']} {r['engine'].get('pallas_tuning') or 'default'}"
-        f"{', prefill kernel' if r['engine'].get('pallas_prefill') else ''}, {r['compiles_during_run']} compiles during the run; "
+        f"{', prefill kernel' if r.get('pallas_prefill_kernel') else ''}, {r['compiles_during_run']} compiles during the run; "
         f"{r['startup']['variants_compiled_ahead']} variants compiled ahead in {r['startup']['compile_ahead_s']:.0f} s")
 if "ratio" in r:
     line += f"; transformers {r['baseline_output_tokens_per_s']:.0f} tok/s ({r['ratio']:.2f}x)"

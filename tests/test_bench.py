@@ -402,6 +402,7 @@ def test_gpu_bench_script_writes_a_report_per_run(tmp_path):
     report = json.loads((tmp_path / "f" / "128-128-engine.json").read_text())
     assert (report["num_prompts"], report["input_len"], report["output_len"]) == (64, 2, 2)
     assert "ratio" not in report and report["engine"]["launch_thread"] is True
+    assert report["pallas_prefill_kernel"] is False and ", prefill kernel" not in done.stdout  # the CPU kernel's prefill
     # past the deadline: killed and reported
     done = script("1024-1024", "--out", str(tmp_path / "c"), DEADLINE_S="2")
     assert done.returncode == 0

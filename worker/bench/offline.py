@@ -25,6 +25,7 @@ from worker.bench.barrier import Barrier
 from worker.bench.probe import StepProbe
 from worker.bench.prompts import draw_lengths
 from worker.bench.tokenizer import IdTokenizer
+from worker.engine import gpu_prefill
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import RESERVED_PAGES
 from worker.engine.llm_engine import LLMEngine
@@ -289,6 +290,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
                      "logprobs": work.logprobs},
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
+        "pallas_prefill_kernel": engine.runner.attention.prefill is gpu_prefill.pallas_prefill_attention,
         "matmul": engine.matmul, "decode_steps": engine.decode_steps,
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
         "prefix_cache_hit_tokens": per_round[0]["prefix_cache_hit_tokens"],
