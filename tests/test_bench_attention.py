@@ -38,6 +38,12 @@ def test_reports_each_implementation_against_the_reference(capsys):
         assert r["max_abs_error"] < 2e-2, r  # bfloat16 operands against float32 products
         assert r["tflops"] == pytest.approx(p["flops_per_call"] / r["us_per_call"] / 1e6)
     assert prefill["cpu-kernel"]["max_abs_error"] < 1e-5  # float32 products over the same bfloat16 pages
+    # compiled (as on a GPU), the table says which prefill attention an engine should take
+    report["interpret"] = False
+    prefill["pallas"]["us_per_call"], prefill["reference"]["us_per_call"] = 1.0, 2.0
+    assert "the Pallas prefill kernel is faster here; an engine takes it by default" in attention.table(report)
+    prefill["pallas"]["us_per_call"] = 3.0
+    assert "the reference prefill attention is faster here" in attention.table(report)
 
 
 def test_the_table_and_usage_errors(capsys):

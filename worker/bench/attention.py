@@ -285,6 +285,9 @@ def table(report: dict) -> str:
                          f"{r['max_abs_error']:>9.2g}")
         if not report["interpret"] and prefill_kernel_wins(report):
             lines.append("the Pallas prefill kernel is faster here; an engine takes it by default (--no-pallas-prefill: the reference)")
+        elif not report["interpret"] and {"pallas", "reference"} <= {r["name"] for r in p["results"] if "us_per_call" in r}:
+            lines.append("the reference prefill attention is faster here, or the kernel's error too large: "
+                         "--no-pallas-prefill gives an engine the reference")
     return "\n".join(lines)
 
 
