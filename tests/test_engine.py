@@ -31,7 +31,7 @@ from worker.models.loader import load_model
 PROMPT_LENGTHS = (1, 3, 6, 11, 17, 24, 30, 41)
 GEN = 16  # new tokens per prompt in the greedy runs
 TIGHT = dict(max_num_seqs=8, page_size=4, num_pages=20, max_num_batched_tokens=16, decode_steps=4)  # 19 usable pages: 76 tokens
-SIZES = {"roomy": ROOMY, "tight": TIGHT}
+SIZES = {"roomy": ROOMY, "tight": TIGHT, "tight-thread": {**TIGHT, "launch_thread": True}}
 SAMPLED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=12, ignore_eos=True)  # one sampler variant
 
 
@@ -120,9 +120,9 @@ def assert_pages_returned(engine: LLMEngine, free_at_start: int) -> None:
 
 # ---- 1. greedy batches equal transformers, also chunked and preempted ----
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-@pytest.mark.parametrize("sizes", ["roomy", "tight"])
+# the last: the accelerators' default, every call launched from the helper thread (`launch_thread`)
+@pytest.mark.parametrize("sizes,overlap,decode_steps", [(s, o, d) for s in ("roomy", "tight") for o in (True, False)
+                                                        for d in (1, 4)] + [("tight-thread", True, 4)])
 def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, greedy_refs, sizes, overlap, decode_steps):
     engine = make_engine(model, tokenizer, SIZES[sizes], async_overlap=overlap, decode_steps=decode_steps)
     chunks = record_chunks(engine)
@@ -138,7 +138,8 @@ def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, gree
     assert_pages_returned(engine, free)
     split = [c for c in chunks if c["n"] > 1 and not c["samples"] and c["start"] + c["n"] < c["prompt"]]
     resumed = [c for c in chunks if c["n"] > 1 and 0 < c["start"] < c["prompt"]]
-    if sizes == "tight":
+    assert (engine.runner._launcher is not None) == (sizes == "tight-thread")
+    if sizes != "roomy":
         assert engine.scheduler.num_preemptions > 0
         assert split and resumed, "no prompt was prefilled in several chunks"
     else:
@@ -352,20 +353,6 @@ def test_n_choices_share_prompt_pages_and_differ(model, tokenizer, prompts):
 
 
 # ---- 5. pages come back after finishing and aborting ----
-
-def test_greedy_batch_equals_generate_with_launches_on_their_own_thread(model, tokenizer, prompts, greedy_refs):
-    """The accelerators' default (`launch_thread`): chunked prompts, preemptions and fused steps as in
-    the tight case above, every call launched from the helper thread."""
-    engine = make_engine(model, tokenizer, TIGHT, decode_steps=4, launch_thread=True)
-    free = engine.allocator.num_free_pages
-    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    results = drain(engine)
-    assert [results[(f"r{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
-    assert engine.runner._launcher is not None and engine.scheduler.num_preemptions > 0
-    assert_pages_returned(engine, free)
-
 
 @pytest.mark.parametrize("launch_thread", [False, True], ids=["inline", "launch-thread"])
 def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts, launch_thread):
