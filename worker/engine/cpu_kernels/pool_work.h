@@ -31,10 +31,12 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
-
-#include <sched.h>
 #include <type_traits>
 #include <utility>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -92,10 +94,20 @@ inline int64_t units_per_item(int64_t unit_elements, int64_t at_least) {
   return std::max<int64_t>(at_least, kMinItemElements / std::max<int64_t>(unit_elements, 1));
 }
 
+// The core this thread runs on, or -1 where that is unknown.
+inline int current_cpu() {
+#ifdef __linux__
+  return sched_getcpu();
+#else
+  return -1;
+#endif
+}
+
 // Called by the helper numbered `nth` (from 0) of a caller on core `caller_cpu`: if this thread
 // runs on that core too, it moves to the nth allowed core after it (two system calls: pin there,
-// which migrates the running thread, then allow every core again, which does not move it back).
+// which migrates the running thread, then allow its old set again, which does not move it back).
 inline void leave_core(int caller_cpu, int64_t nth) {
+#ifdef __linux__
   if (caller_cpu < 0 || sched_getcpu() != caller_cpu) return;
   cpu_set_t allowed;
   if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || CPU_COUNT(&allowed) < 2) return;
@@ -108,6 +120,7 @@ inline void leave_core(int caller_cpu, int64_t nth) {
   CPU_ZERO(&one);
   CPU_SET(target, &one);
   if (sched_setaffinity(0, sizeof one, &one) == 0) sched_setaffinity(0, sizeof allowed, &allowed);
+#endif
 }
 
 // Runs fn(0) .. fn(items - 1) over the pool and the calling thread; returns when all are done.
@@ -117,7 +130,7 @@ void run_on_pool(xla::ffi::ThreadPool& pool, int64_t items, Fn fn) {
   if (items <= 0) return;
   auto work = std::make_shared<PoolWork<Fn>>(items, std::move(fn));
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  const int caller_cpu = helpers > 0 ? sched_getcpu() : -1;
+  const int caller_cpu = helpers > 0 ? current_cpu() : -1;
   for (int64_t i = 0; i < helpers; ++i)
     pool.Schedule([work, caller_cpu, i] {
       if (work->next.load(std::memory_order_relaxed) < work->items) leave_core(caller_cpu, i);
