@@ -39,8 +39,9 @@ def leave_core(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
     shutil.copy(cpu_build.KERNELS / "pool_work.h", src)
     (src / "leave_core.cc").write_text(SOURCE)
-    os.environ.setdefault("REDJAX_KERNEL_DIR", str(tmp_path_factory.mktemp("cache")))
-    library = cpu_build.build(src / "leave_core.cc")
+    with pytest.MonkeyPatch.context() as patch:  # a cache of its own, for this build only
+        patch.setenv("REDJAX_KERNEL_DIR", str(tmp_path_factory.mktemp("cache")))
+        library = cpu_build.build(src / "leave_core.cc")
     assert library is not None, "the test's kernel did not build"
     fn = ctypes.CDLL(str(library)).redjax_test_leave_core
 
