@@ -1,8 +1,9 @@
 """Run: one HTTP request's queued requests, from enqueue to their last delta (or their cancel).
 
-Deltas of all of a run's requests arrive on one asyncio queue, with the output reader's TICK
-twice a second. While it waits, the run watches two deadlines: the whole request
-(request_timeout_s -> 504) and the fleet (no live worker for no_worker_timeout_s -> 503).
+Deltas of all of a run's requests arrive on one asyncio queue. While it waits, the run watches
+two deadlines (ApiServices.overdue): the whole request (request_timeout_s -> 504) and the fleet
+(no live worker for no_worker_timeout_s -> 503); the output reader puts TICK on its queue once
+one has passed.
 Whenever it ends unfinished, its requests are withdrawn: taken off the queue if no worker has
 them yet, and a cancel is published for the rest.
 """
@@ -43,7 +44,7 @@ class Run:
     async def start(self, http_request_id: str = "") -> None:
         """Subscribe to the outputs, then enqueue (raises 429 / 503)."""
         for rid in self.ids:
-            self.services.reader.subscribe(rid, self.queue)
+            self.services.reader.subscribe(rid, self.queue, self.started)
         try:
             entry_ids = await self.services.queue.enqueue(self.messages)
         except BaseException as exc:
@@ -56,16 +57,11 @@ class Run:
 
     async def next_event(self) -> tuple[int, OutputDelta]:
         """The next (request index, delta); raises ApiError when a deadline passes or Redis fails.
-        The deadlines are checked before each wait and at every TICK the output reader sends."""
-        config = self.services.config
+        The deadlines are checked before each wait and at the TICK the output reader sends once one
+        has passed."""
         while True:
-            if time.monotonic() - self.started >= config.request_timeout_s:
-                raise ApiError(504, f"the request did not finish within {config.request_timeout_s:g} s",
-                               code="request_timeout")  # fmt: skip
-            if self.services.fleet.missing_for(self.started) >= config.no_worker_timeout_s:
-                message = (f"no worker serving {config.model_name} has been alive for "
-                           f"{config.no_worker_timeout_s:g} s; the request was cancelled")  # fmt: skip
-                raise ApiError(503, message, code="no_worker")
+            if (error := self.services.overdue(self.started)) is not None:
+                raise error
             rid, item = await self.queue.get()
             if item is not TICK:
                 return self._accept(rid, item)

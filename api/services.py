@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from api.config import ApiConfig
+from api.errors import ApiError
 from api.fleet import FleetWatch
 from api.model_info import ModelInfo
 from api.outputs import BLOCK_MS, OutputReader
@@ -52,8 +54,23 @@ class ApiServices:
 
     async def start(self) -> None:
         self.tasks = [asyncio.create_task(self.reader.run(), name="output-reader"),
-                      asyncio.create_task(self.reader.tick(), name="output-ticker"),
+                      asyncio.create_task(self.reader.tick(lambda t: self.overdue(t) is not None),
+                                          name="output-ticker"),
                       asyncio.create_task(self.fleet.run(), name="fleet-watch")]  # fmt: skip
+
+    def overdue(self, started: float) -> ApiError | None:
+        """The error that ends a run started at `started` (time.monotonic()) now, or None: 504 once it
+        has run request_timeout_s, 503 once no live worker has served the model for no_worker_timeout_s
+        of its time."""
+        config = self.config
+        if time.monotonic() - started >= config.request_timeout_s:
+            return ApiError(504, f"the request did not finish within {config.request_timeout_s:g} s",
+                            code="request_timeout")  # fmt: skip
+        if self.fleet.missing_for(started) >= config.no_worker_timeout_s:
+            message = (f"no worker serving {config.model_name} has been alive for "
+                       f"{config.no_worker_timeout_s:g} s; the request was cancelled")  # fmt: skip
+            return ApiError(503, message, code="no_worker")
+        return None
 
     async def stop(self) -> None:
         self.reader.close()
