@@ -101,7 +101,7 @@ def test_a_connection_killed_under_the_reader_costs_a_retry_not_the_requests(red
 
 def test_tick_wakes_only_the_runs_past_a_deadline(monkeypatch):
     """TICK goes to the queues of subscriptions `overdue` names, once per queue, and to no other:
-    a run with nothing to do is not woken (with 1024 streams open, waking all cost the API ~7 % of
+    a run with nothing to do is not woken (with 1024 streams open, waking all cost the API ~8 % of
     its CPU, session 48)."""
     import api.outputs
 
