@@ -166,6 +166,20 @@ def test_chunked_prefill_respects_token_budget():
     assert batch.is_pure_decode and [(c.start, c.num_tokens) for c in batch.chunks] == [(40, 1), (3, 1)]
 
 
+def test_a_step_takes_no_more_prompt_chunks_than_max_prefill_chunks():
+    """Warm-up caps a step's prompt chunks at the widest compiled envelope's rows: the rest of a
+    burst of short prompts waits a step instead of the step needing a shape nothing compiled."""
+    sched, new = make(max_tokens=64), Requests()
+    sched.max_prefill_chunks = 3
+    groups = [new(sched, [i + 1, i + 2, i + 3], max_tokens=4, ignore_eos=True) for i in range(7)]
+    steps = []  # (prompt chunks, decode chunks) of each step
+    drive(sched, on_step=lambda before, batch: steps.append(
+        (sum(c.num_tokens > 1 for c in batch.chunks), sum(c.num_tokens == 1 for c in batch.chunks))))
+    assert steps[:4] == [(3, 0), (3, 3), (1, 6), (0, 7)]  # arrival order kept; decode rows are not capped
+    assert all(g.sequences[0].num_output_tokens == 4 for g in groups)
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+
+
 def test_everything_finishes_and_pages_return():
     sched, new = make(), Requests()
     groups = [new(sched, list(range(i, i + 5 + 3 * i)), max_tokens=4 + i, ignore_eos=True) for i in range(10)]

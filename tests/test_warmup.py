@@ -79,6 +79,27 @@ def test_new_mixes_after_warmup_run_in_an_envelope_without_stopping_to_compile(m
     assert jit_traces(engine) == traced
 
 
+def test_a_burst_of_short_prompts_at_an_idle_worker_runs_in_envelopes_without_stopping_to_compile(
+        model, tokenizer, prompts, greedy_refs, monkeypatch):
+    """More prompts than the widest envelope has prefill rows, all arriving at an idle worker: the
+    step takes as many as that envelope holds and the rest join the next one. Before, the step
+    needed a shape of its own, compiled while every stream waited (on the demo model, 64 short
+    prompts at an idle `redjax serve`: 0.9-3.9 s to the first token). A ladder of narrow envelopes
+    (4 rows) stands in for the real one (32) with the small test batch."""
+    monkeypatch.setattr("worker.engine.batch.ENVELOPE_LADDER", ((2, 1 / 4), (4, 1)))
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    assert engine.scheduler.max_prefill_chunks == 4
+    stopped_to_compile, traced = set(engine.runner.compiled), jit_traces(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i, prompt in enumerate(prompts):  # 8 prompts, 7 of them longer than one token
+        engine.add_request(f"p{i}", prompt, params)
+    results = drain(engine)
+    assert [results[(f"p{i}", 0)].token_ids for i in range(len(prompts))] == greedy_refs
+    assert set(engine.runner.compiled) == stopped_to_compile
+    assert jit_traces(engine) == traced
+
+
 def test_other_sampling_fields_join_running_requests_without_stopping_to_compile(model, tokenizer, prompts,
                                                                                  greedy_refs):
     """After warmup, requests with top-p, top-k or logprobs that arrive among running greedy ones

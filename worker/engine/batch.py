@@ -174,8 +174,9 @@ def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_
     into a full decode envelope costs half again its own step, so without these the first bursts
     after start-up compiled their own shape in the background, a core for a second).
 
-    All use the widest page table, so they cover any context. A batch fits the largest unless it
-    has more prefill chunks than that; its shape is then compiled when first met.
+    All use the widest page table, so they cover any context. Every batch fits the largest: after
+    warm-up the scheduler takes no more prefill chunks in a step than it has rows
+    (`Scheduler.max_prefill_chunks`).
     """
     spare = max_rows - max_decode
     rows_for: dict[int, int] = {}  # prefill tokens -> rows (a small budget collapses rungs: keep the most rows)

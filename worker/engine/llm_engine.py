@@ -376,10 +376,10 @@ class LLMEngine:
         batch-size bucket's fused window, by running throwaway one-token requests (and a full batch's
         single step), and, when attention cost follows each row's own context (the CPU kernel: an
         envelope's widest page table is free), the mixed decode + prefill envelopes (`batch.envelopes`)
-        that batches of new mixes borrow until their own shape is compiled in the background. The
-        default: greedy, sampled, and sampled with top-p and logprobs, which any batch without
-        penalties or logit bias can run in (`runner.serves`), so no sampling field makes the worker
-        stop to compile. The variants are planned first and compiled together (`compile_ahead`); the
+        that batches of new mixes borrow until their own shape is compiled in the background (a step
+        then takes no more prompt chunks than the widest has rows). The default: greedy, sampled,
+        and sampled with top-p and logprobs, which any batch without penalties or logit bias can run
+        in (`runner.serves`), so no sampling field makes the worker stop to compile. The variants are planned first and compiled together (`compile_ahead`); the
         requests then run on them. Returns how many variants were compiled; counters are restored
         afterwards."""
         if sampling is None:
@@ -391,6 +391,7 @@ class LLMEngine:
         sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
+        self.scheduler.max_prefill_chunks = max((s.num_prefill for s in mixed), default=self.config.max_num_seqs)
         # full-batch decode variants at the widest table for batches the requests below never make (each
         # then borrows one at once; its own shape compiles in the background): single steps, and without
         # one table width for every step (jnp, Pallas) longer contexts (a variant follows their pages)

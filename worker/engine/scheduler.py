@@ -91,6 +91,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest (smallest arrival) first
         self.num_preemptions = 0
+        # prompt chunks (more than one token) per step at most. Warm-up sets it to the widest envelope's
+        # prefill rows: a burst of short prompts at an idle worker otherwise made a step of more chunks
+        # than any compiled shape holds, and every stream waited while that shape compiled (session 49)
+        self.max_prefill_chunks = config.max_num_seqs
         self.num_lookup_tokens = 0  # tokens of admitted sequences (prefix-cache hit rate: hit / lookup)
         self.num_hit_tokens = 0  # of which served from the prefix cache
         self._groups: dict[str, SequenceGroup] = {}
@@ -239,9 +243,12 @@ class Scheduler:
         return budget, False
 
     def _schedule_waiting(self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int) -> None:
-        """Admit waiting sequences in arrival order while seats, tokens and pages last."""
+        """Admit waiting sequences in arrival order while seats, tokens, pages and prompt chunks last."""
         size, deferred = self.config.page_size, []
+        prefills = sum(c.num_tokens > 1 for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if prefills >= self.max_prefill_chunks:
+                break  # the rest are admitted next step
             seq = self.waiting[0]
             if self._waits_for_prefill(seq):
                 deferred.append(self.waiting.popleft())
@@ -274,6 +281,7 @@ class Scheduler:
             self._grow(seq, end)
             chunks.append(ScheduledChunk(seq, start, end - start, end == seq.num_tokens and self.room(seq) > 0))
             budget -= end - start
+            prefills += end - start > 1
         self.waiting.extendleft(reversed(deferred))
 
     def _waits_for_prefill(self, seq: Sequence) -> bool:
