@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,12 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
         embedded, redis_url = _embedded_redis()
     api_config = ApiConfig.from_env({"model_dir": model_dir, "redis_url": redis_url, "host": args.host,
                                      "port": args.port, "served_model_name": args.served_model_name})
+    if (busy := _unbindable(api_config.host, api_config.port)) is not None:  # not after a minute of warm-up
+        print(f"redjax: cannot serve the API on {api_config.host}:{api_config.port}: {busy}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        if embedded is not None:
+            embedded.shutdown()
+        return 1
     cores = split_cores(sorted(os.sched_getaffinity(0)), args.workers)  # None: every worker on every core
     workers = [_start_worker(i, model_dir, redis_url, args, engine_overrides, cores and cores[i])
                for i in range(args.workers)]
@@ -51,10 +58,11 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     for i in range(len(workers)):
         threading.Thread(target=_watch, args=(i, workers, stopping, exited, watch_lock), daemon=True,
                          name=f"watch-w{i}").start()
+    status = 0
     try:
         run_api(api_config, mounts=_dashboard_mounts(redis_url, api_config.api_key))
-    except SystemExit:  # SIGTERM (a watcher's or anyone's): stopped as on Ctrl-C
-        pass
+    except SystemExit as exc:  # SIGTERM (a watcher's or anyone's): stopped as on Ctrl-C, status 0
+        status = exc.code if isinstance(exc.code, int) else 1  # uvicorn's startup failure: 3
     finally:
         stopping.set()
         for proc in workers:
@@ -69,7 +77,21 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
         if embedded is not None:
             embedded.shutdown()
         print("redjax: stopped", flush=True)
-    return 1 if len(exited) == len(workers) else 0  # 1: it stopped because no worker was left
+    return 1 if len(exited) == len(workers) else status  # 1: it stopped because no worker was left
+
+
+def _unbindable(host: str, port: int) -> str | None:
+    """Why the API could not listen on host:port (another server holds it, a host this machine
+    does not have), or None. Binding as uvicorn will (SO_REUSEADDR), then letting go."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _watch(i: int, workers: list[subprocess.Popen], stopping: threading.Event, exited: list[int],
