@@ -22,6 +22,7 @@ ENV_NAMES = {
     "request_timeout_s": "REDJAX_REQUEST_TIMEOUT_S",
     "no_worker_timeout_s": "REDJAX_NO_WORKER_TIMEOUT_S",
     "sse_ping_s": "REDJAX_SSE_PING_S",
+    "shutdown_grace_s": "REDJAX_API_SHUTDOWN_GRACE_S",
     "host": "REDJAX_API_HOST",
     "port": "REDJAX_API_PORT",
     "log_level": "REDJAX_LOG_LEVEL",
@@ -43,6 +44,7 @@ class ApiConfig:
     request_timeout_s: float = 600.0  # a request still unfinished after this is cancelled (504)
     no_worker_timeout_s: float = 30.0  # a waiting request with no live worker (starting ones count) this long: 503
     sse_ping_s: float = 15.0  # keep-alive comment interval on streams
+    shutdown_grace_s: float = 10.0  # on SIGTERM: open responses (streams too) may finish for this long
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
@@ -61,6 +63,7 @@ class ApiConfig:
             "request_timeout_s must be > 0": self.request_timeout_s > 0,
             "no_worker_timeout_s must be > 0": self.no_worker_timeout_s > 0,
             "sse_ping_s must be > 0": self.sse_ping_s > 0,
+            "shutdown_grace_s must be >= 0": self.shutdown_grace_s >= 0,
             "port must be in [0, 65535]": 0 <= self.port <= 65535,
             f"log_level must be one of {LOG_LEVELS}": self.log_level in LOG_LEVELS,
         }

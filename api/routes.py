@@ -59,8 +59,11 @@ async def _generate(request: Request, services: ApiServices, parsed: ParsedReque
             first = await unless_disconnected(request.receive, _next_pieces(run, assembler))
             stream = _sse(run, assembler, first)
             # run.close() is idempotent: the generator calls it; the background task covers a stream never started.
-            ping = services.config.sse_ping_s
-            return EventSourceResponse(stream, ping=ping, sep="\n", background=BackgroundTask(run.close))
+            # on SIGTERM sse-starlette ends every stream at once unless given a grace period: a stream
+            # goes on for most of uvicorn's (the rest is for the ends to go out), then is cut
+            config = services.config
+            return EventSourceResponse(stream, ping=config.sse_ping_s, sep="\n", background=BackgroundTask(run.close),
+                                       shutdown_grace_period=0.9 * config.shutdown_grace_s)  # fmt: skip
         pieces = await unless_disconnected(request.receive, _all_pieces(run, assembler))
     except BaseException:
         await run.close()

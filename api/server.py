@@ -25,7 +25,9 @@ def run_api(config: ApiConfig, mounts: Sequence[BaseRoute] = ()) -> None:
         # before: with the default one the process dies by the signal (exit -15) and callers' cleanup
         # (`redjax serve` stopping its workers) never runs. Exit normally instead.
         signal.signal(signal.SIGTERM, exit_on_sigterm)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=10)
+    # on SIGTERM: no new connections; open responses get shutdown_grace_s to finish, then are cancelled
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=config.shutdown_grace_s)  # fmt: skip
 
 
 def exit_on_sigterm(signum, frame) -> None:

@@ -1,19 +1,25 @@
-"""The API shuts down when asked, even where redis-py swallowed a cancellation, and a port it
-cannot bind ends `redjax api` and `redjax serve` with an error instead of a process that hangs."""
+"""The API shuts down when asked: open responses and streams finish first (within
+`shutdown_grace_s`), a cancellation redis-py swallowed does not hang it, and a port it cannot bind
+ends `redjax api` and `redjax serve` with an error instead of a process that hangs."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from api.config import ApiConfig
 from api.services import ApiServices
+from tests.api_support import MODEL_NAME, FakeWorker, tiny_model, tiny_model_dir  # noqa: F401 (fixtures)
 from tests.conftest import free_port
 from tests.stack_support import REPO, _env, make_served_model
 
@@ -67,3 +73,48 @@ def test_a_port_in_use_ends_the_command_with_an_error(model, redis_url, command)
         assert out.returncode == 1 and f"cannot serve the API on 127.0.0.1:{port}" in out.stderr
         assert "redjax: API" not in out.stdout and "worker" not in out.stderr  # nothing was started
     print(f"{command} exited {out.returncode} after {time.monotonic() - started:.1f} s")
+
+
+def test_sigterm_lets_open_streams_and_responses_finish(redis_client, redis_url, tiny_model_dir, tiny_model):
+    """SIGTERM to `redjax api` while a stream and a plain request are under way (a worker sends a
+    token every 0.15 s): both finish, the stream with its last chunk and [DONE], and the process
+    exits 0. sse-starlette used to end every stream at the signal (the client saw the connection
+    drop) and the run's requests were withdrawn."""
+    port = free_port()
+    api = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--model", str(tiny_model_dir), "--redis",
+                            redis_url, "--port", str(port), "--served-model-name", MODEL_NAME], cwd=REPO, env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 32}
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            assert api.poll() is None and time.monotonic() < deadline, api.stderr.read()[-2000:]
+            time.sleep(0.1)
+        with FakeWorker(redis_url, tiny_model.tokenizer, MODEL_NAME, delay_s=0.15), ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, url, json=body, timeout=30)
+            chunks = []
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line.removeprefix("data: "))
+                        if len(chunks) == 1:
+                            api.send_signal(signal.SIGTERM)  # a stream open, its first token out
+            answer = plain.result()
+        out, err = api.communicate(timeout=30)
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait()
+    assert chunks[-1] == "[DONE]", chunks[-3:]
+    texts = [json.loads(c)["choices"][0] for c in chunks[:-1]]
+    assert texts[-1]["finish_reason"] == "stop" and len(texts) > 5  # every token of the reply, then the end
+    assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "stop"
+    assert api.returncode == 0, err[-2000:]
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
