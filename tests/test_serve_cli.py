@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.stack_support import REPO, _env, make_served_model, wait_until
+from worker.service.embedded_redis import CRASH_LOOP_S as EMBEDDED_CRASH_LOOP_S
 
 SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page-size", "8", "--num-pages", "64"]
 
@@ -110,6 +112,47 @@ def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_nothing_behind
             for pid in left.values():  # not into the tests after this one
                 os.kill(pid, signal.SIGKILL)
             pytest.fail(f"still running 60 s after redjax serve was killed: {left}")
+
+
+def test_a_dead_embedded_redis_is_replaced_and_one_that_keeps_dying_stops_the_stack(model):
+    """Its Redis killed, the stack starts a new one on the same socket: the worker reconnects and
+    recreates its group, and requests are served again (those the old one held are lost). One that
+    dies again within seconds of its start is not replaced: the stack stops with status 1."""
+    with running_serve(model) as (serve, worker, redis):
+        port = serve.args[serve.args.index("--port") + 1]
+        os.kill(redis, signal.SIGKILL)
+        fresh = _new_redis(serve.pid, {redis})
+
+        def served() -> bool:
+            try:
+                out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                                 json={"model": model.name, "prompt": "hello", "max_tokens": 3, "temperature": 0})
+            except httpx.HTTPError:
+                return False
+            return out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
+        wait_until(served, 90)
+        assert _alive(worker)  # the same worker, reconnected
+        time.sleep(EMBEDDED_CRASH_LOOP_S)  # a later death is one more restart...
+        os.kill(fresh, signal.SIGKILL)
+        newest = _new_redis(serve.pid, {redis, fresh})
+        os.kill(newest, signal.SIGKILL)  # ...one within seconds of a start stops the stack
+        out, err = serve.communicate(timeout=90)
+    assert serve.returncode == 1, err[-2000:]
+    assert err.count("the embedded Redis exited (status -9); starting a new one") == 2
+    assert "the embedded Redis exited again (status -9); stopping" in err and "redjax: stopped" in out
+    assert not _alive(worker)
+
+
+def _new_redis(serve: int, old: set[int], timeout_s: float = 30) -> int:
+    """The pid of serve's redis-server child once it is not one of `old`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in _children(serve):
+            with contextlib.suppress(FileNotFoundError):
+                if pid not in old and b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+        time.sleep(0.02)
+    raise TimeoutError(f"no new redis-server under {serve} in {timeout_s} s")
 
 
 def _alive(pid: int) -> bool:

