@@ -1,4 +1,5 @@
-"""FleetWatch: one background task that knows since when no live worker serves our model."""
+"""FleetWatch: one background task that knows since when no live worker serves our model, and
+keeps this API's alive key (contract.api_alive_key) from expiring while the process runs."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.queue import live_workers
-from worker.contract import HEARTBEAT_INTERVAL_S
+from worker.contract import API_ALIVE_TTL_S, HEARTBEAT_INTERVAL_S
 
 log = logging.getLogger("redjax.api")
 
 
 class FleetWatch:
-    def __init__(self, client: Redis, model: str, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+    def __init__(self, client: Redis, model: str, interval_s: float = HEARTBEAT_INTERVAL_S,
+                 alive_key: str | None = None) -> None:
         self.client = client
         self.model = model
+        self.alive_key = alive_key  # refreshed at each poll while it exists (requests were enqueued)
         self.interval_s = interval_s
         self.dead_since: float | None = None  # time.monotonic() when workers were first seen missing
         self.workers: dict[str, str] = {}  # live worker name -> state; a starting one counts: requests wait for it
@@ -30,6 +33,8 @@ class FleetWatch:
         return time.monotonic() - max(self.dead_since, since)
 
     async def poll(self) -> None:
+        if self.alive_key is not None:  # only once the enqueue script made it: an idle API writes nothing
+            await self.client.expire(self.alive_key, API_ALIVE_TTL_S)
         self.workers = await live_workers(self.client, self.model)
         if self.workers:
             self.dead_since = None

@@ -8,19 +8,20 @@ from api.errors import ApiError
 from worker import contract
 from worker.contract import RequestMessage, WorkerState
 
-# KEYS: requests stream, totals hash. ARGV: group, max_queue_len, rejected field, enqueued field,
-# then one encoded RequestMessage per request.
-# Atomic, so concurrent enqueues cannot push the queue past its limit. Returns the entry ids, or
-# an empty list when the queue is full.
+# KEYS: requests stream, totals hash, this API's alive key. ARGV: group, max_queue_len, rejected
+# field, enqueued field, alive TTL, then one encoded RequestMessage per request.
+# Atomic, so concurrent enqueues cannot push the queue past its limit, and no request is queued
+# without its API's alive key. Returns the entry ids, or an empty list when the queue is full.
 _ENQUEUE = """
 redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
-local count = #ARGV - 4
+local count = #ARGV - 5
 if redis.call('XLEN', KEYS[1]) + count > tonumber(ARGV[2]) then
   redis.call('HINCRBY', KEYS[2], ARGV[3], count)
   return {}
 end
+redis.call('SET', KEYS[3], '1', 'EX', ARGV[5])
 local ids = {}
-for i = 5, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
+for i = 6, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'data', ARGV[i]) end
 redis.call('HINCRBY', KEYS[2], ARGV[4], count)
 return ids
 """
@@ -47,8 +48,8 @@ class RequestQueue:
         for m in messages:
             m.notify = self.notify_stream
         args = [contract.WORKERS_GROUP, self.max_queue_len, contract.TOTAL_REJECTED, contract.TOTAL_ENQUEUED,
-                *(m.encode()["data"] for m in messages)]  # fmt: skip
-        keys = [contract.REQUESTS, contract.TOTALS]
+                contract.API_ALIVE_TTL_S, *(m.encode()["data"] for m in messages)]  # fmt: skip
+        keys = [contract.REQUESTS, contract.TOTALS, contract.api_alive_key(self.notify_stream)]
         ids = await self._enqueue(keys=keys, args=args)
         if not ids:
             raise ApiError(

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.exceptions import RedisError
 
 from api.config import ApiConfig
 from api.errors import ApiError
@@ -15,7 +16,7 @@ from api.fleet import FleetWatch
 from api.model_info import ModelInfo
 from api.outputs import BLOCK_MS, OutputReader
 from api.queue import RequestQueue
-from worker.contract import api_notify_stream
+from worker.contract import api_alive_key, api_notify_stream
 
 REDIS_TIMEOUT_S = 5.0  # connect timeout, and how long a request waits for a free pooled connection
 REDIS_COMMAND_TIMEOUT_S = 15.0  # a command unanswered this long means Redis is gone (a busy host is not)
@@ -50,7 +51,7 @@ class ApiServices:
         return cls(
             config=config, model=model, client=client, reader_client=reader_client,
             queue=RequestQueue(client, config.max_queue_len, notify), reader=OutputReader(reader_client, notify),
-            fleet=FleetWatch(client, config.model_name),
+            fleet=FleetWatch(client, config.model_name, alive_key=api_alive_key(notify)),
         )  # fmt: skip
 
     async def start(self) -> None:
@@ -85,5 +86,9 @@ class ApiServices:
             for task in pending:
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=STOP_RETRY_S)
+        try:  # workers drop whatever of ours is left at once instead of after API_ALIVE_TTL_S
+            await self.client.delete(self.fleet.alive_key)
+        except (RedisError, OSError):
+            pass
         await self.client.aclose()
         await self.reader_client.aclose()

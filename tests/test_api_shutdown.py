@@ -19,7 +19,10 @@ import pytest
 
 from api.config import ApiConfig
 from api.services import ApiServices
-from tests.api_support import MODEL_NAME, FakeWorker, tiny_model, tiny_model_dir  # noqa: F401 (fixtures)
+from tests.api_support import (  # noqa: F401 (fixtures)
+    MODEL_NAME, FakeWorker, api_server, eventually, tiny_model, tiny_model_dir,
+)
+from worker import contract
 from tests.conftest import free_port
 from tests.stack_support import REPO, _env, make_served_model
 
@@ -118,3 +121,20 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_an_api_keeps_its_alive_key_while_it_runs_and_removes_it_when_it_stops(redis_client, redis_url,
+                                                                              tiny_model_dir, tiny_model):
+    """Workers drop the requests of an API process whose alive key is gone (it died: nobody is left
+    to read them). The enqueue sets the key with the requests, the fleet watch keeps it from
+    expiring, and a clean stop deletes it."""
+    with api_server(redis_url, tiny_model_dir, tiny_model) as server:
+        assert not redis_client.keys("*:alive")  # an API that has queued nothing writes no key
+        with FakeWorker(redis_url, tiny_model.tokenizer, MODEL_NAME) as worker:
+            body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+        key = contract.api_alive_key(worker.seen[0].notify)
+        assert 0 < redis_client.ttl(key) <= contract.API_ALIVE_TTL_S
+        redis_client.expire(key, 3)
+        assert eventually(lambda: redis_client.ttl(key) > 3)  # refreshed while the process runs
+    assert not redis_client.exists(key)

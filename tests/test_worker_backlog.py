@@ -94,6 +94,37 @@ def test_a_pull_admits_every_entry_with_its_cancel_state_and_drops_malformed_one
     assert client.xlen(contract.REQUESTS) == 3  # the malformed entry is acknowledged and deleted
 
 
+def test_requests_of_an_api_process_that_is_gone_are_dropped_queued_or_held(model_dir, redis_url):  # noqa: F811
+    """An API process keeps its alive key while it runs; a request whose API's key is gone (the
+    process died: no client is left to read it) is admitted as cancelled when pulled, and one held
+    already is cancelled at the next check, once. Requests that name no API are served as before."""
+    worker = _worker(model_dir, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    contract.ensure_group(client)
+    live, dead = contract.api_notify_stream("live"), contract.api_notify_stream("dead")
+    client.set(contract.api_alive_key(live), 1, ex=contract.API_ALIVE_TTL_S)
+    for i, notify in enumerate([live, dead, "", live]):
+        message = _message(i)
+        message.notify = notify
+        client.xadd(contract.REQUESTS, message.encode())
+    worker.io.set_capacity(10)
+    worker.io._pull()
+    admitted = []
+    while not worker.io.inbox.empty():
+        admitted.append(worker.io.inbox.get_nowait())
+    assert [(m.message.id, m.cancelled) for m in admitted] == [
+        ("req-0", False), ("req-1", True), ("req-2", False), ("req-3", False)]
+    worker.io._drop_requests_of_gone_apis()
+    assert worker.io.cancels.empty()  # the API of those held is alive (req-1 was admitted cancelled)
+    client.delete(contract.api_alive_key(live))  # that API process is gone
+    worker.io._drop_requests_of_gone_apis()
+    worker.io._drop_requests_of_gone_apis()  # once each
+    cancelled = []
+    while not worker.io.cancels.empty():
+        cancelled.append(worker.io.cancels.get_nowait())
+    assert sorted(cancelled) == ["req-0", "req-3"]
+
+
 def _reads(client: redis.Redis) -> int:
     """XREADGROUP calls the server has answered so far."""
     return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))

@@ -74,6 +74,16 @@ NOTIFY_MAXLEN = 4096
 NOTIFY_TTL_S = 3600
 
 
+def api_alive_key(notify: str) -> str:
+    """Exists while the API process behind notify stream `notify` runs: its enqueue script sets it
+    and its fleet watch refreshes it every HEARTBEAT_INTERVAL_S, TTL API_ALIVE_TTL_S. Workers drop
+    the requests of an API whose key is gone (no client is left to read them)."""
+    return f"{notify}:alive"
+
+
+API_ALIVE_TTL_S = 15
+
+
 def notify_outputs(pipe, stream: str, request_ids: list[str]) -> None:
     """Queue on `pipe` (a client or pipeline) the notification that `request_ids` have new output."""
     pipe.xadd(stream, {"ids": json.dumps(request_ids)}, maxlen=NOTIFY_MAXLEN, approximate=True)

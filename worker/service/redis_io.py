@@ -5,7 +5,9 @@ wake-up of a thread takes a core from the engine's compute threads for a moment)
 
 - `redis-in` pulls requests only up to the capacity the engine loop last reported (pull-based
   admission), blocking in XREADGROUP while there is room and on the capacity while there is none;
-  it also claims requests left by workers whose heartbeat expired and writes the heartbeat.
+  it also claims requests left by workers whose heartbeat expired, writes the heartbeat, and drops
+  the requests of API processes that are gone (their alive key expired: no client is left to read
+  them), both when it pulls them and, every API_CHECK_S, those it holds.
 - `redis-out` waits on the outbox: the engine loop hands over what one turn of it produced (the
   deltas of a step, finished and handed-back requests) as one batch, written in one pipelined
   round trip with one notification per API.
@@ -31,6 +33,7 @@ log = logging.getLogger("redjax.worker")
 PULL_BLOCK_S = 0.1  # longest XREADGROUP wait: how stale the pull's capacity and the heartbeat can get
 CANCEL_WAIT_S = 0.5  # longest wait for a cancel before the thread looks at the stop flag again
 RETRY_S = 0.5  # after a Redis error
+API_CHECK_S = 2.0  # how often the APIs of the requests held are checked for life
 
 
 @dataclass
@@ -76,6 +79,7 @@ class RedisIO:
         self._draining = False  # set by a signal handler: pull and claim nothing more
         # request id -> (entry id, its API's notify stream), for requests this worker holds
         self._pulled: dict[str, tuple[str, str]] = {}
+        self._orphaned: set[str] = set()  # request ids already handed to the engine loop as cancels
         self._pubsub = None
         self._threads = [
             threading.Thread(target=self._read, name="redis-in", daemon=True),
@@ -145,7 +149,7 @@ class RedisIO:
     # ---- the threads ----
 
     def _read(self) -> None:
-        last_beat = last_claim = 0.0
+        last_beat = last_claim = last_api_check = 0.0
         group_gone = False
         while not self._stop.is_set():
             try:
@@ -160,6 +164,9 @@ class RedisIO:
                 if now - last_claim >= self.config.claim_interval_s:
                     self._claim_orphans()
                     last_claim = now
+                if now - last_api_check >= API_CHECK_S:
+                    self._drop_requests_of_gone_apis()
+                    last_api_check = now
                 self._pull()
             except redis.RedisError as exc:  # Redis away: keep the engine running, retry shortly
                 log.warning("redis error in worker I/O: %s", type(exc).__name__)
@@ -232,13 +239,36 @@ class RedisIO:
         pipe = self.client.pipeline(transaction=False)
         for incoming in admitted:
             pipe.exists(contract.cancelled_key(incoming.message.id))
-        for incoming, cancelled in zip(admitted, pipe.execute()):
+        apis = _ask_alive(pipe, {incoming.message.notify for incoming in admitted})
+        replies = pipe.execute()
+        gone = _gone(apis, replies[len(admitted):])
+        for incoming, cancelled in zip(admitted, replies):
             if resumed or incoming.message.attempt > 0:
                 self._read_emitted(incoming)
-            incoming.cancelled = bool(cancelled)
+            incoming.cancelled = bool(cancelled) or incoming.message.notify in gone
+            if incoming.message.notify in gone:
+                self._orphaned.add(incoming.message.id)
             self._pulled[incoming.message.id] = (incoming.entry_id, incoming.message.notify)
             self.inbox.put(incoming)
+        if dropped := sum(incoming.message.notify in gone for incoming in admitted):
+            log.warning("dropping %d queued request(s): the API process that took them is gone", dropped)
         self.wakeup.set()
+
+    def _drop_requests_of_gone_apis(self) -> None:
+        """Cancel, in the engine loop, the held requests whose API process is gone."""
+        held = list(self._pulled.items())
+        pipe = self.client.pipeline(transaction=False)
+        apis = _ask_alive(pipe, {notify for _, (_, notify) in held})
+        if not apis:
+            return
+        gone = _gone(apis, pipe.execute())
+        dropped = [rid for rid, (_, notify) in held if notify in gone and rid not in self._orphaned]
+        for request_id in dropped:
+            self._orphaned.add(request_id)
+            self.cancels.put(request_id)
+        if dropped:
+            log.warning("aborting %d request(s): the API process that took them is gone", len(dropped))
+            self.wakeup.set()
 
     def _read_emitted(self, incoming: Incoming) -> None:
         """What earlier workers already published for this request (resume point)."""
@@ -338,6 +368,7 @@ class RedisIO:
 
     def _close(self, pipe, done: Finished, totals: contract.TotalsDelta, settled: list[str]) -> None:
         entry_id = self._pulled.pop(done.request_id, (None, ""))[0]
+        self._orphaned.discard(done.request_id)
         if not done.handed_back:
             pipe.expire(contract.out_stream(done.request_id), contract.OUTPUT_TTL_S)
             contract.record_finished(pipe, done.event, totals)
@@ -353,6 +384,20 @@ class RedisIO:
         pipe.xadd(contract.REQUESTS, message.encode())
         if entry_id is not None:
             settled.append(entry_id)
+
+
+def _ask_alive(pipe, notify_streams: set[str]) -> list[str]:
+    """Queue on `pipe` whether the API behind each notify stream is alive; the streams asked about,
+    in the order of their replies (requests from other producers name none)."""
+    apis = sorted(n for n in notify_streams if n)
+    for notify in apis:
+        pipe.exists(contract.api_alive_key(notify))
+    return apis
+
+
+def _gone(apis: list[str], alive: list) -> set[str]:
+    """The notify streams of `_ask_alive` whose API's alive key is missing."""
+    return {notify for notify, ok in zip(apis, alive) if not ok}
 
 
 def _s(value: Any) -> str:
