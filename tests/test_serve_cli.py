@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis as redis_client
 
 from tests.conftest import free_port
 from tests.stack_support import REPO, _env, make_served_model, wait_until
@@ -135,7 +137,10 @@ def test_a_dead_embedded_redis_is_replaced_and_one_that_keeps_dying_stops_the_st
         time.sleep(EMBEDDED_CRASH_LOOP_S)  # a later death is one more restart...
         os.kill(fresh, signal.SIGKILL)
         newest = _new_redis(serve.pid, {redis, fresh})
-        os.kill(newest, signal.SIGKILL)  # ...one within seconds of a start stops the stack
+        # its argv (--unixsocket PATH), or the title redis-server gives itself once up (unixsocket:PATH)
+        socket_path = re.search(rb"unixsocket[:\0]([^\0 ]+)", Path(f"/proc/{newest}/cmdline").read_bytes())[1].decode()
+        wait_until(lambda: redis_client.Redis(unix_socket_path=socket_path).ping(), 4)  # started, then...
+        os.kill(newest, signal.SIGKILL)  # ...dead within seconds of its start: the stack stops
         out, err = serve.communicate(timeout=90)
     assert serve.returncode == 1, err[-2000:]
     assert err.count("the embedded Redis exited (status -9); starting a new one") == 2
