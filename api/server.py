@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from starlette.routing import BaseRoute
 
 from api.config import ApiConfig
+from api.open_files import raise_open_files_limit
 
 
 def run_api(config: ApiConfig, mounts: Sequence[BaseRoute] = ()) -> None:
@@ -19,6 +20,7 @@ def run_api(config: ApiConfig, mounts: Sequence[BaseRoute] = ()) -> None:
     from api.app import create_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_files_limit()  # a connection each: past the soft limit clients are reset unseen
     app = create_app(config, mounts=mounts)
     if threading.current_thread() is threading.main_thread():
         # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler that was in place
