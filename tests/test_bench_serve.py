@@ -191,6 +191,33 @@ def test_serve_prefix_len_reports_what_the_prefix_cache_served(stack, tmp_path):
     assert f"prefix cache: {report['cached_prompt_tokens']} of {report['prompt_tokens']} prompt tokens" in text
 
 
+def test_serve_random_prompts_through_a_tokenizer_are_exactly_input_len_tokens(served, stack, tmp_path):
+    """Random words make more tokens than words with most tokenizers; with the served model's
+    tokenizer each random prompt is cut to exactly its drawn length in tokens, and the report says
+    what the server counted (its special tokens included)."""
+    import random
+
+    import transformers
+
+    from worker.bench.prompts import draw_lengths, exact_tokens, random_workload
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(served), local_files_only=True)
+    drawn = random_workload(12, 20, 4, range_ratio=0.5, seed=3, tokenizer=tokenizer)
+    lengths = [k for k, _ in draw_lengths(12, 20, 4, 0.5, seed=3)]
+    assert [len(tokenizer.encode(p.text, add_special_tokens=False)) for p in drawn] == lengths
+    words = random_workload(12, 20, 4, range_ratio=0.5, seed=3)
+    assert sum(len(tokenizer.encode(p.text, add_special_tokens=False)) for p in words) > sum(lengths)  # the reason
+    assert len(tokenizer.encode(exact_tokens("the", 9, tokenizer, random.Random(0)), add_special_tokens=False)) == 9
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "4", "--input-len", "20", "--output-len", "3",
+                           "--tokenizer", str(served), "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    sent = random_workload(4, 20, 3, tokenizer=tokenizer)
+    assert report["prompt_tokens"] == sum(len(tokenizer.encode(p.text)) for p in sent)  # as the API encodes them
+    assert f"prompt tokens: {report['prompt_tokens'] / 4:.1f} a request" in text
+
+
 def test_serve_without_ignore_eos_sends_only_standard_fields(stack, tmp_path):
     from worker.bench.prompts import Prompt
     from worker.bench.serve import Load
@@ -300,7 +327,7 @@ def test_sharegpt_replies_set_output_lengths_through_a_tokenizer(served, stack, 
     (["--concurrency", "0"], "--concurrency must be >= 1"),
     (["--concurrency", "2,many"], "--concurrency takes a number of requests"),
     (["--concurrency", "2", "--plot", "x.png"], "--plot needs a sweep"),
-    (["--tokenizer", "/tmp"], "--tokenizer needs a ShareGPT --prompts-file"),
+    (["--tokenizer", "/no/such/dir"], "--tokenizer: "),
     (["--prompts-file", "BAD_JSONL", "--range-ratio", "0.5"], "--range-ratio and --prefix-len shape random prompts"),
     (["--prompts-file", "BAD_JSONL", "--input-len", "9"], "--range-ratio and --prefix-len shape random prompts"),
     (["--prompts-file", "BAD_JSONL", "--prefix-len", "9"], "--range-ratio and --prefix-len shape random prompts"),

@@ -259,7 +259,7 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier, > 1 steadier")
     p.add_argument("--concurrency", help="requests in flight at most (with a rate too: arrivals wait for a free "
                    "slot); comma-separated values sweep it, e.g. 1,4,16,64")
-    p.add_argument("--input-len", type=int, help="words per random prompt (default 128)")
+    p.add_argument("--input-len", type=int, help="words per random prompt, or tokens with --tokenizer (default 128)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (of file prompts without their own)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random prompts: input and output lengths "
                    "uniform in [len * (1 - R), len * (1 + R)] (default 0: fixed)")
@@ -267,8 +267,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    "the same in all (a shared system prompt: exercises the prefix cache)")
     p.add_argument("--prompts-file", help="one prompt per line, JSON lines with 'prompt' (and optionally "
                    "'max_tokens'), or a ShareGPT JSON file (each conversation's first human turn)")
-    p.add_argument("--tokenizer", metavar="DIR", help="with a ShareGPT --prompts-file: a local tokenizer "
-                   "directory; each request's max_tokens is then the token count of the dataset's reply")
+    p.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer directory (the served model's): random "
+                   "prompts are then exactly --input-len tokens; with a ShareGPT --prompts-file each request's "
+                   "max_tokens is the token count of the dataset's reply")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests end at EOS (without it every request sends the ignore_eos extension and "
                         "runs to max_tokens)")
@@ -363,8 +364,6 @@ def _serve_prompts(parser: argparse.ArgumentParser, args, draw: int = 0) -> list
     lengths through --tokenizer)."""
     from worker.bench.prompts import random_workload
 
-    if args.tokenizer and not args.prompts_file:
-        parser.error("--tokenizer needs a ShareGPT --prompts-file")
     try:
         tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
     except (OSError, ValueError) as exc:
@@ -372,7 +371,7 @@ def _serve_prompts(parser: argparse.ArgumentParser, args, draw: int = 0) -> list
     if args.prompts_file:
         return _read_prompts_file(parser, args, tokenizer)
     return random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio, args.seed,
-                           args.prefix_len, draw)
+                           args.prefix_len, draw, tokenizer)
 
 
 def _check_logprobs(parser: argparse.ArgumentParser, args) -> None:
@@ -403,7 +402,9 @@ def _load_tokenizer(path: str):
     """A local Hugging Face tokenizer directory (nothing is downloaded)."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer.model_max_length = 1 << 30  # it only counts and cuts: no warning about texts past the model's context
+    return tokenizer
 
 
 def _serve_runs(parser: argparse.ArgumentParser, args) -> list[tuple[float, int | None]]:
@@ -436,6 +437,8 @@ def _summary(r: dict) -> str:
         d = r[key]
         stats = "  ".join(f"{k.removesuffix('_ms')} " + ("n/a" if v is None else f"{v:.1f}") for k, v in d.items())
         lines.append(f"  {key:5s} ms: {stats}")
+    if r["completed"] and r["prompt_tokens"]:  # what the server counted, special tokens included
+        lines.append(f"  prompt tokens: {r['prompt_tokens'] / r['completed']:.1f} a request, as the server counted them")
     if r["cached_prompt_tokens"] is not None:
         share = r["cached_prompt_tokens"] / max(1, r["prompt_tokens"])
         lines.append(f"  prefix cache: {r['cached_prompt_tokens']} of {r['prompt_tokens']} prompt tokens ({share:.1%})")

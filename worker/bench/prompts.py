@@ -1,6 +1,10 @@
 """Prompts for `redjax bench serve`: random words, or a file (text lines, JSON lines, ShareGPT).
 Each prompt may carry its own output length; `None` leaves it to `--output-len`.
 
+Random prompts are `input_len` words, which most tokenizers cut into more tokens than words (the
+demo model's: ~1.5 a word). Given the served model's tokenizer they are cut to exactly
+`input_len` tokens instead (`exact_tokens`), as vLLM's random dataset makes them.
+
 `draw_lengths` also gives `redjax bench offline` its per-request lengths (`--range-ratio`).
 """
 
@@ -27,16 +31,39 @@ def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
 
 
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0, prefix_len: int = 0, draw: int = 0) -> list[Prompt]:
-    """Random prompts of `draw_lengths` words in and tokens out, each after the same `prefix_len`
-    random words (a shared system prompt, for the prefix cache; vLLM's `--random-prefix-len`).
-    A `draw` above 0 gives other words at the same lengths after the same prefix: each run of a
-    sweep sends its own prompts, so no run finds an earlier run's in the server's prefix cache."""
+                    seed: int = 0, prefix_len: int = 0, draw: int = 0, tokenizer=None) -> list[Prompt]:
+    """Random prompts of `draw_lengths` words in (tokens, with `tokenizer`) and tokens out, each
+    after the same `prefix_len` random words (a shared system prompt, for the prefix cache; vLLM's
+    `--random-prefix-len`). A `draw` above 0 gives other words at the same lengths after the same
+    prefix: each run of a sweep sends its own prompts, so no run finds an earlier run's in the
+    server's prefix cache."""
     prefix_rng = random.Random(f"prefix-{seed}")
     words_rng = random.Random(seed if draw == 0 else f"words-{seed}-{draw}")
     prefix = "".join(prefix_rng.choice(WORDS) + " " for _ in range(prefix_len))
-    return [Prompt(prefix + " ".join(words_rng.choice(WORDS) for _ in range(k)), m)
-            for k, m in draw_lengths(n, input_len, output_len, range_ratio, seed)]
+
+    def words(k: int) -> str:
+        text = " ".join(words_rng.choice(WORDS) for _ in range(k))
+        return text if tokenizer is None else exact_tokens(text, k, tokenizer, words_rng)
+
+    return [Prompt(prefix + words(k), m) for k, m in draw_lengths(n, input_len, output_len, range_ratio, seed)]
+
+
+def exact_tokens(text: str, k: int, tokenizer, rng: random.Random, tries: int = 8) -> str:
+    """`text` cut (or lengthened with more random words) to a text that `tokenizer` encodes as
+    exactly `k` tokens (no special tokens). Decoding k tokens and encoding the text again can merge
+    or split at the cut, so the cut is retried on the new encoding; after `tries` the closest."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < k:
+        text += " " + " ".join(rng.choice(WORDS) for _ in range(k - len(ids)))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    best = text
+    for _ in range(tries):
+        best = tokenizer.decode(ids[:k])
+        again = tokenizer.encode(best, add_special_tokens=False)
+        if len(again) == k:
+            return best
+        ids = again if len(again) > k else again + tokenizer.encode(" " + rng.choice(WORDS), add_special_tokens=False)
+    return best
 
 
 def draw_lengths(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
