@@ -3,7 +3,8 @@
 Every client connection is a file descriptor, and the usual soft limit is 1024. Past it the API
 cannot accept, and the kernel resets the connections it refuses: 1500 requests sent at once to
 `redjax serve` under `ulimit -n 1024` (session 49) gave 427 "connection reset by peer", with nothing
-in the server's log, where the raised limit gave 297 clean 429s (the queue's 1024) and no resets.
+in the server's log; with the soft limit raised (1024 soft, a higher hard one) the same run gave 1164
+answers and 336 clean 429s (the queue's limit of 1024), no resets.
 The soft limit goes up to the hard one, which only the administrator sets.
 """
 
