@@ -68,7 +68,7 @@ class EmbeddedRedis:
                     return
                 if time.monotonic() - self._started < CRASH_LOOP_S:
                     self.failed = True
-                    _say(f"the embedded Redis exited again (status {status}); stopping")
+                    _say(f"the embedded Redis exited (status {status}) within {CRASH_LOOP_S:g} s of its start; stopping")
                     os.kill(os.getpid(), signal.SIGTERM)  # the API shuts down as on Ctrl-C
                     return
                 _say(f"the embedded Redis exited (status {status}); starting a new one (the requests it "
