@@ -241,16 +241,18 @@ class RedisIO:
             pipe.exists(contract.cancelled_key(incoming.message.id))
         apis = _ask_alive(pipe, {incoming.message.notify for incoming in admitted})
         replies = pipe.execute()
-        gone = _gone(apis, replies[len(admitted):])
+        gone, dropped = _gone(apis, replies[len(admitted):]), 0
         for incoming, cancelled in zip(admitted, replies):
             if resumed or incoming.message.attempt > 0:
                 self._read_emitted(incoming)
-            incoming.cancelled = bool(cancelled) or incoming.message.notify in gone
-            if incoming.message.notify in gone:
+            orphan = incoming.message.notify in gone
+            incoming.cancelled = bool(cancelled) or orphan
+            if orphan:
                 self._orphaned.add(incoming.message.id)
+                dropped += 1
             self._pulled[incoming.message.id] = (incoming.entry_id, incoming.message.notify)
             self.inbox.put(incoming)
-        if dropped := sum(incoming.message.notify in gone for incoming in admitted):
+        if dropped:
             log.warning("dropping %d queued request(s): the API process that took them is gone", dropped)
         self.wakeup.set()
 

@@ -1,11 +1,11 @@
 """`redjax serve`: the whole stack on one machine.
 
 An embedded Redis (`embedded_redis`, restarted if it dies) unless a URL is given, N worker
-processes, and the API with the dashboard mounted at /dashboard (and /metrics) in this process. Ctrl-C stops everything:
-the API first, then the workers (SIGTERM: they drain), then the embedded Redis. A worker that
-exits on its own (a crash, a model that fails to load) leaves the others serving; when none is
-left the stack stops the same way, with exit status 1: an API without workers would queue
-requests that nothing runs.
+processes, and the API with the dashboard mounted at /dashboard (and /metrics) in this process.
+Ctrl-C stops everything: the API first, then the workers (SIGTERM: they drain), then the
+embedded Redis. A worker that exits on its own (a crash, a model that fails to load) leaves the
+others serving; when none is left the stack stops the same way, with exit status 1: an API
+without workers would queue requests that nothing runs.
 """
 
 from __future__ import annotations
