@@ -21,7 +21,7 @@ from api.errors import ApiError, redis_unavailable
 from api.outputs import TICK, ReaderFailed
 from api.protocol import ParsedRequest
 from api.services import ApiServices
-from worker.contract import FinishReason, OutputDelta
+from worker.contract import OutputDelta
 
 log = logging.getLogger("redjax.api")
 
@@ -78,7 +78,7 @@ class Run:
         if isinstance(item, ReaderFailed):
             self.unfinished.discard(rid)
             raise redis_unavailable()
-        if item.done or item.error or item.finish_reason == FinishReason.ERROR.value:
+        if item.final:
             self.unfinished.discard(rid)
         return self.index[rid], item
 

@@ -6,7 +6,8 @@ only the out_streams named, from where it last stopped, so a read costs what has
 what is queued. Once a second (SWEEP_S) it reads every subscribed stream instead: outputs of a
 notification trimmed away, or written by anything that does not notify, arrive within a second.
 Each decoded OutputDelta goes to the request's own asyncio queue; `seq`s already seen are
-dropped (delivery is at least once). Twice a second the reader also puts TICK on the queues of
+dropped (delivery is at least once). A stream whose final entry has been read is deleted with
+the next read: the worker's TTL on it (OUTPUT_TTL_S) is only for streams nobody reads. Twice a second the reader also puts TICK on the queues of
 runs past a deadline (the caller's `overdue`), so a run waits on its queue alone.
 """
 
@@ -56,6 +57,7 @@ class OutputReader:
         self._changed = asyncio.Event()
         self._notify_id = "0"
         self._swept = 0.0  # monotonic time of the last read of every subscribed stream
+        self._spent: list[str] = []  # out_streams whose final entry was read: deleted at the next read
         self.sweep_s = SWEEP_S
         self._closed = False
 
@@ -95,16 +97,16 @@ class OutputReader:
         """Read until closed or cancelled."""
         retried = False
         while not self._closed:
-            if not self._subs:
+            if not self._subs and not self._spent:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
             try:
-                request_ids = await self._notified()
+                request_ids = await self._notified() if self._subs else set()
                 if time.monotonic() - self._swept >= self.sweep_s:
                     request_ids, self._swept = set(self._subs), time.monotonic()
                 streams = {out_stream(rid): self._subs[rid].last_id for rid in request_ids if rid in self._subs}
-                replies = await self.client.xread(streams, count=BATCH) if streams else None
+                replies = await self._read(streams)
                 retried = False
             except (RedisError, OSError) as exc:
                 if self._closed:
@@ -121,6 +123,18 @@ class OutputReader:
                 continue
             for name, entries in replies or []:
                 self._dispatch(name.decode() if isinstance(name, bytes) else name, entries)
+
+    async def _read(self, streams: dict[str, str]) -> list | None:
+        """XREAD `streams` from their ids; the spent streams are deleted in the same round trip."""
+        if not self._spent:
+            return await self.client.xread(streams, count=BATCH) if streams else None
+        pipe = self.client.pipeline(transaction=False)
+        pipe.unlink(*self._spent)
+        if streams:
+            pipe.xread(streams, count=BATCH)
+        replies = await pipe.execute()
+        self._spent = []
+        return replies[1] if streams else None
 
     async def _notified(self) -> set[str]:
         """Ids of requests with new output, from the notify stream (waits up to BLOCK_MS, less when
@@ -152,6 +166,8 @@ class OutputReader:
                 continue
             sub.seen.add(delta.seq)
             sub.queue.put_nowait((sub.request_id, delta))
+            if delta.final:
+                self._spent.append(stream)
 
 
 def _id(value: bytes | str) -> str:

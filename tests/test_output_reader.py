@@ -68,6 +68,49 @@ def test_reads_only_notified_streams_and_sweeps_the_rest(redis_client, redis_url
     asyncio.run(scenario())
 
 
+def test_a_stream_read_to_its_final_entry_is_deleted(redis_client, redis_url):
+    """Once the reader has read a request's final entry its out_stream is deleted, also when that
+    request was the reader's last subscription; a stream still running stays (before: every
+    stream stayed in Redis for the worker's TTL of 600 s, ~4.4 KB a request)."""
+    async def scenario():
+        client = Redis.from_url(redis_url)
+        reader = OutputReader(client, NOTIFY)
+        done, running = asyncio.Queue(), asyncio.Queue()
+        reader.subscribe("done", done)
+        reader.subscribe("running", running)
+        task = asyncio.create_task(reader.run())
+        sync = redis.Redis.from_url(redis_url)
+        try:
+            sync.xadd(out_stream("done"), OutputDelta(seq=0, text="a", token_ids=[5]).encode())
+            sync.xadd(out_stream("done"), OutputDelta(seq=1, finish_reason="length", done=True).encode())
+            sync.xadd(out_stream("running"), OutputDelta(seq=0, text="b", token_ids=[6]).encode())
+            contract.notify_outputs(sync, NOTIFY, ["done", "running"])
+            for queue, last in ((done, 1), (running, 0)):
+                while (await asyncio.wait_for(queue.get(), 10))[1].seq != last:
+                    pass
+            reader.unsubscribe("done")
+            for _ in range(200):
+                if not sync.exists(out_stream("done")):
+                    break
+                await asyncio.sleep(0.01)
+            assert not sync.exists(out_stream("done"))
+            assert sync.xlen(out_stream("running")) == 1
+
+            sync.xadd(out_stream("running"), OutputDelta(seq=1, error="out of pages", done=True).encode())
+            contract.notify_outputs(sync, NOTIFY, ["running"])
+            assert (await asyncio.wait_for(running.get(), 10))[1].final
+            reader.unsubscribe("running")  # the last subscription: the reader still deletes it
+            for _ in range(200):
+                if not sync.exists(out_stream("running")):
+                    break
+                await asyncio.sleep(0.01)
+            assert not sync.exists(out_stream("running"))
+        finally:
+            await stop(reader, task, client)
+
+    asyncio.run(scenario())
+
+
 def test_a_connection_killed_under_the_reader_costs_a_retry_not_the_requests(redis_client, redis_url):
     """A Redis restart leaves the reader's pooled connection dead; its next read fails once. The
     reader retries on a new connection before it gives up on its requests (before: the first

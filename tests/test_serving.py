@@ -140,6 +140,8 @@ def test_models_and_greedy_matches_offline(stack, offline):
     out = stack.client.completions.create(model=stack.model, prompt=ids, max_tokens=20, temperature=0)
     assert out.choices[0].text == ref.text
     assert out.usage.completion_tokens == len(ref.token_ids)
+    # the API deletes the output stream it has read to the end: nothing is left in Redis
+    wait_until(lambda: not stack.redis.exists(contract.out_stream(out.id.removeprefix("cmpl-"))), 10)
 
 
 def test_prefix_cache_hits_are_in_usage_and_metrics(stack):
@@ -246,6 +248,7 @@ def test_closed_stream_is_cancelled_and_frees_its_pages(stack):
     else:
         pytest.fail("never caught the worker with a request in flight")
     wait_until(lambda: aborted() == before + 1, 20)
+    assert not stack.redis.exists(contract.cancelled_key(request_id))  # the worker closed it: no key left
     wait_until(lambda: stack.xlen() == 0, 10)
     wait_until(lambda: (lambda st: st.pages_used == 0 and st.running == 0 and st.waiting == 0)(stack.stats()), 10)
     *_, (_, last) = stack.redis.xrange(contract.out_stream(request_id))

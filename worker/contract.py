@@ -27,7 +27,8 @@ REQUESTS = f"{PREFIX}:requests"
 WORKERS_GROUP = "workers"
 
 # Pub/sub channel: message = request id to cancel. Also sets cancelled_key(id) (TTL below) so
-# a worker that pulls the request later, or missed the message, still sees the cancel.
+# a worker that pulls the request later, or missed the message, still sees the cancel. The worker
+# that closes the request deletes the key; the TTL clears keys of cancels that came too late.
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 CANCEL_TTL_S = 3600
 
@@ -54,7 +55,10 @@ TOTAL_ENQUEUED = "enqueued"
 # "<name>:count". Names: ttft_s, tpot_s, e2e_s, queue_s.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
-OUTPUT_TTL_S = 600  # an output stream expires this long after its final entry
+# An output stream expires this long after its final entry. The API deletes the stream as soon as
+# it has read that entry; the TTL clears the streams nobody reads (their client left). An API
+# that reads nothing for longer has lost its alive key (API_ALIVE_TTL_S), and its requests with it.
+OUTPUT_TTL_S = 60
 
 
 def out_stream(request_id: str) -> str:
@@ -155,6 +159,11 @@ class OutputDelta:
     done: bool = False
     usage: dict[str, Any] | None = None  # prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details
     error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        """Whether this is the request's last entry (nothing after it is read)."""
+        return self.done or bool(self.error) or self.finish_reason == FinishReason.ERROR.value
 
     def encode(self) -> dict[str, str]:
         data = {k: v for k, v in vars(self).items() if v not in (None, "", [], False) or k in ("seq", "index")}

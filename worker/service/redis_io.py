@@ -373,6 +373,7 @@ class RedisIO:
         self._orphaned.discard(done.request_id)
         if not done.handed_back:
             pipe.expire(contract.out_stream(done.request_id), contract.OUTPUT_TTL_S)
+            pipe.delete(contract.cancelled_key(done.request_id))  # closed: no worker pulls it again
             contract.record_finished(pipe, done.event, totals)
             totals.count(contract.TOTAL_PROMPT_TOKENS, done.usage.get("prompt_tokens", 0))
             totals.count(contract.TOTAL_CACHED_PROMPT_TOKENS,
