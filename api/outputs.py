@@ -31,7 +31,8 @@ BLOCK_MS = 1000  # longest wait for a notification
 SWEEP_S = 1.0  # every subscribed stream is read at least this often
 NOTIFY_BATCH = 1024  # notifications per XREAD
 BATCH = 256  # entries per stream per XREAD
-RETRY_S = 0.5  # pause after a Redis error
+RETRY_S = 0.5  # pause between reads while Redis fails
+OUTAGE_S = 10.0  # Redis failing this long fails the requests; a restart of a Redis with AOF is shorter
 TICK_S = 0.5  # how often the reader looks for runs past a deadline
 TICK = object()  # put on an overdue run's queue as (None, TICK): no output, a moment to end on its deadline
 
@@ -94,8 +95,12 @@ class OutputReader:
         self._changed.set()
 
     async def run(self) -> None:
-        """Read until closed or cancelled."""
-        retried = False
+        """Read until closed or cancelled. When Redis fails, the reader retries at once (a connection
+        a Redis restart left behind fails once, and the retry reconnects), then every RETRY_S; its
+        requests fail only once Redis has failed for OUTAGE_S. A Redis with AOF that restarts in
+        that time still holds their queue entries and outputs, and they finish (session 50: before,
+        all 128 requests in flight got a 503 when such a Redis restarted in 1 s)."""
+        failing_since: float | None = None
         while not self._closed:
             if not self._subs and not self._spent:
                 self._changed.clear()
@@ -107,19 +112,21 @@ class OutputReader:
                     request_ids, self._swept = set(self._subs), time.monotonic()
                 streams = {out_stream(rid): self._subs[rid].last_id for rid in request_ids if rid in self._subs}
                 replies = await self._read(streams)
-                retried = False
+                failing_since = None
             except (RedisError, OSError) as exc:
                 if self._closed:
                     return
-                if not retried:  # a connection a Redis restart left behind fails once; the retry reconnects
-                    retried = True
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    continue
+                if time.monotonic() - failing_since < OUTAGE_S:
+                    await asyncio.sleep(RETRY_S)
                     continue
                 log.warning("output reader: redis error %s; failing %d requests", type(exc).__name__, self.active)
                 for sub in list(self._subs.values()):
                     sub.queue.put_nowait((sub.request_id, ReaderFailed(str(exc))))
                 self._subs.clear()
-                retried = False  # the next requests' first read gets its retry too
-                await asyncio.sleep(RETRY_S)
+                failing_since = None  # the next requests get their time too
                 continue
             for name, entries in replies or []:
                 self._dispatch(name.decode() if isinstance(name, bytes) else name, entries)

@@ -31,11 +31,13 @@ def redis_binary() -> str:
 
 
 @contextmanager
-def redis_server(port: int, workdir: Path | None = None, password: str | None = None) -> Iterator[subprocess.Popen]:
-    """A real redis-server of our own on `port` (no persistence), stopped on exit."""
+def redis_server(port: int, workdir: Path | None = None, password: str | None = None,
+                 aof: bool = False) -> Iterator[subprocess.Popen]:  # fmt: skip
+    """A real redis-server of our own on `port`, stopped (SIGTERM) on exit. No persistence, or with
+    `aof` an append-only file in `workdir`, which a later server on the same workdir loads."""
     import redis
 
-    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if aof else "no"]
     args += ["--dir", str(workdir)] if workdir else []
     args += ["--requirepass", password] if password else []
     proc = subprocess.Popen([redis_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -8,7 +8,7 @@ import asyncio
 import redis
 from redis.asyncio import Redis
 
-from api.outputs import OutputReader
+from api.outputs import OutputReader, ReaderFailed
 from worker import contract
 from worker.contract import OutputDelta, out_stream
 
@@ -115,7 +115,7 @@ def test_a_connection_killed_under_the_reader_costs_a_retry_not_the_requests(red
     """A Redis restart leaves the reader's pooled connection dead; its next read fails once. The
     reader retries on a new connection before it gives up on its requests (before: the first
     request after a restart got a 503 while /ready already said 200). Redis truly down still
-    fails them: see test_api_errors."""
+    fails them: the next test."""
     async def scenario():
         client = Redis.from_url(redis_url, client_name="reader-under-test")
         reader = OutputReader(client, NOTIFY)
@@ -136,6 +136,30 @@ def test_a_connection_killed_under_the_reader_costs_a_retry_not_the_requests(red
             contract.notify_outputs(sync, NOTIFY, ["k"])
             rid, delta = await asyncio.wait_for(queue.get(), 10)
             assert rid == "k" and isinstance(delta, OutputDelta) and delta.text == "z"
+        finally:
+            await stop(reader, task, client)
+
+    asyncio.run(scenario())
+
+
+def test_redis_down_for_the_outage_time_fails_the_requests(monkeypatch):
+    """A Redis that stays down fails the reader's requests (ReaderFailed: a 503 to the client) once
+    it has failed for OUTAGE_S; one back within that time is waited for (test_worker_lifecycle)."""
+    import api.outputs
+
+    monkeypatch.setattr(api.outputs, "OUTAGE_S", 0.3)
+    monkeypatch.setattr(api.outputs, "RETRY_S", 0.05)
+
+    async def scenario():
+        client = Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens there
+        reader = OutputReader(client, NOTIFY)
+        queue: asyncio.Queue = asyncio.Queue()
+        reader.subscribe("r", queue)
+        task = asyncio.create_task(reader.run())
+        try:
+            rid, failure = await asyncio.wait_for(queue.get(), 10)
+            assert rid == "r" and isinstance(failure, ReaderFailed)
+            assert reader.active == 0
         finally:
             await stop(reader, task, client)
 
