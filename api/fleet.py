@@ -1,11 +1,12 @@
 """FleetWatch: one background task that knows since when no live worker serves our model, and
-keeps this API's alive key (contract.api_alive_key) from expiring while the process runs."""
+keeps this API's alive key (contract.api_alive_key) while the process runs."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -18,10 +19,14 @@ log = logging.getLogger("redjax.api")
 
 class FleetWatch:
     def __init__(self, client: Redis, model: str, interval_s: float = HEARTBEAT_INTERVAL_S,
-                 alive_key: str | None = None) -> None:
+                 alive_key: str | None = None, announce: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
         self.client = client
         self.model = model
-        self.alive_key = alive_key  # refreshed at each poll while it exists (requests were enqueued)
+        # set again at each poll once announce() holds (requests were enqueued): SET, not EXPIRE, so a
+        # Redis that restarted empty has it again within a poll, before workers take its absence
+        # for this process's death and drop the requests they run for it
+        self.alive_key = alive_key
+        self.announce = announce
         self.interval_s = interval_s
         self.dead_since: float | None = None  # time.monotonic() when workers were first seen missing
         self.workers: dict[str, str] = {}  # live worker name -> state; a starting one counts: requests wait for it
@@ -33,8 +38,8 @@ class FleetWatch:
         return time.monotonic() - max(self.dead_since, since)
 
     async def poll(self) -> None:
-        if self.alive_key is not None:  # only once the enqueue script made it: an idle API writes nothing
-            await self.client.expire(self.alive_key, API_ALIVE_TTL_S)
+        if self.alive_key is not None and self.announce():  # an API that never enqueued writes nothing
+            await self.client.set(self.alive_key, 1, ex=API_ALIVE_TTL_S)
         self.workers = await live_workers(self.client, self.model)
         if self.workers:
             self.dead_since = None

@@ -7,8 +7,9 @@ what is queued. Once a second (SWEEP_S) it reads every subscribed stream instead
 notification trimmed away, or written by anything that does not notify, arrive within a second.
 Each decoded OutputDelta goes to the request's own asyncio queue; `seq`s already seen are
 dropped (delivery is at least once). A stream whose final entry has been read is deleted with
-the next read: the worker's TTL on it (OUTPUT_TTL_S) is only for streams nobody reads. Twice a second the reader also puts TICK on the queues of
-runs past a deadline (the caller's `overdue`), so a run waits on its queue alone.
+the next read: the worker's TTL on it (OUTPUT_TTL_S) is only for streams nobody reads. Twice a
+second the reader also puts TICK on the queues of runs past a deadline (the caller's `overdue`),
+so a run waits on its queue alone.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class RequestQueue:
         self.notify_stream = notify_stream  # where workers announce these requests' outputs
         self._enqueue = client.register_script(_ENQUEUE)
         self._remove = client.register_script(_REMOVE_UNDELIVERED)
+        self.enqueued = False  # whether a request was enqueued: from then on this API's alive key is kept
 
     async def enqueue(self, messages: list[RequestMessage]) -> list[str]:
         """XADD every message (all or none); their stream entry ids. 429 when the queue is full."""
@@ -56,6 +57,7 @@ class RequestQueue:
                 429, f"the server is busy ({self.max_queue_len} requests queued or running); retry later",
                 code="queue_full", headers={"Retry-After": "1"},
             )  # fmt: skip
+        self.enqueued = True
         return [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
 
     async def withdraw(self, request_id: str, entry_id: str) -> bool:

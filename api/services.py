@@ -54,10 +54,12 @@ class ApiServices:
             socket_connect_timeout=REDIS_TIMEOUT_S, protocol=REDIS_PROTOCOL, client_name="redjax-api-reader",
         )
         notify = api_notify_stream(uuid.uuid4().hex)
+        queue = RequestQueue(client, config.max_queue_len, notify)
         return cls(
             config=config, model=model, client=client, reader_client=reader_client,
-            queue=RequestQueue(client, config.max_queue_len, notify), reader=OutputReader(reader_client, notify),
-            fleet=FleetWatch(client, config.model_name, alive_key=api_alive_key(notify)),
+            queue=queue, reader=OutputReader(reader_client, notify),
+            fleet=FleetWatch(client, config.model_name, alive_key=api_alive_key(notify),
+                             announce=lambda: queue.enqueued),
         )  # fmt: skip
 
     async def start(self) -> None:

@@ -126,8 +126,8 @@ def _answers(url: str) -> bool:
 def test_an_api_keeps_its_alive_key_while_it_runs_and_removes_it_when_it_stops(redis_client, redis_url,
                                                                               tiny_model_dir, tiny_model):
     """Workers drop the requests of an API process whose alive key is gone (it died: nobody is left
-    to read them). The enqueue sets the key with the requests, the fleet watch keeps it from
-    expiring, and a clean stop deletes it."""
+    to read them). The enqueue sets the key with the requests, the fleet watch keeps it (and sets
+    it again when Redis has lost it), and a clean stop deletes it."""
     with api_server(redis_url, tiny_model_dir, tiny_model) as server:
         assert not redis_client.keys("*:alive")  # an API that has queued nothing writes no key
         with FakeWorker(redis_url, tiny_model.tokenizer, MODEL_NAME) as worker:
@@ -137,4 +137,6 @@ def test_an_api_keeps_its_alive_key_while_it_runs_and_removes_it_when_it_stops(r
         assert 0 < redis_client.ttl(key) <= contract.API_ALIVE_TTL_S
         redis_client.expire(key, 3)
         assert eventually(lambda: redis_client.ttl(key) > 3)  # refreshed while the process runs
+        redis_client.delete(key)  # as a Redis that restarted empty has lost it
+        assert eventually(lambda: redis_client.exists(key))  # set again, before workers think us dead
     assert not redis_client.exists(key)

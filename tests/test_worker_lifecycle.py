@@ -149,7 +149,8 @@ def test_the_stack_serves_again_after_redis_restarts_empty(model_dir, offline, j
                 proc.kill()
 
 
-def test_a_request_in_flight_finishes_across_a_restart_of_redis_with_aof(model_dir, offline, jax_cache, tmp_path):  # noqa: F811
+def test_a_request_in_flight_finishes_across_a_restart_of_redis_with_aof(model_dir, offline, jax_cache,  # noqa: F811
+                                                                          tmp_path):
     """Redis with an append-only file (as docker-compose.yml runs it) stops and starts again while a
     request streams: the request finishes with its greedy answer. Before (session 50) the API failed
     every request in flight with a 503 at its second failed read, though the restarted Redis held

@@ -80,6 +80,7 @@ class RedisIO:
         # request id -> (entry id, its API's notify stream), for requests this worker holds
         self._pulled: dict[str, tuple[str, str]] = {}
         self._orphaned: set[str] = set()  # request ids already handed to the engine loop as cancels
+        self._missing_apis: set[str] = set()  # notify streams whose API's alive key the last check missed
         self._pubsub = None
         self._threads = [
             threading.Thread(target=self._read, name="redis-in", daemon=True),
@@ -257,13 +258,16 @@ class RedisIO:
         self.wakeup.set()
 
     def _drop_requests_of_gone_apis(self) -> None:
-        """Cancel, in the engine loop, the held requests whose API process is gone."""
+        """Cancel, in the engine loop, the held requests whose API process is gone: its alive key was
+        missing at two checks in a row. A Redis that restarted empty has lost every key, and a live
+        API sets its own again within a second; the requests it waits for are not dropped."""
         held = list(self._pulled.items())
         pipe = self.client.pipeline(transaction=False)
         apis = _ask_alive(pipe, {notify for _, (_, notify) in held})
         if not apis:
             return
-        gone = _gone(apis, pipe.execute())
+        missing = _gone(apis, pipe.execute())
+        gone, self._missing_apis = missing & self._missing_apis, missing
         dropped = [rid for rid, (_, notify) in held if notify in gone and rid not in self._orphaned]
         for request_id in dropped:
             self._orphaned.add(request_id)
