@@ -18,7 +18,7 @@ import anyio
 from redis.exceptions import RedisError
 
 from api.errors import ApiError, redis_unavailable
-from api.outputs import TICK, ReaderFailed
+from api.outputs import TICK, ReaderFailed, RequestLost
 from api.protocol import ParsedRequest
 from api.services import ApiServices
 from worker.contract import OutputDelta
@@ -43,8 +43,7 @@ class Run:
 
     async def start(self, http_request_id: str = "") -> None:
         """Subscribe to the outputs, then enqueue (raises 429 / 503)."""
-        for rid in self.ids:
-            self.services.reader.subscribe(rid, self.queue, self.started)
+        subs = [self.services.reader.subscribe(rid, self.queue, self.started) for rid in self.ids]
         try:
             entry_ids = await self.services.queue.enqueue(self.messages)
         except BaseException as exc:
@@ -53,6 +52,8 @@ class Run:
                 raise redis_unavailable() from None
             raise
         self.entry_ids = dict(zip(self.ids, entry_ids))
+        for sub, entry_id in zip(subs, entry_ids):
+            sub.entry_id = entry_id
         log.info("request %s enqueued as %s", http_request_id, ",".join(self.ids))
 
     async def next_event(self) -> tuple[int, OutputDelta]:
@@ -75,6 +76,9 @@ class Run:
         return None
 
     def _accept(self, rid: str, item: OutputDelta | ReaderFailed) -> tuple[int, OutputDelta]:
+        if isinstance(item, RequestLost):  # left unfinished: close() cancels it on a worker that holds it
+            raise ApiError(503, "the request queue (Redis) restarted and lost this request; retry it",
+                           code="request_lost")  # fmt: skip
         if isinstance(item, ReaderFailed):
             self.unfinished.discard(rid)
             raise redis_unavailable()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from worker.contract import OutputDelta, out_stream
+from worker.contract import REQUESTS, OutputDelta, out_stream
 
 log = logging.getLogger("redjax.api")
 
@@ -42,6 +42,10 @@ class ReaderFailed(Exception):
     """Put on a subscriber's queue when Redis failed; the request cannot learn its outcome."""
 
 
+class RequestLost(ReaderFailed):
+    """Put on a subscriber's queue when Redis lost its data and the request with it (`fail_lost`)."""
+
+
 @dataclass
 class Subscription:
     request_id: str
@@ -49,6 +53,8 @@ class Subscription:
     started: float = 0.0  # time.monotonic() when its run started: what its deadlines count from
     last_id: str = "0"  # last stream entry id read
     seen: set[int] = field(default_factory=set)  # seq numbers delivered
+    entry_id: str = ""  # its entry in the request stream, once enqueued
+    final: bool = False  # its final entry has been delivered
 
 
 class OutputReader:
@@ -77,6 +83,25 @@ class OutputReader:
     @property
     def active(self) -> int:
         return len(self._subs)
+
+    async def fail_lost(self, client: Redis) -> int:
+        """After Redis lost its data (it restarted without persistence): fail the subscribed requests
+        it no longer holds, neither their queue entry nor any output (a worker that runs one has
+        written output again by now). Their clients get a 503 now instead of waiting for the
+        request timeout; a worker that still holds one drops it at the cancel. How many failed."""
+        subs = [sub for sub in self._subs.values() if sub.entry_id and not sub.final]
+        if not subs:
+            return 0
+        pipe = client.pipeline(transaction=False)
+        for sub in subs:
+            pipe.xrange(REQUESTS, sub.entry_id, sub.entry_id)
+            pipe.exists(out_stream(sub.request_id))
+        replies = await pipe.execute()
+        lost = [sub for sub, entry, output in zip(subs, replies[::2], replies[1::2]) if not entry and not output]
+        for sub in lost:
+            if self._subs.pop(sub.request_id, None) is not None:
+                sub.queue.put_nowait((sub.request_id, RequestLost("Redis lost the request")))
+        return len(lost)
 
     async def tick(self, overdue: Callable[[float], bool]) -> None:
         """Each TICK_S until cancelled, put TICK on the queue of every subscription for which
@@ -175,6 +200,7 @@ class OutputReader:
             sub.seen.add(delta.seq)
             sub.queue.put_nowait((sub.request_id, delta))
             if delta.final:
+                sub.final = True
                 self._spent.append(stream)
 
 

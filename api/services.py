@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,14 +19,16 @@ from api.outputs import BLOCK_MS, OutputReader
 from api.queue import RequestQueue
 from worker.contract import api_alive_key, api_notify_stream
 
+log = logging.getLogger("redjax.api")
+
 REDIS_TIMEOUT_S = 5.0  # connect timeout, and how long a request waits for a free pooled connection
 REDIS_COMMAND_TIMEOUT_S = 15.0  # a command unanswered this long means Redis is gone (a busy host is not)
 REDIS_POOL_SIZE = 32  # connections of the ordinary client; a burst of requests queues for them
 STOP_RETRY_S = 0.05  # stop(): how long to wait for cancelled tasks before cancelling them again
 # RESP2 named explicitly: with the protocol left to its default, redis-py 8.1's asyncio pool turns
 # on "maintenance notifications" over TCP, which skips the check that replaces a pooled connection
-# the server closed. After a Redis restart every idle pooled connection failed its next command: 32 of the
-# next 100 requests got a 503 while /ready said 200 (session 50; redis-py issue 4252).
+# the server closed. After a Redis restart every idle pooled connection failed its next command:
+# 32 of the next 100 requests got a 503 while /ready said 200 (session 50; redis-py issue 4252).
 REDIS_PROTOCOL = 2
 
 
@@ -55,11 +58,16 @@ class ApiServices:
         )
         notify = api_notify_stream(uuid.uuid4().hex)
         queue = RequestQueue(client, config.max_queue_len, notify)
+        reader = OutputReader(reader_client, notify)
+
+        async def fail_lost() -> None:
+            if lost := await reader.fail_lost(client):
+                log.warning("%d request(s) were lost with Redis's data: answered 503 request_lost", lost)
+
         return cls(
-            config=config, model=model, client=client, reader_client=reader_client,
-            queue=queue, reader=OutputReader(reader_client, notify),
+            config=config, model=model, client=client, reader_client=reader_client, queue=queue, reader=reader,
             fleet=FleetWatch(client, config.model_name, alive_key=api_alive_key(notify),
-                             announce=lambda: queue.enqueued),
+                             announce=lambda: queue.enqueued, on_data_loss=fail_lost),
         )  # fmt: skip
 
     async def start(self) -> None:

@@ -8,7 +8,9 @@ import httpx
 import openai
 import pytest
 
-from tests.api_support import MODEL_NAME, api_server, fake_worker, start_api, tiny_model, tiny_model_dir  # noqa: F401
+from tests.api_support import (  # noqa: F401
+    MODEL_NAME, api_server, eventually, fake_worker, heartbeat, start_api, tiny_model, tiny_model_dir,
+)
 from worker import contract
 
 LONG_PROMPT = "hello world " * 100  # about 200 tokens; the tiny model allows 128
@@ -192,6 +194,24 @@ def test_connections_redis_closed_are_replaced_not_failed(start_api, fake_worker
     for connection in api_connections:
         redis_client.client_kill_filter(_id=connection["id"])
     assert burst() == [200] * 48
+
+
+def test_a_request_lost_with_redis_data_gets_a_503_at_once(start_api, redis_client):
+    """Redis restarts empty (here: FLUSHALL) while a request waits in its queue: the API sees its
+    alive key gone, and the request, which Redis no longer holds, gets a 503 `request_lost` within
+    seconds (the official client retries it) instead of waiting for the request timeout (600 s)."""
+    url = start_api()
+    heartbeat(redis_client, "w1", MODEL_NAME)  # a live worker that pulls nothing: the request waits
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"},
+                              timeout=60)  # fmt: skip
+        assert eventually(lambda: redis_client.xlen(contract.REQUESTS) == 1, 10)
+        key = next(iter(redis_client.keys("*:alive")))
+        assert eventually(lambda: redis_client.ttl(key) > 0 and not waiting.done(), 3)
+        redis_client.flushall()
+        heartbeat(redis_client, "w1", MODEL_NAME)
+        response = waiting.result(timeout=30)
+    assert _assert_openai_error(response, 503)["code"] == "request_lost"
 
 
 @pytest.mark.parametrize("words", [20, 2000])  # bodies under and over routes.INLINE_PARSE_BYTES

@@ -8,7 +8,7 @@ import asyncio
 import redis
 from redis.asyncio import Redis
 
-from api.outputs import OutputReader, ReaderFailed
+from api.outputs import OutputReader, ReaderFailed, RequestLost
 from worker import contract
 from worker.contract import OutputDelta, out_stream
 
@@ -162,6 +162,31 @@ def test_redis_down_for_the_outage_time_fails_the_requests(monkeypatch):
             assert reader.active == 0
         finally:
             await stop(reader, task, client)
+
+    asyncio.run(scenario())
+
+
+def test_after_a_data_loss_only_requests_redis_no_longer_holds_fail(redis_client, redis_url):
+    """fail_lost fails a request with neither a queue entry nor an output stream (lost with Redis's
+    data), and none that is queued, has output, has had its final entry, or is still enqueuing."""
+    async def scenario():
+        client = Redis.from_url(redis_url)
+        reader = OutputReader(client, NOTIFY)
+        queues = {rid: asyncio.Queue() for rid in ("queued", "running", "lost", "done", "enqueuing")}
+        subs = {rid: reader.subscribe(rid, queue) for rid, queue in queues.items()}
+        try:
+            subs["queued"].entry_id = redis_client.xadd(contract.REQUESTS, {"data": "{}"}).decode()
+            redis_client.xadd(out_stream("running"), OutputDelta(seq=0, text="a", token_ids=[5]).encode())
+            for rid in ("running", "lost", "done"):
+                subs[rid].entry_id = "1-1"  # an entry of the Redis that was lost
+            subs["done"].final = True
+            assert await reader.fail_lost(client) == 1
+            rid, failure = queues["lost"].get_nowait()
+            assert rid == "lost" and isinstance(failure, RequestLost)
+            assert all(queues[rid].empty() for rid in ("queued", "running", "done", "enqueuing"))
+            assert reader.active == 4
+        finally:
+            await client.aclose()
 
     asyncio.run(scenario())
 

