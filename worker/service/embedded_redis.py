@@ -73,7 +73,7 @@ class EmbeddedRedis:
                     os.kill(os.getpid(), signal.SIGTERM)  # the API shuts down as on Ctrl-C
                     return
                 _say(f"the embedded Redis exited (status {status}); starting a new one (the requests it "
-                     "held are lost)")  # fmt: skip
+                     "had queued are lost and answered 503; running ones go on)")  # fmt: skip
                 try:
                     self.proc = self._start()
                 except RuntimeError as exc:
