@@ -118,8 +118,9 @@ def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_nothing_behind
 
 def test_a_dead_embedded_redis_is_replaced_and_one_that_keeps_dying_stops_the_stack(model):
     """Its Redis killed, the stack starts a new one on the same socket: the worker reconnects and
-    recreates its group, and requests are served again (those the old one had queued get a 503 request_lost). One that
-    dies again within seconds of its start is not replaced: the stack stops with status 1."""
+    recreates its group, and requests are served again (those the old one had queued get a 503
+    request_lost). One that dies again within seconds of its start is not replaced: the stack
+    stops with status 1."""
     with running_serve(model) as (serve, worker, redis):
         port = serve.args[serve.args.index("--port") + 1]
         os.kill(redis, signal.SIGKILL)
