@@ -396,18 +396,22 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
             kv, logits, _ = forward(kv, last, positions, slots, db.context_lens + i, False)
             st = replace(db.sampling, out_pos=db.sampling.out_pos + i)
             out = sample(logits, st, flags, sampling_kernels)
-            return (kv, out[0]), out
+            return (kv, jnp.where(live, out[0], last)), out  # a row past its steps keeps its last token
 
-        (kv, _), rest = jax.lax.scan(body, (kv, sampled[0][0]), jnp.arange(1, shape.decode_steps))
+        (kv, newest), rest = jax.lax.scan(body, (kv, sampled[0][0]), jnp.arange(1, shape.decode_steps))
         stacked = [jnp.concatenate([a[None], b]) for a, b in zip(sampled[0], rest)]
     else:
+        newest = sampled[0][0]
         stacked = [a[None] for a in sampled[0]]
     pad = shape.max_rows - stacked[0].shape[1]
     stacked = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in stacked]
     prompt = _prompt_logprobs(full, db.targets, flags.num_logprobs) if full is not None else _no_prompt(flags)
-    # the last step's tokens again, as their own output: the next step's `prev_tokens` without a
-    # host-side slice of `tokens` (an op dispatch of its own, ~0.2 ms per call)
-    return kv, StepOutput(*stacked, *prompt), stacked[0][-1]
+    # each row's newest token again, as its own output: the next step's `prev_tokens` without a
+    # host-side slice of `tokens` (an op dispatch of its own, ~0.2 ms per call). In a fused call it
+    # is the token of the row's own last step, not of the call's: a row given fewer steps (pages
+    # ran short) sampled nonsense after its last one, and the next step, launched before the host
+    # had read the call back, fed that nonsense to the model as the row's newest token (session 50)
+    return kv, StepOutput(*stacked, *prompt), jnp.pad(newest, (0, pad))
 
 
 def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, shape: StepShape, window,
