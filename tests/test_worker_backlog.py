@@ -8,6 +8,8 @@ The first two tests drive its loop by hand (pull, step, drain); the others start
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import threading
 import time
@@ -125,6 +127,19 @@ def test_requests_of_an_api_process_that_is_gone_are_dropped_queued_or_held(mode
     while not worker.io.cancels.empty():
         cancelled.append(worker.io.cancels.get_nowait())
     assert sorted(cancelled) == ["req-0", "req-3"]
+
+
+def test_the_heartbeat_adds_the_engines_preemptions_to_the_fleet_counter(model_dir, redis_url):  # noqa: F811
+    """/metrics' redjax:num_preemptions_total reads TOTALS; only heartbeats knew the count, so it
+    stayed 0 through a run with 753 preemptions (session 50)."""
+    worker = _worker(model_dir, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    worker._report()
+    stats = worker.io._stats
+    for preemptions, total in [(0, None), (3, b"3"), (3, b"3"), (7, b"7")]:
+        worker.io.set_stats(dataclasses.replace(stats, preemptions=preemptions))
+        worker.io._heartbeat()
+        assert client.hget(contract.TOTALS, contract.TOTAL_PREEMPTIONS) == total
 
 
 def _reads(client: redis.Redis) -> int:

@@ -81,6 +81,7 @@ class RedisIO:
         self._pulled: dict[str, tuple[str, str]] = {}
         self._orphaned: set[str] = set()  # request ids already handed to the engine loop as cancels
         self._missing_apis: set[str] = set()  # notify streams whose API's alive key the last check missed
+        self._preemptions_counted = 0  # of the engine's preemptions, those added to TOTALS
         self._pubsub = None
         self._threads = [
             threading.Thread(target=self._read, name="redis-in", daemon=True),
@@ -320,10 +321,15 @@ class RedisIO:
         self._admit(entries, resumed=True)
 
     def _heartbeat(self) -> None:
+        """Write the heartbeat, and add the preemptions since the last one to the fleet's counter."""
         with self._lock:
             stats = self._stats
-        if stats is not None:
-            contract.write_heartbeat(self.client, stats)
+        if stats is None:
+            return
+        contract.write_heartbeat(self.client, stats)
+        if (new := stats.preemptions - self._preemptions_counted) > 0:
+            self.client.hincrby(contract.TOTALS, contract.TOTAL_PREEMPTIONS, new)
+            self._preemptions_counted = stats.preemptions
 
     def _take_outbox(self, stop_at_none: bool = True) -> list[Item]:
         items: list[Item] = []
