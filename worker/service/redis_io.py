@@ -266,6 +266,7 @@ class RedisIO:
         pipe = self.client.pipeline(transaction=False)
         apis = _ask_alive(pipe, {notify for _, (_, notify) in held})
         if not apis:
+            self._missing_apis = set()
             return
         missing = _gone(apis, pipe.execute())
         gone, self._missing_apis = missing & self._missing_apis, missing
