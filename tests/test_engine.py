@@ -149,24 +149,6 @@ def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, gree
     assert engine.matmul == ("kernel" if cpu_matmul.has_cpu_flag("avx512f") else "xla")  # "auto", float32 weights
 
 
-def test_a_fused_row_given_fewer_steps_feeds_its_own_newest_token_on(model, tokenizer, hf, prompts):
-    """Pages short, a fused decode call gives a row fewer steps than the call's; the row's later
-    steps sample nonsense (their writes go to the reserved page). The next step, launched before
-    the call is read back, must take the row's token from its own last step. It took the call's
-    last step's, so the model saw a wrong token while the client got the right one, and greedy
-    outputs left transformers' (session 50: 6 of 128 demo requests of 1000 tokens, 48 KV pages;
-    here 2 of 3). Nothing waits, so decodes fuse while three sequences share 19 pages."""
-    gen = 30
-    engine = make_engine(model, tokenizer, TIGHT, decode_steps=8)
-    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-    for i, p in enumerate(prompts[:3]):
-        engine.add_request(f"r{i}", p, params)
-    results = drain(engine)
-    assert engine.scheduler.num_preemptions > 0
-    for i, p in enumerate(prompts[:3]):
-        assert results[(f"r{i}", 0)].token_ids == hf_greedy(hf, p, gen), f"prompt {i}"
-
-
 @pytest.mark.parametrize("window_ms, steps", [(1e9, 16), (1e-3, 1)], ids=["wide", "narrow"])
 def test_auto_decode_steps_fill_the_window_and_keep_greedy_outputs(model, tokenizer, prompts, greedy_refs, window_ms,
                                                                    steps):
