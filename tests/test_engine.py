@@ -264,56 +264,7 @@ def test_sampled_token_logprobs_equal_the_plain_forward(model, tokenizer, hf, pr
             np.testing.assert_allclose([lp for _, lp in entry["top"]], np.sort(row)[::-1][:n], atol=2e-4)
 
 
-# ---- 3. seeded sampling ----
-
-def random_requests(rng: np.random.Generator, count: int, vocab: int) -> list[tuple[list[int], SamplingParams]]:
-    """Unrelated traffic: greedy and sampled rows, other seeds, lengths, cuts, n = 2. (Penalties and
-    logit bias change the compiled variant, not the row's draw: tests/test_sampler.py checks that.)"""
-    out = []
-    for i in range(count):
-        params = dataclasses.replace(
-            SAMPLED, max_tokens=int(rng.integers(3, 14)), seed=int(rng.integers(0, 2**31)),
-            temperature=[0.0, 0.7, 1.3, 1.0, 0.9][i % 5], top_k=int(rng.integers(0, 60)),
-            top_p=float(rng.uniform(0.5, 1.0)), min_p=[0.0, 0.05][i % 2], n=1 + (i % 4 == 3),
-        )
-        out.append((rng.integers(1, vocab, int(rng.integers(1, 9))).tolist(), params))  # short: few shapes
-    return out
-
-
-def test_seed_fixes_tokens_whatever_the_batch_and_join_step(model, tokenizer, prompts):
-    target = dataclasses.replace(SAMPLED, seed=1234)
-    prompt = prompts[4]
-    others = random_requests(np.random.default_rng(5), 5, len(tokenizer))
-
-    def run(sizes, join_at: int, others_at: int | None, params=target):
-        engine = make_engine(model, tokenizer, sizes)
-        added = []
-
-        def before_step(k):
-            if k == join_at:
-                engine.add_request("target", prompt, params)
-                added.append("target")
-            if k == others_at:
-                assert others_at < join_at or engine.has_unfinished()  # the target is still running
-                for i, (p, sp) in enumerate(others):
-                    engine.add_request(f"other{i}", p, sp)
-                added.append("others")
-
-        results = drain(engine, before_step)
-        assert len(added) == (1 if others_at is None else 2)
-        assert all(r.finish_reason == "length" for r in results.values())
-        return results[("target", 0)].token_ids, engine
-
-    alone, _ = run(ROOMY, 0, None)
-    assert len(alone) == 12
-    assert run(ROOMY, 2, 0)[0] == alone  # joins a running batch
-    assert run(ROOMY, 0, 1)[0] == alone  # the batch grows around it
-    tight, engine = run(TIGHT, 1, 0)  # chunked prefill, preemption and recompute around it
-    assert engine.scheduler.num_preemptions > 0
-    assert tight == alone
-    other_seed = run(ROOMY, 0, None, dataclasses.replace(target, seed=4321))[0]
-    assert other_seed != alone
-
+# ---- 3. penalties and n choices (seeded draws: test_engine_seeds.py) ----
 
 def test_repetition_penalty_matches_generate_even_when_decodes_fuse(model, tokenizer, hf, prompts):
     """A penalised request admitted as a single decode token must not join a fused (multi-step)

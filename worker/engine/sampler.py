@@ -65,7 +65,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     """logits f32[R, V] -> (tokens i32[R], logprobs f32[R], top_ids i32[R, N], top_logprobs f32[R, N]).
 
     Logprobs are of the model's own distribution (raw log-softmax), as OpenAI reports them.
-    `kernels`: compiled cutoffs and draws (the CPU backend), or None: a sort and Gumbel noise in jnp.
+    `kernels`: compiled cutoffs and draws (the CPU backend), or None: a sort and `inverse_cdf_draw`.
     """
     r, v = logits.shape
     raw = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
@@ -79,10 +79,8 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
         tokens = greedy
     else:
         masked = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, kernels)
-        if kernels is not None:
-            drawn = kernels.draw(masked, jax.vmap(_uniform)(t.seed, t.choice, t.out_pos))
-        else:
-            drawn = jax.vmap(_draw)(masked, t.seed, t.choice, t.out_pos)
+        draw = kernels.draw if kernels is not None else inverse_cdf_draw
+        drawn = draw(masked, jax.vmap(_uniform)(t.seed, t.choice, t.out_pos))
         tokens = jnp.where(t.temperature == 0.0, greedy, drawn)
     if not flags.logprobs:
         zeros = jnp.zeros((r, 0))
@@ -152,7 +150,31 @@ def _uniform(seed, choice, out_pos) -> jax.Array:
     return jax.random.uniform(row_key(seed, choice, out_pos), (), jnp.float32)
 
 
-def _draw(logits: jax.Array, seed, choice, out_pos) -> jax.Array:
-    """One categorical draw by the Gumbel-max trick: argmax(logits + Gumbel noise)."""
-    noise = jax.random.gumbel(row_key(seed, choice, out_pos), logits.shape, jnp.float32)
-    return first_argmax(logits + noise)
+DRAW_BLOCK = 64  # weights summed per block before the search, as the CPU kernel does
+
+
+def inverse_cdf_draw(logits: jax.Array, u: jax.Array) -> jax.Array:
+    """logits f32[R, V] (-inf: cut), u f32[R] in [0, 1) -> i32[R]: the first token, in vocabulary
+    order, whose running weight passes u x the row's total weight; u within rounding of 1 gives the
+    last token that can be drawn. The CPU kernel's rule (cpu_kernels/sampling.cc), so one seed
+    draws the same tokens on every backend, up to a u within rounding of a boundary.
+
+    Blocked like the kernel, so no pass runs along a whole row: block sums, their running sum (one
+    number per 64 tokens), then the one block per row where the target falls."""
+    r, v = logits.shape
+    nb = -(-v // DRAW_BLOCK)
+    top = logits.max(axis=-1, keepdims=True)
+    w = jnp.where(logits == -jnp.inf, 0.0, jnp.exp(logits - top))  # f32[R, V]
+    w = jnp.pad(w, ((0, 0), (0, nb * DRAW_BLOCK - v))).reshape(r, nb, DRAW_BLOCK)
+    sums = w.sum(axis=-1)  # f32[R, nb]
+    ends = jnp.cumsum(sums, axis=-1)  # f32[R, nb]: the weight through each block
+    target = u * ends[:, -1]  # f32[R]
+    rows, lanes = jnp.arange(r), jnp.arange(DRAW_BLOCK)
+    b = jnp.sum(ends <= target[:, None], axis=-1)  # i32[R]: the first block passing the target; nb: none
+    passed = b < nb
+    b = jnp.where(passed, b, jnp.max(jnp.where(sums > 0, jnp.arange(nb), 0), axis=-1))  # else the last with weight
+    block = w[rows, b]  # f32[R, DRAW_BLOCK]
+    running = (ends[rows, b] - sums[rows, b])[:, None] + jnp.cumsum(block, axis=-1)
+    first = jnp.min(jnp.where((block > 0) & (running > target[:, None]) & passed[:, None], lanes, DRAW_BLOCK), axis=-1)
+    last = jnp.max(jnp.where(block > 0, lanes, 0), axis=-1)  # the block's own sum rounded past the target
+    return (b * DRAW_BLOCK + jnp.where(first < DRAW_BLOCK, first, last)).astype(jnp.int32)
