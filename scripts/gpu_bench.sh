@@ -6,7 +6,7 @@
 # Runs, in the order given:
 #   check          the machine (nvidia-smi, jax's devices), tests/test_gpu_attention.py and
 #                  tests/test_gpu_prefill.py (the compiled Pallas decode and prefill kernels against
-#                  the reference)
+#                  the reference), and tests/test_sampler.py's jnp cases (the GPU's draws)
 #   attention      `bench attention`: one layer's decode attention at 64 x 1552 tokens, jnp, JAX's
 #                  own Pallas kernel and a sweep of the kernel's work splits, and its prefill
 #                  attention (2 rows x 512 tokens) through the reference and the Pallas prefill
@@ -166,6 +166,9 @@ for run in "${runs[@]}"; do
       timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_gpu_prefill.py \
         >>"$log" 2>&1
       say "check: GPU attention tests exit $? ($(tail -1 "$log"))"
+      # the accelerators' sampler (jnp; the [kernel] cases need the CPU backend): draws against float64
+      timeout "$(left)" "$python" -m pytest -q -p no:cacheprovider tests/test_sampler.py -k "not kernel" >>"$log" 2>&1
+      say "check: sampler tests, jnp path, exit $? ($(tail -1 "$log"))"
       ;;
     attention)
       started=$SECONDS
