@@ -159,8 +159,8 @@ def inverse_cdf_draw(logits: jax.Array, u: jax.Array) -> jax.Array:
     last token that can be drawn. The CPU kernel's rule (cpu_kernels/sampling.cc), so one seed
     draws the same tokens on every backend, up to a u within rounding of a boundary.
 
-    Blocked like the kernel, so no pass runs along a whole row: block sums, their running sum (one
-    number per 64 tokens), then the one block per row where the target falls."""
+    Blocked like the kernel, so no running sum spans a whole row: block sums, their running sum
+    (one number per 64 tokens), then a running sum in the one block per row where the target falls."""
     r, v = logits.shape
     nb = -(-v // DRAW_BLOCK)
     top = logits.max(axis=-1, keepdims=True)
