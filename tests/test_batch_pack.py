@@ -12,7 +12,7 @@ from worker.engine.sampler import SamplerFlags
 
 SHAPE = StepShape(num_decode=8, num_prefill=2, prefill_len=16, pages=6, decode_steps=1, prompt_logprobs=True,
                   page_size=16, max_rows=64)
-FLAGS = SamplerFlags(all_greedy=False, needs_sort=True, penalties=True, bias=True, num_logprobs=3, logprobs=True,
+FLAGS = SamplerFlags(all_greedy=False, needs_cut=True, penalties=True, bias=True, num_logprobs=3, logprobs=True,
                      widths=(64, 40, 8))
 
 

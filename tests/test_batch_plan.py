@@ -110,7 +110,7 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     from worker.engine.runner import COMPILE_AFTER, ModelRunner, PromptsWait
     from worker.engine.sampler import SamplerFlags
 
-    flags = SamplerFlags(all_greedy=True, needs_sort=False, penalties=False, bias=False, num_logprobs=0, logprobs=False)
+    flags = SamplerFlags(all_greedy=True, needs_cut=False, penalties=False, bias=False, num_logprobs=0, logprobs=False)
     shape = lambda sd, sp, qp, pages=4: StepShape(sd, sp, qp, pages, 1, False, 16, 128)  # noqa: E731
     big, bigger = shape(16, 16, 64), shape(64, 32, 64)
     runner = SimpleNamespace(compiled={(big, flags), (shape(8, 4, 8), flags)}, ready={(bigger, flags): None},
@@ -143,8 +143,8 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
         assert runner._compile_next is None
     # a batch whose sampling needs less than a compiled variant does runs in it at once, even at its
     # exact shape, and asks for its own variant (no extra sampler work) the third time
-    full = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_sort": True})
-    top_p = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_sort": True})
+    full = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_cut": True})
+    top_p = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_cut": True})
     sampled = SamplerFlags(**{**vars(flags), "all_greedy": False})
     runner.compiled.add((near, full))
     assert ModelRunner._choose_shape(runner, near, top_p, 5, lengths, 4) == (near, full)  # the same flags

@@ -24,7 +24,7 @@ sample = jax.jit(sampler.sample, static_argnames=("flags", "kernels"))
 filter_logits = jax.jit(sampler.filter_logits, static_argnames=("flags", "kernels"))
 apply_penalties = jax.jit(sampler.apply_penalties)
 
-SORTING = SamplerFlags(all_greedy=False, needs_sort=True)
+CUTTING = SamplerFlags(all_greedy=False, needs_cut=True)
 # chi-square quantile at 1 - 1e-6 by degrees of freedom (scipy.stats.chi2.ppf(1 - 1e-6, df))
 CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701, 9: 44.811}
 
@@ -65,7 +65,7 @@ def hf_kept(warper, logits_row: np.ndarray) -> np.ndarray:
     return torch.isfinite(out[0]).numpy()
 
 
-def ours_kept(logits: np.ndarray, t: SamplingTensors, flags: SamplerFlags = SORTING, kernels=None) -> np.ndarray:
+def ours_kept(logits: np.ndarray, t: SamplingTensors, flags: SamplerFlags = CUTTING, kernels=None) -> np.ndarray:
     return np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), t, flags, kernels)))
 
 
@@ -172,7 +172,7 @@ def test_logit_bias_steers_greedy_choice_but_not_reported_logprobs():
 def test_greedy_rows_stay_greedy_beside_sampled_rows(kernels):
     logits = random_logits(4, 32, seed=7)
     t = tensors(4, temperature=[0.0, 1.5, 0.0, 1.5], seed=[1, 2, 3, 4], top_k=[0, 5, 0, 0])
-    tokens = np.asarray(sample(jnp.asarray(logits), t, SORTING, kernels)[0])
+    tokens = np.asarray(sample(jnp.asarray(logits), t, CUTTING, kernels)[0])
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     assert tokens[1] in np.argsort(-logits[1])[:5]
 
@@ -201,7 +201,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_sampled_frequencies_match_the_filtered_distribution(fields, kernels):
     logits = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.2, -0.1, -0.6, -1.0, -2.0], np.float32)
     n = 6000
-    flags = SamplerFlags(all_greedy=False, needs_sort="top_k" in fields or "top_p" in fields)
+    flags = SamplerFlags(all_greedy=False, needs_cut="top_k" in fields or "top_p" in fields)
     tokens = draws(logits, n, flags, kernels, seed=11, **fields)
     counts = np.bincount(tokens, minlength=len(logits))
     # the target law, written out independently: temperature, then the cut, renormalised
@@ -223,21 +223,36 @@ def test_sampled_frequencies_match_the_filtered_distribution(fields, kernels):
     assert stat < CHI2_1E6[int(keep.sum()) - 1], f"chi-square {stat:.1f}: counts {counts}, target {target * n}"
 
 
-def test_kernel_cutoffs_equal_the_sorted_ones_with_ties_and_large_vocabularies():
-    """The CPU kernel keeps exactly the tokens the jnp sort path keeps: rows with ties at the cut
-    (rounded logits), flat and peaked rows, top_k past the vocabulary, top_p 1, and a vocabulary
-    large enough for the kernel to set values aside and sort in several blocks."""
-    assert cpu_sampling.load(), "the sampling kernels did not build"
+def sorted_kept(logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """The top-k/top-p rules written as a descending sort in numpy float32 (the jnp sampler's own
+    code until session 51): bool[R, V], what each row keeps."""
+    kept = np.zeros(logits.shape, bool)
+    for row, (x, k, p) in enumerate(zip(logits, top_k, top_p)):
+        ordered = np.sort(x)[::-1]
+        k = min(k, len(x)) if k > 0 else len(x)
+        top = np.where(np.arange(len(x)) < k, ordered, -np.inf).astype(np.float32)
+        probs = np.exp(top - top[0]).astype(np.float32)
+        probs /= probs.sum(dtype=np.float32)
+        before = np.cumsum(probs, dtype=np.float32) - probs  # mass strictly above each sorted token
+        keep = (before < p) | (p >= 1.0) | (np.arange(len(x)) == 0)
+        p_cut = top[np.flatnonzero(keep).max()]
+        kept[row] = (x >= ordered[k - 1]) & (x >= p_cut)
+    return kept
+
+
+def test_cutoffs_equal_a_descending_sort_with_ties_and_large_vocabularies(kernels):
+    """Both paths keep exactly the tokens a descending sort keeps: rows with ties at the cut
+    (rounded logits, -0.0 beside 0.0), flat and peaked rows, top_k past the vocabulary, top_p 1,
+    and a vocabulary large enough for the kernel to set values aside and sort in several blocks."""
     rng = np.random.default_rng(12)
     for trial in range(60):
         rows, vocab = 16, (7, 50, 4096)[trial % 3]
         logits = (rng.standard_normal((rows, vocab)) * rng.choice([0.1, 1.0, 5.0, 30.0])).astype(np.float32)
         if trial % 2:
             logits = np.round(logits)  # ties
-        t = tensors(rows, top_k=rng.choice([0, 1, 2, 5, 40, vocab + 3], rows),
-                    top_p=rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0], rows))
-        np.testing.assert_array_equal(ours_kept(logits, t, kernels=cpu_sampling.KERNELS), ours_kept(logits, t),
-                                      err_msg=f"trial {trial}")
+        top_k, top_p = rng.choice([0, 1, 2, 5, 40, vocab + 3], rows), rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0], rows)
+        np.testing.assert_array_equal(ours_kept(logits, tensors(rows, top_k=top_k, top_p=top_p), kernels=kernels),
+                                      sorted_kept(logits, top_k, top_p.astype(np.float32)), err_msg=f"trial {trial}")
 
 
 def float64_cdf(logits: np.ndarray) -> np.ndarray:
@@ -314,7 +329,7 @@ def test_a_rows_draw_ignores_what_its_neighbours_ask_for(kernels):
         output_ids=[[-1, -1], [4, 4], [9, -1], [-1, -1]], prompt_ids=[[-1], [2], [-1], [-1]],
         bias_ids=[[0], [7], [0], [0]], bias_vals=[[0.0], [5.0], [0.0], [0.0]],
     )
-    flags = SamplerFlags(all_greedy=False, needs_sort=True, penalties=True, bias=True, logprobs=True, num_logprobs=3)
+    flags = SamplerFlags(all_greedy=False, needs_cut=True, penalties=True, bias=True, logprobs=True, num_logprobs=3)
     tokens = np.asarray(sample(jnp.asarray(logits), busy, flags, kernels)[0])
     assert tokens[0] == alone and tokens[3] == alone
     assert tokens[2] == logits[2].argmax()

@@ -49,9 +49,9 @@ class EngineConfig:
     compile_threads: int | None = None  # step variants warm-up compiles at once (LLMEngine.compile_ahead);
     # None: half the host's cores, at most 8; 1: one after another
     sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
-    # on the CPU backend of one device if they build, else jnp (a sort of the vocabulary and a blocked
-    # inverse CDF: fast on accelerators, slow on XLA's CPU backend); "kernel": those or an error; "jnp";
-    # both draw the same tokens for a seed
+    # on the CPU backend of one device if they build, else jnp (bisections for the cut and a blocked
+    # inverse CDF: fast on accelerators, slower on XLA's CPU backend); "kernel": those or an error; "jnp";
+    # both keep the same tokens and draw the same ones for a seed
     pallas_tuning: str | None = None  # the Pallas decode kernel's work split, "PAGES:PROGRAMS:WARPS:STAGES"
     # (pages read per loop iteration, programs to aim for, Triton's warps and stages; gpu_attention.Tuning);
     # None: its defaults. `redjax bench attention` times settings on the GPU at hand

@@ -297,7 +297,7 @@ def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
     not read back. Penalties and logit bias size the batch's arrays, so those match exactly."""
     if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
         return compiled == needed
-    return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_sort >= needed.needs_sort
+    return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut
             and compiled.logprobs >= needed.logprobs and compiled.num_logprobs >= needed.num_logprobs)
 
 
@@ -313,7 +313,7 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
     out_ids, prompt_ids, bias = flags.widths
-    parts = {"top-k/top-p": flags.needs_sort, f"logprobs {flags.num_logprobs}": flags.logprobs,
+    parts = {"top-k/top-p": flags.needs_cut, f"logprobs {flags.num_logprobs}": flags.logprobs,
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,

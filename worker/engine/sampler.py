@@ -41,7 +41,7 @@ class SamplerFlags:
     """Static switches: each combination is one compiled variant; all off is the cheap path."""
 
     all_greedy: bool = True
-    needs_sort: bool = False  # some row uses top-k or top-p
+    needs_cut: bool = False  # some row uses top-k or top-p (top_k_top_p_cut's passes)
     penalties: bool = False
     bias: bool = False
     num_logprobs: int = 0  # top-N alternatives to return (0: sampled token's logprob only when logprobs)
@@ -108,26 +108,64 @@ def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags,
                   kernels: SamplingKernels | None = None) -> jax.Array:
     """Mask (to -inf) what top-k, top-p and min-p exclude; logits already temperature-scaled.
 
-    With `kernels`, each row's top-k/top-p cut comes from `kernels.cutoffs` (the same rules, without
-    sorting the vocabulary: XLA's CPU sort is slow)."""
-    r, v = logits.shape
-    if flags.needs_sort and kernels is not None:
-        logits = jnp.where(logits < kernels.cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
-    elif flags.needs_sort:
-        ordered = -jnp.sort(-logits, axis=-1)  # [R, V] descending
-        k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, v), v)
-        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [R, 1]
-        ordered = jnp.where(jnp.arange(v)[None] < k[:, None], ordered, -jnp.inf)
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-        # top_p 1 keeps all: the float32 cumsum can reach 1 before the tail and drop real tokens
-        keep = (before < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0) | (jnp.arange(v)[None] == 0)
-        last_kept = jnp.max(jnp.where(keep, jnp.arange(v)[None], 0), axis=-1)
-        p_cut = jnp.take_along_axis(ordered, last_kept[:, None], axis=-1)  # [R, 1]
-        logits = jnp.where((logits < kth) | (logits < p_cut), -jnp.inf, logits)
+    Each row's top-k/top-p cut comes from `kernels.cutoffs` (a selection in C++) or
+    `top_k_top_p_cut` (bisections in jnp): the same rules, and neither sorts the vocabulary."""
+    if flags.needs_cut:
+        cutoffs = kernels.cutoffs if kernels is not None else top_k_top_p_cut
+        logits = jnp.where(logits < cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)
     floor = t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(probs < floor, -jnp.inf, logits)
+
+
+CUT_PASSES = 32  # bisection steps to a cut: one per bit of a float32
+
+
+def top_k_top_p_cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """logits f32[R, V] (temperature applied), top_k i32[R] (0: off), top_p f32[R] in (0, 1] -> f32[R]:
+    each row keeps the logits at or above its value. The rules of a descending sort: the top-k set
+    is the k largest (its last value's ties all kept), and top-p keeps the sorted tokens whose mass
+    strictly before them, within the top-k set, is under top_p; so the cut is the k-th largest
+    value or, if larger, the smallest value whose strictly larger logits weigh under top_p.
+
+    Without the sort (a bitonic network on accelerators, a comparison sort on XLA's CPU): two
+    bisections over the logits' bits as ordered integer keys, one masked pass a step each."""
+    r, v = logits.shape
+    keys = _order_keys(logits)  # u32[R, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # i32[R]
+    # the k-th largest: the largest key K with at least k keys >= K
+    lo, hi = keys.min(axis=-1), keys.max(axis=-1)  # u32[R]
+    for _ in range(CUT_PASSES):
+        d = hi - lo
+        mid = lo + (d >> 1) + (d & 1)  # the upper middle: lo < mid <= hi until lo == hi
+        ok = jnp.sum(keys >= mid[:, None], axis=-1) >= k
+        lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    kth = lo
+    # the top-k set's weight as the sort counts it: every logit above the k-th, and k minus those of its ties
+    top = logits.max(axis=-1)  # f32[R]
+    w = jnp.exp(logits - top[:, None])  # f32[R, V]
+    above = keys > kth[:, None]
+    z = jnp.sum(jnp.where(above, w, 0.0), axis=-1) + (k - jnp.sum(above, axis=-1)) * jnp.exp(_key_value(kth) - top)
+    target = top_p * z
+    # the smallest key K from the k-th up whose strictly larger keys weigh under top_p (true at the largest)
+    lo, hi = kth, keys.max(axis=-1)
+    for _ in range(CUT_PASSES):
+        mid = lo + ((hi - lo) >> 1)  # the lower middle
+        ok = jnp.sum(jnp.where(keys > mid[:, None], w, 0.0), axis=-1) < target
+        lo, hi = jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+    return _key_value(jnp.where(top_p >= 1.0, kth, jnp.maximum(kth, lo)))
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """f32[...] -> u32[...] in the floats' order (-0.0 as 0.0, so a tie at zero stays one)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+    """The inverse of _order_keys: u32[...] -> f32[...]."""
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
