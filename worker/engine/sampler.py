@@ -130,7 +130,7 @@ def top_k_top_p_cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
 
     Without the sort (a bitonic network on accelerators, a comparison sort on XLA's CPU): two
     bisections over the logits' bits as ordered integer keys, one masked pass a step each."""
-    r, v = logits.shape
+    v = logits.shape[1]
     keys = _order_keys(logits)  # u32[R, V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # i32[R]
     # the k-th largest: the largest key K with at least k keys >= K
@@ -148,12 +148,12 @@ def top_k_top_p_cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
     z = jnp.sum(jnp.where(above, w, 0.0), axis=-1) + (k - jnp.sum(above, axis=-1)) * jnp.exp(_key_value(kth) - top)
     target = top_p * z
     # the smallest key K from the k-th up whose strictly larger keys weigh under top_p (true at the largest)
-    lo, hi = kth, keys.max(axis=-1)
+    lo, hi = kth, keys.max(axis=-1)  # lo only rises
     for _ in range(CUT_PASSES):
         mid = lo + ((hi - lo) >> 1)  # the lower middle
         ok = jnp.sum(jnp.where(keys > mid[:, None], w, 0.0), axis=-1) < target
         lo, hi = jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-    return _key_value(jnp.where(top_p >= 1.0, kth, jnp.maximum(kth, lo)))
+    return _key_value(jnp.where(top_p >= 1.0, kth, lo))
 
 
 def _order_keys(x: jax.Array) -> jax.Array:
