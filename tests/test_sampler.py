@@ -31,7 +31,7 @@ CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8:
 
 @pytest.fixture(params=["jnp", "kernel"])
 def kernels(request):
-    """How sampled rows are cut and drawn: jnp (a sort, a blocked inverse CDF; accelerators) or the compiled
+    """How sampled rows are cut and drawn: jnp (bisections, a blocked inverse CDF; accelerators) or the compiled
     CPU kernels (the CPU backend; CI installs the compiler they need, so they must build)."""
     if request.param == "jnp":
         return None
