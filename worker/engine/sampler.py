@@ -65,7 +65,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     """logits f32[R, V] -> (tokens i32[R], logprobs f32[R], top_ids i32[R, N], top_logprobs f32[R, N]).
 
     Logprobs are of the model's own distribution (raw log-softmax), as OpenAI reports them.
-    `kernels`: compiled cutoffs and draws (the CPU backend), or None: a sort and `inverse_cdf_draw`.
+    `kernels`: compiled cutoffs and draws (the CPU backend), or None: `top_k_top_p_cut` and `inverse_cdf_draw`.
     """
     r, v = logits.shape
     raw = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
@@ -134,7 +134,8 @@ def top_k_top_p_cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
     keys = _order_keys(logits)  # u32[R, V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)  # i32[R]
     # the k-th largest: the largest key K with at least k keys >= K
-    lo, hi = keys.min(axis=-1), keys.max(axis=-1)  # u32[R]
+    top_key = keys.max(axis=-1)  # u32[R]
+    lo, hi = keys.min(axis=-1), top_key  # u32[R]
     for _ in range(CUT_PASSES):
         d = hi - lo
         mid = lo + (d >> 1) + (d & 1)  # the upper middle: lo < mid <= hi until lo == hi
@@ -142,13 +143,13 @@ def top_k_top_p_cut(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> ja
         lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
     kth = lo
     # the top-k set's weight as the sort counts it: every logit above the k-th, and k minus those of its ties
-    top = logits.max(axis=-1)  # f32[R]
+    top = _key_value(top_key)  # f32[R]: the row's largest logit
     w = jnp.exp(logits - top[:, None])  # f32[R, V]
     above = keys > kth[:, None]
     z = jnp.sum(jnp.where(above, w, 0.0), axis=-1) + (k - jnp.sum(above, axis=-1)) * jnp.exp(_key_value(kth) - top)
     target = top_p * z
     # the smallest key K from the k-th up whose strictly larger keys weigh under top_p (true at the largest)
-    lo, hi = kth, keys.max(axis=-1)  # lo only rises
+    lo, hi = kth, top_key  # lo only rises
     for _ in range(CUT_PASSES):
         mid = lo + ((hi - lo) >> 1)  # the lower middle
         ok = jnp.sum(jnp.where(keys > mid[:, None], w, 0.0), axis=-1) < target
