@@ -101,6 +101,11 @@ def test_offline_compare_hf(tiny_model):
     assert report["greedy_first_token_match_fraction"] == 1.0
     assert report["greedy_mean_common_tokens"] == report["output_len"]
     assert report["baseline_batch_size"] == 2 and list(report["baseline_batch_trials"]) == ["2"]
+    # transformers against the engine's roofline, and the ratio that roofline allows: one round, so
+    # the baseline's seconds over the round's ideal seconds
+    ideal_s = report["ideal_decode_s"] + report["ideal_prefill_s"]
+    assert report["ratio_at_roofline"] == pytest.approx(report["baseline_seconds"] / ideal_s)
+    assert report["baseline_roofline_fraction"] == pytest.approx(1 / report["ratio_at_roofline"])
 
 
 def test_greedy_agreement_counts_identical_outputs_first_tokens_and_common_prefixes():
@@ -123,6 +128,8 @@ def test_offline_compare_hf_picks_the_fastest_batch_size_by_default(tiny_model):
     assert report["baseline_batch_size"] == int(max(trials, key=trials.get))
     assert "batch {}".format(report["baseline_batch_size"]) in report["baseline"]
     assert all(f["greedy_match_fraction"] == 1.0 for f in report["per_round"])
+    ideal_round_s = (report["ideal_decode_s"] + report["ideal_prefill_s"]) / 2  # the ideals sum both rounds
+    assert report["ratio_at_roofline"] == pytest.approx(report["baseline_seconds"] / ideal_round_s)
     with pytest.raises(SystemExit):
         offline_parser().parse_args(["--model", "x", "--hf-batch-size", "0"])
 

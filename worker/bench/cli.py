@@ -180,6 +180,9 @@ def offline(argv: list[str]) -> int:
                 f"{r['greedy_first_token_match_fraction']:.0%}, the same for {r['greedy_mean_common_tokens']:.1f} tokens "
                 "on average)" if "greedy_match_fraction" in r else "")
         print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio {r['ratio']:.2f}x{same}")
+        if "ratio_at_roofline" in r:
+            print(f"  transformers against the same roofline: {r['baseline_roofline_fraction']:.2f}x, so at the roofline "
+                  f"the ratio would be {r['ratio_at_roofline']:.2f}x")
         if len(r["baseline_batch_trials"]) > 1:
             tried = ", ".join(f"{b}: {t:.1f}" for b, t in r["baseline_batch_trials"].items())
             print(f"  transformers batch sizes tried on round 1 (output tokens/s): {tried}")
