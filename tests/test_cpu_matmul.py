@@ -28,10 +28,14 @@ def kernel():
 # rows below, at and above the 12-row register tile, with a short remainder merged into the last
 # full tile (13, 17, 25, 62, 64 rows) and not (18, 100); columns not a multiple of the 32-column
 # panel; 64 panels and more: x copied into k-major tiles first (kPackPanels); 16 row tiles and more
-# (prefill): work items by row blocks, the last block short (193, 300, 931 rows), x in place and copied
+# (prefill): work items by row blocks, the last block short (193, 300, 931 rows), x in place and copied;
+# rows 4 KB apart (K = 1024, 2048): copied from tiles of 11 rows on (11, 12, 62, 193 rows), not in
+# tiles of 10 or 8 (10, 16 rows)
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 100, 33), (12, 7, 1), (13, 64, 97), (64, 256, 512), (100, 48, 200),
                                    (17, 30, 64), (18, 30, 64), (5, 16, 2048), (25, 33, 2081), (62, 40, 4096),
-                                   (64, 24, 2048), (193, 48, 200), (300, 40, 2081), (931, 64, 97)])
+                                   (64, 24, 2048), (193, 48, 200), (300, 40, 2081), (931, 64, 97),
+                                   (10, 1024, 97), (11, 1024, 97), (12, 2048, 64), (16, 1024, 33), (62, 2048, 200),
+                                   (193, 1024, 70)])
 def test_products_equal_float64_numpy(m, k, n):
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -111,9 +115,11 @@ def test_bfloat16_kernel_builds_exactly_where_the_cpu_has_the_instructions():
     assert cpu_matmul.load(jnp.bfloat16) == BF16_KERNEL
 
 
-# odd K (a zero k pads the last pair), N not a multiple of the panel, rows around the tile
+# odd K (a zero k pads the last pair), N not a multiple of the panel, rows around the tile; pairs
+# 4 KB apart (K = 2048, 4096, 4095): rounded tile by tile into the copied tiles
 @pytest.mark.parametrize("m,k,n", [(1, 40, 70), (5, 41, 33), (13, 257, 97), (64, 768, 256), (100, 48, 2081),
-                                   (0, 40, 70), (250, 41, 200), (193, 48, 2081)])
+                                   (0, 40, 70), (250, 41, 200), (193, 48, 2081), (10, 2048, 97), (12, 2048, 97),
+                                   (62, 4095, 64), (193, 4096, 33)])
 def test_bfloat16_products_equal_xlas(m, k, n):
     if not BF16_KERNEL:  # no kernel to hold to XLA: the engine keeps XLA's products
         assert not cpu_matmul.load(jnp.bfloat16)
@@ -177,17 +183,17 @@ def test_packed_bfloat16_model_matches_its_unpacked_self(checkpoint):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("n", [200, 2100])  # x used in place, and copied into tiles
-def test_a_row_comes_out_the_same_in_any_batch(n, dtype):
+@pytest.mark.parametrize("k,n", [(256, 200), (256, 2100), (2048, 200)])  # x in place; copied: many panels, rows 4 KB apart
+def test_a_row_comes_out_the_same_in_any_batch(k, n, dtype):
     # a request recomputed in a prefill chunk (resumed by another worker, or after preemption)
     # must continue exactly as its decode rows did: each output sums over K in one fixed order
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((256, n), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
     if not cpu_matmul.load(dtype):  # bfloat16 weights without AVX512-BF16: XLA's products
         assert dtype == jnp.bfloat16 and not BF16_KERNEL
         return
     panels = cpu_matmul.pack(jnp.asarray(w, dtype))
-    x = rng.standard_normal((300, 256), dtype=np.float32)  # by row blocks; the parts below by panels
+    x = rng.standard_normal((300, k), dtype=np.float32)  # by row blocks; the parts below by panels
     full = np.asarray(cpu_matmul.matmul(jnp.asarray(x), panels, n))
     for lo, hi in ((0, 1), (7, 8), (3, 11), (50, 63), (88, 100), (100, 300)):
         part = np.asarray(cpu_matmul.matmul(jnp.asarray(x[lo:hi]), panels, n))

@@ -30,14 +30,16 @@
 // of R rows), in parallel: a tile step then reads its R values of x from one place instead of R
 // rows (which takes more pointer registers than x86 has, so the compiler moved them through vector
 // registers every step). The copy costs about as much as one or two panels, so it is made only
-// where there are many (kPackPanels).
+// where there are many (kPackPanels), or where x's rows would evict each other from L1: a row
+// length of a multiple of 4 KB, as float32 K = 1024, 2048, 4096 and bfloat16 K = 2048, 4096 give
+// (copies_x).
 //
 // bfloat16 weights (PanelMatmulBf16, built where the CPU has AVX512-BF16) are stored as pairs of
 // consecutive k: a panel row is [kPanel columns, 2] for k and k + 1, and one VDPBF16PS multiplies
 // 16 columns by both and adds them into the float32 accumulators, twice the k of a float32 FMA
 // per instruction at the same 128 bytes of panel per step. x is first rounded to bfloat16 pairs
-// [M, ceil(K / 2)] (to nearest even, as XLA's astype), then read in place or copied into row tiles
-// as float32 x is; products are exact in float32, so the result is XLA's bfloat16 x bfloat16 ->
+// [M, ceil(K / 2)] (to nearest even, as XLA's astype), read in place, or rounded a row tile at a
+// time just before that tile is copied k-major where float32 x would be; products are exact in float32, so the result is XLA's bfloat16 x bfloat16 ->
 // float32 product up to the order of the sums.
 //
 // Shapes: x f32[M, K]; w f32[P, K, kPanel], or bf16 [P, ceil(K / 2), 2 * kPanel] (columns past N
@@ -72,6 +74,8 @@ constexpr int64_t kPrefetch = 128;  // panel rows (16 KB) ahead to request while
 // products over at least this many panels copy x into k-major tiles first (measured at 62 rows,
 // any K: 8-10 % faster at 96-256 panels, about even at 48, 10-20 % slower at 8-16)
 constexpr int64_t kPackPanels = 64;
+// and so do products whose tiles have this many rows or more, where x's rows share L1 sets (copies_x)
+constexpr int64_t kAliasRows = 11;
 // products of at least kBlockAt row tiles (192 rows: prefill) go by row blocks of kBlockTiles tiles
 constexpr int64_t kBlockAt = 16;
 constexpr int64_t kBlockTiles = 4;
@@ -80,6 +84,7 @@ constexpr int64_t kBlockTiles = 4;
 // covers one k of float32 weights, two of bfloat16 (a panel row is 128 bytes either way).
 struct F32 {
   using X = float;
+  static constexpr bool kInPlace = true;  // x's rows are read as they are
   using W = f32xN;
   static W weights(const void* p) { return load(static_cast<const float*>(p)); }
   static f32xN madd(f32xN acc, X x, W w) { return acc + x * w; }
@@ -88,6 +93,7 @@ struct F32 {
 #ifdef __AVX512BF16__
 struct BF16 {
   using X = uint32_t;  // x[k] (low half) and x[k + 1] as bfloat16
+  static constexpr bool kInPlace = false;  // x's rows are rounded first
   using W = __m512bh;  // 16 columns x (k, k + 1)
   static W weights(const void* p) { return reinterpret_cast<W>(_mm512_loadu_si512(p)); }
   static f32xN madd(f32xN acc, X x, W w) {
@@ -224,24 +230,49 @@ void pack_tile(const T* rows, int64_t count, int64_t steps, T* to) {
     for (int64_t r = 0; r < count; ++r) to[i * count + r] = rows[r * steps + i];
 }
 
-// A product over `panels` panels. `prepare(staged)` gives x in the step format [M, steps] (the
-// input itself, or written into `staged`); over kPackPanels panels or more it is copied into the
-// row tiles of `plan` ([steps, R] each) first, under that read in place.
-template <typename F, typename Prepare>
-void run_product(ffi::ThreadPool& pool, const TilePlan& plan, Problem<F> pb, int64_t panels, Prepare prepare) {
-  thread_local std::vector<typename F::X> staged, packed;  // the calling thread's, reused across calls
-  const typename F::X* rows = prepare(staged);
-  if (panels < kPackPanels) {
-    pb.x = rows;
+// Whether a product copies x into k-major row tiles first: over many panels, where the copy costs
+// about one or two panels' time, and where a tile's rows of x lie a multiple of 4 KB apart. Such
+// rows all map to one L1 set, and a tile of 11 or 12 of them, read every step, evicts its own lines.
+// In-process A/B on Zen 4 (32 KB 8-way L1), 24 panels, session 52: copied tiles 1.17-1.33x faster
+// at K = 1024-4096 float32 (2048-4096 bfloat16) for 11-62 rows and 1.11-1.20x at 512 rows; 0.94x
+// for tiles of 10 or 8 rows, and 0.97-0.99x at K of other strides, which therefore read in place.
+template <typename F>
+bool copies_x(const Problem<F>& pb, const TilePlan& plan, int64_t panels) {
+  const int64_t stride = pb.steps * int64_t{sizeof(typename F::X)};
+  return panels >= kPackPanels || (plan.rows(0) >= kAliasRows && stride % 4096 == 0);
+}
+
+// A product over `panels` panels. `rows(m0, count, to)` gives x's rows [m0, m0 + count) in the step
+// format [count, steps]: x itself, or (bfloat16) rounded into `to`, which has room for them.
+// Unless `copies_x`, the tiles read those rows in place; else each row tile is copied k-major
+// ([steps, R]) first, in parallel.
+template <typename F, typename Rows>
+void run_product(ffi::ThreadPool& pool, const TilePlan& plan, Problem<F> pb, int64_t panels, Rows rows) {
+  using X = typename F::X;
+  thread_local std::vector<X> staged, packed;  // the calling thread's, reused across calls
+  const int64_t steps = pb.steps;
+  if (!copies_x(pb, plan, panels)) {
+    if constexpr (F::kInPlace) {
+      pb.x = rows(0, pb.m, nullptr);
+    } else {
+      staged.resize(pb.m * steps);
+      X* to = staged.data();
+      redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
+        const int64_t m0 = plan.start(t);
+        rows(m0, plan.rows(t), to + m0 * steps);
+      });
+      pb.x = staged.data();
+    }
     run_items<F, false>(pool, pb, plan, panels);
     return;
   }
-  packed.resize(pb.m * pb.steps);  // each row tile [steps, R] in turn
-  typename F::X* to = packed.data();
-  const int64_t steps = pb.steps;
+  packed.resize(pb.m * steps);  // each row tile [steps, R] in turn
+  X* to = packed.data();
   redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
-    const int64_t m0 = plan.start(t);
-    pack_tile(rows + m0 * steps, plan.rows(t), steps, to + m0 * steps);
+    thread_local std::vector<X> tile_rows;  // a tile's rows rounded, before the copy
+    const int64_t m0 = plan.start(t), count = plan.rows(t);
+    if constexpr (!F::kInPlace) tile_rows.resize(count * steps);
+    pack_tile(rows(m0, count, tile_rows.data()), count, steps, to + m0 * steps);
   });
   pb.x = packed.data();
   run_items<F, true>(pool, pb, plan, panels);
@@ -265,7 +296,9 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = y->dimensions()[1];
   if (m == 0 || n == 0) return ffi::Error::Success();
   const Problem<F32> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()), y->typed_data(), m, n, k};
-  run_product(pool, tile_plan(m), pb, w.dimensions()[0], [&](auto&) { return x.typed_data(); });
+  const float* xs = x.typed_data();
+  run_product(pool, tile_plan(m), pb, w.dimensions()[0],
+              [=](int64_t m0, int64_t, float*) { return xs + m0 * k; });
   return ffi::Error::Success();
 }
 
@@ -281,14 +314,9 @@ ffi::Error PanelMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const TilePlan plan = tile_plan(m);
   const Problem<BF16> pb{nullptr, static_cast<const char*>(w.untyped_data()), y->typed_data(), m, n, steps};
   const float* xs = x.typed_data();
-  run_product(pool, plan, pb, w.dimensions()[0], [&](std::vector<uint32_t>& staged) {
-    staged.resize(m * steps);
-    uint32_t* to = staged.data();
-    redjax::run_on_pool(pool, plan.count(), [=](int64_t t) {
-      const int64_t m0 = plan.start(t);
-      round_rows_bf16(xs + m0 * k, plan.rows(t), k, to + m0 * steps);
-    });
-    return static_cast<const uint32_t*>(staged.data());
+  run_product(pool, plan, pb, w.dimensions()[0], [=](int64_t m0, int64_t count, uint32_t* to) {
+    round_rows_bf16(xs + m0 * k, count, k, to);
+    return static_cast<const uint32_t*>(to);
   });
   return ffi::Error::Success();
 }
