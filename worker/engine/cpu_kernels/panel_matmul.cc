@@ -38,9 +38,9 @@
 // consecutive k: a panel row is [kPanel columns, 2] for k and k + 1, and one VDPBF16PS multiplies
 // 16 columns by both and adds them into the float32 accumulators, twice the k of a float32 FMA
 // per instruction at the same 128 bytes of panel per step. x is first rounded to bfloat16 pairs
-// [M, ceil(K / 2)] (to nearest even, as XLA's astype), read in place, or rounded a row tile at a
-// time just before that tile is copied k-major where float32 x would be; products are exact in float32, so the result is XLA's bfloat16 x bfloat16 ->
-// float32 product up to the order of the sums.
+// [M, ceil(K / 2)] (to nearest even, as XLA's astype) and read in place, or, where float32 x would
+// be copied, rounded a row tile at a time just before that tile's copy; products are exact in
+// float32, so the result is XLA's bfloat16 x bfloat16 -> float32 product up to the order of the sums.
 //
 // Shapes: x f32[M, K]; w f32[P, K, kPanel], or bf16 [P, ceil(K / 2), 2 * kPanel] (columns past N
 // and a k past K are zero padding); y f32[M, N] with (P - 1) * kPanel < N <= P * kPanel.
