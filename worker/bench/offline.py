@@ -313,8 +313,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         if not work.temperature:
             report |= {key: min(f[key] for f in per_round) for key in per_round[0] if key.startswith("greedy_")}
         if report.get("roofline_fraction"):
-            # transformers against the engine's roofline: how much of the machine the baseline leaves
-            # unused, and so the highest ratio this machine allows (the engine's calls all at the ideal)
+            # transformers against the engine's roofline: how much of the machine the baseline uses,
+            # and so the highest ratio this machine allows (the engine's calls all at the ideal)
             ideal_round_s = (report["ideal_decode_s"] + report["ideal_prefill_s"]) / rounds
             report |= {"baseline_roofline_fraction": ideal_round_s / report["baseline_seconds"],
                        "ratio_at_roofline": report["baseline_seconds"] / ideal_round_s}
