@@ -153,8 +153,11 @@ def offline(argv: list[str]) -> int:
     if r["prefix_cache_hit_tokens"]:
         print(f"  the prefix cache served {r['prefix_cache_hit_tokens']} of the first round's "
               f"{r['prompt_tokens']} prompt tokens ({r['prefix_cache_hit_tokens'] / r['prompt_tokens']:.1%})")
+    kernel = r.get("matmul_gflops_kernel")
+    which = (f" (the better of XLA's {r['matmul_gflops_xla']:.1f} and the engine kernel's {kernel:.1f})"
+             if kernel else "")
     print(f"  machine: {r['device_name']}; {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, "
-          f"{r['matmul_gflops']:.1f} GFLOP/s matmul")
+          f"{r['matmul_gflops']:.1f} GFLOP/s matmul{which}")
     up = r["startup"]
     print(f"  startup: calibration {up['calibration_s']:.1f} s, {up['variants_compiled_ahead']} step variants "
           f"compiled ahead in {up['compile_ahead_s']:.1f} s, warm-up {up['warmup_s']:.1f} s")
