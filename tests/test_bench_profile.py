@@ -62,6 +62,18 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     # 2 layers of 7 projections and the output head: the traced steps are whole decode steps
     # (within 2 %: the window may cut a step between its attention and its products)
     assert next(r for r in p["top"] if r["name"] == "redjax_panel_matmul")["calls_per_step"] == pytest.approx(15, rel=0.02)
+    # the same products by shape (llama-tiny: hidden 256, 4 x 64 query and 2 x 64 KV dims, MLP 512,
+    # vocab 1024), the 4 rows padded to the step's batch bucket: q and o, k and v (one shape), gate
+    # and up (one), down, the head
+    shapes = {(r["k"], r["n"]): r for r in p["products"]}
+    assert set(shapes) == {(256, 256), (256, 128), (256, 512), (512, 256), (256, 1024)}, set(shapes)
+    (rows,) = {r["m"] for r in p["products"]}
+    assert rows >= 4
+    calls = {kn: r["calls_per_step"] for kn, r in shapes.items()}
+    assert calls[(256, 1024)] == pytest.approx(1, rel=0.02) and calls[(512, 256)] == pytest.approx(2, rel=0.02)
+    assert all(calls[kn] == pytest.approx(4, rel=0.02) for kn in ((256, 256), (256, 128), (256, 512)))
+    for r in p["products"]:  # each rate from the shape and its time
+        assert r["gflops"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["us_per_call"] / 1e3)
 
 
 def test_prefill_calls_are_traced_whole(tmp_path, capsys):
@@ -177,6 +189,31 @@ def test_op_targets_name_kernel_calls_unless_programs_disagree_on_the_kind():
     joined = profile.op_targets([one, amx])
     assert joined == {"ffi_call.41": "redjax_rms_norm", "ffi_call.42": "redjax_amx_matmul_bf16|redjax_panel_matmul"}
     assert profile.kind(joined["ffi_call.42"]) == "matmul"
+
+
+def test_op_products_give_each_product_call_its_shape():
+    """x [M, K] comes from the call's operand layout, [M, N] from its result; products only, and a
+    name two programs give different shapes is dropped (the trace cannot say which ran)."""
+    qkv = ('  %ffi_call.80 = f32[64,256]{1,0} custom-call(%ffi_call.79, %params_9_.1), '
+           'custom_call_target="redjax_panel_matmul", operand_layout_constraints={f32[64,768]{1,0}, '
+           'f32[8,768,32]{2,1,0}}, api_version=API_VERSION_TYPED_FFI\n'
+           '  %ffi_call.81 = f32[64,128]{1,0} custom-call(%ffi_call.79, %p.2), '
+           'custom_call_target="redjax_amx_matmul_bf16", operand_layout_constraints={f32[64,256]{1,0}, '
+           'bf16[4,128,64]{2,1,0}}, api_version=API_VERSION_TYPED_FFI\n'
+           '  %ffi_call.82 = f32[64,256]{1,0} custom-call(%a, %b), custom_call_target="redjax_rms_norm", '
+           'operand_layout_constraints={f32[64,256]{1,0}, f32[256]{0}}\n')
+    assert profile.op_products([qkv]) == {"ffi_call.80": (64, 768, 256), "ffi_call.81": (64, 256, 128)}
+    wider = qkv.replace("f32[64,256]{1,0} custom-call(%ffi_call.79, %params_9_.1)",
+                        "f32[128,256]{1,0} custom-call(%ffi_call.79, %params_9_.1)")
+    assert profile.op_products([qkv, wider]) == {"ffi_call.81": (64, 256, 128)}
+    # the trace's events of those calls, summed by shape (other ops and names not in the map: none)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "tf_XLAEigen/12"}}]
+    ops = [{"ph": "X", "name": name, "pid": 1, "tid": 3, "ts": ts, "dur": dur}
+           for name, ts, dur in (("ffi_call.80", 0, 100), ("ffi_call.81", 100, 20), ("ffi_call.80", 200, 60),
+                                 ("ffi_call.82", 300, 5))]
+    by_shape = profile.shape_events(meta + ops, profile.op_products([qkv]))
+    assert by_shape == {(64, 768, 256): (160.0, 2), (64, 256, 128): (20.0, 1)}
 
 
 def test_names_and_kinds():

@@ -46,6 +46,7 @@ HOST_NOISE = ("threadpool", "await", "end: ", "thunkexecutor", "execute")
 # steps) shows it as one event around the ops of the iterations it ran, which count on their own
 CONTAINERS = ("while", "conditional", "call")
 TOP = 15  # kernels listed by name; the rest are summed into their kinds only
+Shape = tuple[int, int, int]  # a product's (M, K, N): x [M, K] times a weight [K, N]
 # XLA runs a GPU program op by op while a profiler is active, not through the command buffers (CUDA
 # graphs) its timed calls use, unless told otherwise: the traced launches would be another launch
 COMMAND_BUFFERS_FLAG = "--xla_enable_command_buffers_during_profiling"
@@ -102,11 +103,13 @@ def profile_decode(engine, probe, prompts: list[list[int]], output_lens: list[in
     # a GPU trace names its kernels; a CPU one names HLO ops, whose targets the programs that ran hold
     on_cpu = jax.default_backend() == "cpu"
     layers = engine.model_config.num_layers
-    summary = summarize(newest_trace(str(Path(directory) / "decode")), steps, layers,
-                        op_targets(programs.texts(decode_run)) if on_cpu else {})
+    texts = programs.texts(decode_run) if on_cpu else []
+    summary = summarize(newest_trace(str(Path(directory) / "decode")), steps, layers, op_targets(texts),
+                        op_products(texts))
     report = {"directory": directory, "calls": traced, **summary}
     if prefill.batches:
-        report["prefill"] = prefill.summary(op_targets(programs.texts(prefill.run)) if on_cpu else {})
+        texts = programs.texts(prefill.run) if on_cpu else []
+        report["prefill"] = prefill.summary(op_targets(texts), op_products(texts))
     else:
         report["prefill_error"] = prefill.why_not()
     return report
@@ -214,11 +217,11 @@ class PrefillWindow:
         return ("no call held prompt chunks after the first: every prompt was admitted in one call "
                 "(more or longer prompts give the profile some)")
 
-    def summary(self, targets: dict[str, str]) -> dict:
+    def summary(self, targets: dict[str, str], products: dict[str, Shape]) -> dict:
         """Device time per batch (the summary's "steps" are the traced batches) and per prompt token."""
         batches = len(self.batches)
         tokens = sum(t for t, _ in self.batches)
-        s = summarize(newest_trace(self.directory), batches, 0, targets)
+        s = summarize(newest_trace(self.directory), batches, 0, targets, products)
         s.update(calls=batches, prompt_tokens_per_step=tokens / batches,
                  decode_rows_per_step=sum(r for _, r in self.batches) / batches,
                  device_us_per_prompt_token=s["device_ms_per_step"] * 1e3 * batches / max(tokens, 1))
@@ -237,6 +240,20 @@ def op_targets(texts) -> dict[str, str]:
     return {name: "|".join(sorted(ts)) for name, ts in found.items() if len({kind(t) for t in ts}) == 1}
 
 
+def op_products(texts) -> dict[str, Shape]:
+    """HLO op name -> (M, K, N) of a matrix-product kernel call (x f32[M, K] times a packed weight
+    -> f32[M, N]), from compiled programs' text; a name that programs give different shapes is left
+    out, as the trace cannot say which one ran."""
+    found: dict[str, set[Shape]] = {}
+    pattern = (r'%([\w.\-]+) = f32\[(\d+),(\d+)\][^\n]*?custom_call_target="([^"]+)"'
+               r'[^\n]*?operand_layout_constraints=\{f32\[\d+,(\d+)\]')
+    for text in texts:
+        for name, m, n, target, k in re.findall(pattern, text):
+            if kind(target) == "matmul":
+                found.setdefault(name, set()).add((int(m), int(k), int(n)))
+    return {name: next(iter(shapes)) for name, shapes in found.items() if len(shapes) == 1}
+
+
 def newest_trace(directory: str) -> Path:
     traces = sorted(Path(directory).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not traces:
@@ -244,7 +261,8 @@ def newest_trace(directory: str) -> Path:
     return traces[-1]
 
 
-def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict[str, str] | None = None) -> dict:
+def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict[str, str] | None = None,
+              products: dict[str, Shape] | None = None) -> dict:
     """Device time by kernel (numbering dropped: `family`) and by kind, per decode step and as
     shares of the traced total, with each kernel's launches per step; and how busy the device
     was from its first traced kernel to its last, with the idle gaps between kernels split into
@@ -252,11 +270,15 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict
 
     Steps: where the decode attention kernel shows (a GPU's Pallas kernel, once a layer a step),
     its launches over `num_layers` (a fraction where the window cut a step: that step's kernels
-    count in proportion); else `decode_steps`, the steps of the calls read back in the window."""
+    count in proportion); else `decode_steps`, the steps of the calls read back in the window.
+
+    `products` (op name -> (M, K, N), a CPU's kernel calls): the products' time is also given by
+    shape, each with its rate, so a slow projection shows among the fast ones."""
     with gzip.open(trace, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     ops, intervals = op_events(events, targets or {})
+    by_shape = shape_events(events, products or {})
     total = sum(us for us, _ in ops.values()) or 1.0
     by_kind: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for name, (us, calls) in ops.items():
@@ -282,6 +304,9 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict
         "long_gaps": long_count,
         "by_kind": {k: row(*v) for k, v in sorted(by_kind.items(), key=lambda item: -item[1][0])},
         "top": [{"name": name, "kind": kind(name), **row(*v)} for name, v in top],
+        "products": [{"m": m, "k": k, "n": n, **row(us, calls), "us_per_call": us / calls,
+                      "gflops": 2 * m * k * n * calls / us / 1e3}
+                     for (m, k, n), (us, calls) in sorted(by_shape.items(), key=lambda item: -item[1][0])],
         **({"launch": launch} if launch else {}),
     }
 
@@ -314,11 +339,10 @@ def busy_time(intervals: list[tuple[float, float]]) -> tuple[float, float, float
     return span, busy, short, long, count
 
 
-def op_events(events: list[dict], targets: dict[str, str]) -> tuple[dict[str, tuple[float, int]],
-                                                                    list[tuple[float, float]]]:
-    """(microseconds, events) by op family (an op named in `targets`: by its target) on the
-    device's kernel lines: a GPU's streams (not the lines that repeat them per XLA op or module),
-    else, on a CPU, XLA's host threads; and each event's (start, end)."""
+def kernel_events(events: list[dict]) -> list[dict]:
+    """The trace's op events on the device's kernel lines: a GPU's streams (not the lines that
+    repeat them per XLA op or module), else, on a CPU, XLA's host threads less their bookkeeping
+    and control-flow events."""
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -329,17 +353,35 @@ def op_events(events: list[dict], targets: dict[str, str]) -> tuple[dict[str, tu
     else:
         lines = {key for key, name in threads.items() if name.startswith("tf_XLA")}
         noise = HOST_NOISE
+    return [e for e in events
+            if e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise)
+            and not (noise and family(e["name"]) in CONTAINERS)]
+
+
+def op_events(events: list[dict], targets: dict[str, str]) -> tuple[dict[str, tuple[float, int]],
+                                                                    list[tuple[float, float]]]:
+    """(microseconds, events) by op family (an op named in `targets`: by its target) over
+    `kernel_events`; and each event's (start, end)."""
     out: dict[str, list] = defaultdict(lambda: [0.0, 0])
     intervals = []
-    for e in events:
-        if (e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise)
-                and not (noise and family(e["name"]) in CONTAINERS)):
-            dur = float(e.get("dur", 0.0))
-            entry = out[family(targets.get(e["name"], e["name"]))]
-            entry[0] += dur
-            entry[1] += 1
-            intervals.append((float(e["ts"]), float(e["ts"]) + dur))
+    for e in kernel_events(events):
+        dur = float(e.get("dur", 0.0))
+        entry = out[family(targets.get(e["name"], e["name"]))]
+        entry[0] += dur
+        entry[1] += 1
+        intervals.append((float(e["ts"]), float(e["ts"]) + dur))
     return {name: (us, calls) for name, (us, calls) in out.items()}, intervals
+
+
+def shape_events(events: list[dict], products: dict[str, Shape]) -> dict[Shape, tuple[float, int]]:
+    """(microseconds, events) of the product calls named in `products`, by their (M, K, N)."""
+    out: dict[Shape, list] = defaultdict(lambda: [0.0, 0])
+    for e in kernel_events(events) if products else ():
+        shape = products.get(e["name"])
+        if shape is not None:
+            out[shape][0] += float(e.get("dur", 0.0))
+            out[shape][1] += 1
+    return {shape: (us, calls) for shape, (us, calls) in out.items()}
 
 
 def table(profile: dict) -> list[str]:
@@ -366,6 +408,11 @@ def _kernels(summary: dict, unit: str) -> list[str]:
     for r in summary["top"]:
         lines.append(f"  {r['ms_per_step']:>8.3f} ms {r['share']:>6.1%} {r['calls_per_step']:>6.1f}/{unit:<4}  "
                      f"{r['kind']:<9} {r['name'][:80]}")
+    if summary.get("products"):
+        lines.append("  products by shape (rows x in x out):")
+        for r in summary["products"]:
+            lines.append(f"  {r['ms_per_step']:>8.3f} ms {r['share']:>6.1%} {r['calls_per_step']:>6.1f}/{unit:<4}  "
+                         f"{r['m']} x {r['k']} x {r['n']}: {r['us_per_call']:.0f} us a call, {r['gflops']:.0f} GFLOP/s")
     if "launch" in summary:
         lines += launch_lines(summary["launch"], "call")
     return lines
