@@ -74,6 +74,9 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     assert all(calls[kn] == pytest.approx(4, rel=0.02) for kn in ((256, 256), (256, 128), (256, 512)))
     for r in p["products"]:  # each rate from the shape and its time
         assert r["gflops"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["us_per_call"] / 1e3)
+    # one program ran: every product has its shape, and the shapes add up to the products' time
+    assert p["products_unshaped_ms_per_step"] == pytest.approx(0.0, abs=1e-9)
+    assert sum(r["ms_per_step"] for r in p["products"]) == pytest.approx(p["by_kind"]["matmul"]["ms_per_step"])
 
 
 def test_prefill_calls_are_traced_whole(tmp_path, capsys):

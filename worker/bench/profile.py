@@ -307,6 +307,9 @@ def summarize(trace: Path, decode_steps: int, num_layers: int = 0, targets: dict
         "products": [{"m": m, "k": k, "n": n, **row(us, calls), "us_per_call": us / calls,
                       "gflops": 2 * m * k * n * calls / us / 1e3}
                      for (m, k, n), (us, calls) in sorted(by_shape.items(), key=lambda item: -item[1][0])],
+        # product calls whose programs gave their name several shapes (step variants): not by shape
+        "products_unshaped_ms_per_step": (max(0.0, by_kind["matmul"][0] - sum(us for us, _ in by_shape.values()))
+                                          / 1e3 / steps if by_shape else 0.0),
         **({"launch": launch} if launch else {}),
     }
 
@@ -413,6 +416,9 @@ def _kernels(summary: dict, unit: str) -> list[str]:
         for r in summary["products"]:
             lines.append(f"  {r['ms_per_step']:>8.3f} ms {r['share']:>6.1%} {r['calls_per_step']:>6.1f}/{unit:<4}  "
                          f"{r['m']} x {r['k']} x {r['n']}: {r['us_per_call']:.0f} us a call, {r['gflops']:.0f} GFLOP/s")
+        if summary["products_unshaped_ms_per_step"] > 0.005 * summary["device_ms_per_step"]:
+            lines.append(f"  {summary['products_unshaped_ms_per_step']:>8.3f} ms of products whose step variants "
+                         "gave one call different shapes")
     if "launch" in summary:
         lines += launch_lines(summary["launch"], "call")
     return lines
