@@ -34,6 +34,12 @@ def test_traced_calls_keep_the_command_buffers_the_timed_ones_use():
     assert empty == {"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=true"}
 
 
+def _within_a_step(calls_per_step: float, expected: int, steps: float) -> bool:
+    """A traced window holds `steps` decode steps, counted by attention calls; cut between a step's
+    attention and its products at the two ends, it may count up to one step's calls more or fewer."""
+    return abs(calls_per_step - expected) * steps <= expected + 1e-9
+
+
 def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     out = tmp_path / "trace"
     code = main(["bench", "offline", "--dummy", "llama-tiny", "--num-prompts", "4", "--input-len", "16",
@@ -60,8 +66,9 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     assert all(0 < r["total_ms_per_call"] <= launch["ms_per_call"] * (1 + 1e-9) for r in launch["self"])
     assert not any("kv_write" in name for name in names), names
     # 2 layers of 7 projections and the output head: the traced steps are whole decode steps
-    # (within 2 %: the window may cut a step between its attention and its products)
-    assert next(r for r in p["top"] if r["name"] == "redjax_panel_matmul")["calls_per_step"] == pytest.approx(15, rel=0.02)
+    # (the window may cut a step at either end between its attention and its products)
+    steps = p["decode_steps"]
+    assert _within_a_step(next(r for r in p["top"] if r["name"] == "redjax_panel_matmul")["calls_per_step"], 15, steps)
     # the same products by shape (llama-tiny: hidden 256, 4 x 64 query and 2 x 64 KV dims, MLP 512,
     # vocab 1024), the 4 rows padded to the step's batch bucket: q and o, k and v (one shape), gate
     # and up (one), down, the head
@@ -70,8 +77,8 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     (rows,) = {r["m"] for r in p["products"]}
     assert rows >= 4
     calls = {kn: r["calls_per_step"] for kn, r in shapes.items()}
-    assert calls[(256, 1024)] == pytest.approx(1, rel=0.02) and calls[(512, 256)] == pytest.approx(2, rel=0.02)
-    assert all(calls[kn] == pytest.approx(4, rel=0.02) for kn in ((256, 256), (256, 128), (256, 512)))
+    assert _within_a_step(calls[(256, 1024)], 1, steps) and _within_a_step(calls[(512, 256)], 2, steps)
+    assert all(_within_a_step(calls[kn], 4, steps) for kn in ((256, 256), (256, 128), (256, 512)))
     for r in p["products"]:  # each rate from the shape and its time
         assert r["gflops"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["us_per_call"] / 1e3)
     # one program ran: every product has its shape, and the shapes add up to the products' time
