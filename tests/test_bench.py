@@ -52,6 +52,19 @@ def test_offline_reports_throughput(tiny_model):
     assert report["ideal_prefill_s"] == pytest.approx(report["prefill_ideal_token_us"] / 1e6 * p["prefill_tokens"])
     assert report["roofline_fraction"] == pytest.approx(
         (report["ideal_decode_s"] + report["ideal_prefill_s"]) / (d["wall_s"] + p["wall_s"]), rel=1e-3)  # phases: us
+    # products then attention, each at its roofline: from the report's own batch, context and probes
+    cfg = ModelConfig.from_dir(tiny_model)
+    assert cfg.dtype == "float32" and report["kv_cache_dtype"] == "float32"
+    context = report["decode_mean_context"]
+    serial = roofline.decode_serial_step_s(cfg, 4, 4, report["decode_mean_batch"], context,
+                                           context * (1 - report["decode_shared_kv_fraction"]),
+                                           report["memory_bandwidth_gbs"], report["matmul_gflops"])
+    assert report["decode_serial_step_ms"] == pytest.approx(serial * 1e3)
+    assert report["decode_ideal_step_ms"] <= report["decode_serial_step_ms"]
+    assert report["decode_serial_fraction"] == pytest.approx(serial * 1e3 / report["decode_step_ms"])
+    assert report["serial_decode_s"] == pytest.approx(serial * d["decode_steps"])
+    assert report["serial_roofline_fraction"] == pytest.approx(
+        (report["serial_decode_s"] + report["ideal_prefill_s"]) / (d["wall_s"] + p["wall_s"]), rel=1e-3)
     # the host is named with what the CPU kernels choose by: figures of two hosts are not one series
     with open("/proc/cpuinfo") as f:
         model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -110,6 +123,10 @@ def test_offline_compare_hf(tiny_model):
     ideal_s = report["ideal_decode_s"] + report["ideal_prefill_s"]
     assert report["ratio_at_roofline"] == pytest.approx(report["baseline_seconds"] / ideal_s)
     assert report["baseline_roofline_fraction"] == pytest.approx(1 / report["ratio_at_roofline"])
+    # and with products and attention in turn: the serial ideal, never a higher ratio
+    serial_s = report["serial_decode_s"] + report["ideal_prefill_s"]
+    assert report["ratio_at_serial_roofline"] == pytest.approx(report["baseline_seconds"] / serial_s)
+    assert report["ratio_at_serial_roofline"] <= report["ratio_at_roofline"]
 
 
 def test_greedy_agreement_counts_identical_outputs_first_tokens_and_common_prefixes():
@@ -339,6 +356,29 @@ def test_roofline_counts_only_the_weights_that_enter_products(tied):
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 100  # q.k and p.v over 100 keys
     assert roofline.prefill_token_flops(cfg, 100) == roofline.prefill_token_flops(cfg) + attention
     assert roofline.decode_step_flops(cfg, 64, 100) == roofline.decode_step_flops(cfg, 64, 0) + 64 * attention
+
+
+def test_the_serial_roofline_adds_the_products_and_the_attention():
+    """The demo model's shape at 64 rows of 192 keys, on a machine of 30 GB/s and 200 GFLOP/s:
+    products bound by their FLOPs, attention by reading the KV, so the step that runs them in turn
+    takes the sum, more than the overlapped roofline's larger total."""
+    cfg = dataclasses.replace(ModelConfig.preset("llama-tiny"), vocab_size=4096, hidden_size=256, intermediate_size=768,
+                              num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32)
+    weights = cfg.num_layers * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 768) + 4096 * 256
+    assert roofline.matmul_params(cfg) == weights
+    products = 64 * 2 * weights / 200e9  # 2.5 ms of FLOPs against 0.6 ms of weights
+    kv = 64 * 192 * (2 * 4 * 4 * 32 * 4)  # 50 MB: 1.7 ms, its FLOPs 0.2 ms
+    serial = roofline.decode_serial_step_s(cfg, 4, 4, 64, 192, 192, 30.0, 200.0)
+    assert serial == pytest.approx(products + kv / 30e9)
+    overlapped = max(roofline.decode_step_bytes(cfg, 4, 64, 192) / 30e9, roofline.decode_step_flops(cfg, 64, 192) / 200e9)
+    assert overlapped < serial <= roofline.decode_step_bytes(cfg, 4, 64, 192) / 30e9 + roofline.decode_step_flops(cfg, 64, 192) / 200e9
+    # pages the prefix cache shares are read once (half the context here), but attended over in full;
+    # bfloat16 pages read half the bytes
+    assert roofline.decode_serial_step_s(cfg, 4, 4, 64, 192, 96, 30.0, 200.0) == pytest.approx(products + kv / 2 / 30e9)
+    assert roofline.decode_serial_step_s(cfg, 4, 2, 64, 192, 192, 30.0, 200.0) == pytest.approx(products + kv / 2 / 30e9)
+    # one row: the products read their weights (1.1 us of FLOPs against 568 us of bytes)
+    assert roofline.decode_serial_step_s(cfg, 4, 4, 1, 192, 192, 30.0, 200.0) == pytest.approx(
+        weights * 4 / 30e9 + 192 * 1024 * 4 / 30e9)
 
 
 def test_gpu_bench_script_writes_a_report_per_run(tmp_path):

@@ -176,6 +176,10 @@ def offline(argv: list[str]) -> int:
     if "roofline_fraction" in r:
         print(f"  the run against its roofline: {r['ideal_prefill_s']:.2f} s of prefill + {r['ideal_decode_s']:.2f} s of "
               f"decode at the ideal, {r['measured_s']:.2f} s measured (all rounds): {r['roofline_fraction']:.2f}x")
+        if "decode_serial_step_ms" in r:
+            print(f"  with products and attention one after another, each at its roofline: decode "
+                  f"{r['decode_serial_step_ms']:.2f} ms/step ({r['decode_serial_fraction']:.1%} of it), "
+                  f"the run {r['serial_roofline_fraction']:.2f}x")
     if r["cpu"] is not None:
         print(f"  CPU of the first round, {cpu_usage.describe(r['cpu'])}")
     if "ratio" in r:
@@ -185,7 +189,8 @@ def offline(argv: list[str]) -> int:
         print(f"  {r['baseline']}: {r['baseline_output_tokens_per_s']:.1f} output tokens/s -> ratio {r['ratio']:.2f}x{same}")
         if "ratio_at_roofline" in r:
             print(f"  transformers against the same roofline: {r['baseline_roofline_fraction']:.2f}x, so at the roofline "
-                  f"the ratio would be {r['ratio_at_roofline']:.2f}x")
+                  f"the ratio would be {r['ratio_at_roofline']:.2f}x ({r['ratio_at_serial_roofline']:.2f}x with "
+                  "products and attention one after another)")
         if len(r["baseline_batch_trials"]) > 1:
             tried = ", ".join(f"{b}: {t:.1f}" for b, t in r["baseline_batch_trials"].items())
             print(f"  transformers batch sizes tried on round 1 (output tokens/s): {tried}")

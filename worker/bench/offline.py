@@ -316,8 +316,10 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
             # transformers against the engine's roofline: how much of the machine the baseline uses,
             # and so the highest ratio this machine allows (the engine's calls all at the ideal)
             ideal_round_s = (report["ideal_decode_s"] + report["ideal_prefill_s"]) / rounds
+            serial_round_s = (report["serial_decode_s"] + report["ideal_prefill_s"]) / rounds
             report |= {"baseline_roofline_fraction": ideal_round_s / report["baseline_seconds"],
-                       "ratio_at_roofline": report["baseline_seconds"] / ideal_round_s}
+                       "ratio_at_roofline": report["baseline_seconds"] / ideal_round_s,
+                       "ratio_at_serial_roofline": report["baseline_seconds"] / serial_round_s}
     if rounds > 1:
         report["per_round"] = per_round
     return report, probe  # the probe: for a profiled round after this
@@ -386,10 +388,12 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
         memory = roofline.decode_step_bytes(cfg, itemsize, batch, unique, kv_itemsize) / (bandwidth * 1e9)
         compute = roofline.decode_step_flops(cfg, batch, context) / (gflops * 1e9)
         ideal = max(memory, compute)
+        serial = roofline.decode_serial_step_s(cfg, itemsize, kv_itemsize, batch, context, unique, bandwidth, gflops)
         out |= {"decode_step_ms": step_s * 1e3, "decode_mean_batch": batch, "decode_mean_context": context,
                 "decode_shared_kv_fraction": d.shared_tokens / max(d.context_tokens, 1.0),
                 "decode_memory_step_ms": memory * 1e3, "decode_compute_step_ms": compute * 1e3,
                 "decode_ideal_step_ms": ideal * 1e3, "decode_roofline_fraction": ideal / step_s,
+                "decode_serial_step_ms": serial * 1e3, "decode_serial_fraction": serial / step_s,
                 "decode_host_fraction": d.host_s / d.wall_s}
     if p.prefill_tokens:
         per_token = p.wall_s / p.prefill_tokens
@@ -403,7 +407,9 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
     # time the engine's calls took (issue 7's GPU target for 64 x 1024/1024)
     ideal_decode = out.get("decode_ideal_step_ms", 0.0) / 1e3 * d.decode_steps
     ideal_prefill = out.get("prefill_ideal_token_us", 0.0) / 1e6 * p.prefill_tokens
+    serial_decode = out.get("decode_serial_step_ms", 0.0) / 1e3 * d.decode_steps
     if total:
         out |= {"ideal_decode_s": ideal_decode, "ideal_prefill_s": ideal_prefill, "measured_s": total,
-                "roofline_fraction": (ideal_decode + ideal_prefill) / total}
+                "roofline_fraction": (ideal_decode + ideal_prefill) / total,
+                "serial_decode_s": serial_decode, "serial_roofline_fraction": (serial_decode + ideal_prefill) / total}
     return out

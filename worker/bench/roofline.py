@@ -128,6 +128,22 @@ def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_contex
     return matmul_params(cfg) * itemsize + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
 
 
+def decode_serial_step_s(cfg: ModelConfig, itemsize: int, kv_itemsize: int, batch: float, context: float,
+                         unique_context: float, bandwidth_gbs: float, gflops: float) -> float:
+    """The ideal decode step when its products and its attention run one after another, as the
+    calls of a step do (XLA runs them in turn; a kernel reading the KV does not multiply weights
+    meanwhile): the products at the larger of reading their weights and computing their FLOPs, then
+    the attention at the larger of reading each sequence's KV (`unique_context`: shared prefix
+    pages once) and computing its FLOPs (over the whole `context`). `decode_step_bytes` and
+    `decode_step_flops` give the step where the two overlap perfectly: the larger of their
+    totals, never more than this."""
+    bandwidth, speed = bandwidth_gbs * 1e9, gflops * 1e9
+    products = max(matmul_params(cfg) * itemsize / bandwidth, batch * 2.0 * matmul_params(cfg) / speed)
+    attention = max(batch * unique_context * kv_bytes_per_token(cfg, kv_itemsize) / bandwidth,
+                    batch * attention_flops(cfg, context) / speed)
+    return products + attention
+
+
 def attention_flops(cfg: ModelConfig, context: float) -> float:
     """One query token's scores and weighted values over `context` keys, in every layer."""
     return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
