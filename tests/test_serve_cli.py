@@ -196,3 +196,34 @@ def test_workers_size_their_kv_caches_from_their_share_of_the_memory_fraction(mo
     finally:
         os.killpg(serve.pid, signal.SIGKILL)
         serve.wait()
+
+
+def test_a_serving_install_without_torch_does_not_print_that_models_wont_be_available():
+    """transformers warns at import when PyTorch is missing, as it is on a serving install; redjax
+    runs its models in JAX, so its commands drop that one line and keep transformers' other warnings.
+    torch is hidden here the way a missing package looks to importlib."""
+    script = ("import logging, sys; sys.modules['torch'] = None\n"
+              "from worker.cli import quiet_missing_torch_notice\n"
+              "if sys.argv[1] == 'quiet': quiet_missing_torch_notice()\n"
+              "import transformers\n"
+              "logging.getLogger('transformers').warning('another transformers warning')\n")
+
+    def stderr(mode: str) -> str:
+        done = subprocess.run([sys.executable, "-c", script, mode], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert "PyTorch was not found" in stderr("plain")  # what a user saw before
+    quiet = stderr("quiet")
+    assert "PyTorch was not found" not in quiet and "another transformers warning" in quiet
+    # every command installs the filter first, before anything imports transformers
+    with pytest.raises(SystemExit):
+        from worker.cli import main
+
+        main(["no-such-command"])
+    import logging
+
+    record = logging.LogRecord("transformers", logging.WARNING, __file__, 0, "PyTorch was not found. Models won't be "
+                               "available", None, None)
+    assert not logging.getLogger("transformers").filter(record)

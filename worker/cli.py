@@ -184,6 +184,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_missing_torch_notice()
     args = parser().parse_args(argv)
     if args.command in ("worker", "generate", "bench"):  # before JAX is imported (see host_memory.py)
         from worker.host_memory import retain_freed_memory
@@ -228,6 +229,20 @@ def cmd_generate(args) -> int:
         else:
             print(f"{r.prompt}{c.text}\n[{c.finish_reason}, {len(c.token_ids)} tokens]")
     return 0
+
+
+def quiet_missing_torch_notice() -> None:
+    """transformers warns at import that without PyTorch "Models won't be available". redjax takes only
+    its tokenizers and configs and runs the models in JAX (torch is a test reference, the dev extra),
+    so on a serving install that line is noise that reads like a failure. Dropped by a filter on
+    transformers' logger, installed before transformers is imported; its other warnings stay."""
+    import logging
+
+    logging.getLogger("transformers").addFilter(_not_the_missing_torch_notice)  # once: the same filter is kept once
+
+
+def _not_the_missing_torch_notice(record) -> bool:
+    return "PyTorch was not found" not in record.getMessage()
 
 
 def log_to_stderr(level: str) -> None:
