@@ -56,6 +56,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul", choices=["auto", "kernel", "xla"],
                    help="projections: compiled CPU kernel on packed float32 weights when available (auto), "
                         "required (kernel), or XLA's dot")
+    g.add_argument("--greedy-head", choices=["auto", "screened", "full"],
+                   help="greedy rows' tokens: a float32 model's LM head as a bfloat16 product screened for the "
+                        "float32 argmax, the same tokens at about half the head's cost, where the CPU has AVX512-BF16 "
+                        "(auto), required (screened), or the float32 head (full)")
     g.add_argument("--compile-threads", type=int,
                    help="step variants warm-up compiles at once (default: half the host's cores, at most 8)")
     g.add_argument("--sampler", choices=["auto", "kernel", "jnp"],
@@ -73,7 +77,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "launch_thread", "enable_prefix_cache", "tensor_parallel",
-               "attention", "matmul", "sampler", "compile_threads", "pallas_tuning", "pallas_prefill")
+               "attention", "matmul", "greedy_head", "sampler", "compile_threads", "pallas_tuning", "pallas_prefill")
 
 
 def _decode_steps(value: str) -> int | None:

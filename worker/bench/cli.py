@@ -146,7 +146,7 @@ def offline(argv: list[str]) -> int:
                 f"{r['sampler']} sampler)" if s["temperature"] else "greedy")
     sampling += "" if s["logprobs"] is None else f", logprobs {s['logprobs']}"
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
-          f"attention, {r['matmul']} matmul, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
+          f"attention, {r['matmul']} matmul, {r['greedy_head']} greedy head, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")

@@ -291,7 +291,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
         "pallas_prefill_kernel": engine.runner.attention.prefill is gpu_prefill.pallas_prefill_attention,
-        "matmul": engine.matmul, "decode_steps": engine.decode_steps,
+        "matmul": engine.matmul, "greedy_head": engine.greedy_head, "decode_steps": engine.decode_steps,
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
         "prefix_cache_hit_tokens": per_round[0]["prefix_cache_hit_tokens"],
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": median("output_tokens_per_s"),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, has_penalties, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
-from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling
+from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, screened_head
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import Detokenizer, detokenizers
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
@@ -84,8 +84,8 @@ class LLMEngine:
         self.matmul = cpu_matmul.choose_matmul(config.matmul, config.tensor_parallel, model)
         if self.matmul == "kernel":  # before sizing the KV pages: the packed weights are new memory
             model = cpu_layer_ops.with_kernels(cpu_matmul.pack_model(model))
-        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(kv_dtype).itemsize,
-                                     mesh.size if mesh else 1)
+        self.greedy_head = screened_head.choose(config.greedy_head, self.matmul, model)  # "screened" or "full"
+        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(kv_dtype).itemsize, mesh.size if mesh else 1)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, kv_dtype, kv_sharding(mesh) if mesh else None)

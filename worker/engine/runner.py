@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from worker.engine import screened_head
 from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batch, fits, needs_arrays, pack,
                                  step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
-from worker.engine.sampler import SamplerFlags, SamplingKernels, sample
+from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, sample
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -375,16 +376,25 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
                                   attention)
 
         hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values), out_rows)
-        logits = model.logits(hidden if out_rows is not None else hidden[db.sample_rows])  # f32[R, V]
+        rows = hidden if out_rows is not None else hidden[db.sample_rows]  # [R, hidden]
         full = model.logits(hidden) if prompt_lp else None  # f32[T, V]
-        return KVCache(keys, values), logits, full
+        return KVCache(keys, values), rows, full
 
-    kv, logits, full = forward(kv, tokens, db.positions, db.slots, db.context_lens, shape.prompt_logprobs)
+    # greedy rows that need no logits: tokens from the screened head (screened_head.py), else the sampler
+    greedy_head = getattr(model, "greedy_head", None) if screened_head.serves(flags) else None
+
+    def next_tokens(rows, st: SamplingTensors):
+        if greedy_head is None:
+            return sample(model.logits(rows), st, flags, sampling_kernels)
+        r = rows.shape[0]
+        return greedy_head(rows), jnp.zeros((r,)), jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0))
+
+    kv, rows, full = forward(kv, tokens, db.positions, db.slots, db.context_lens, shape.prompt_logprobs)
     if flags.penalties:  # the newest generated token may still be on device only
         pending = jnp.where(db.sampling.pending >= 0, prev_tokens[jnp.maximum(db.sampling.pending, 0)], -1)
         db = replace(db, sampling=replace(db.sampling, output_ids=jnp.concatenate(
             [db.sampling.output_ids, pending[:, None]], axis=1)))
-    sampled = [sample(logits, db.sampling, flags, sampling_kernels)]
+    sampled = [next_tokens(rows, db.sampling)]
     if shape.decode_steps > 1:  # fused decode: every row is a decode row
         def body(carry, i):
             kv, last = carry
@@ -393,9 +403,8 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
             page = jnp.take_along_axis(db.page_tables, column[:, None], axis=1)[:, 0]
             live = i < db.row_steps  # a row past its own step count writes to the reserved page 0
             slots = jnp.where(live, page * shape.page_size + positions % shape.page_size, 0)
-            kv, logits, _ = forward(kv, last, positions, slots, db.context_lens + i, False)
-            st = replace(db.sampling, out_pos=db.sampling.out_pos + i)
-            out = sample(logits, st, flags, sampling_kernels)
+            kv, rows, _ = forward(kv, last, positions, slots, db.context_lens + i, False)
+            out = next_tokens(rows, replace(db.sampling, out_pos=db.sampling.out_pos + i))
             return (kv, jnp.where(live, out[0], last)), out  # a row past its steps keeps its last token
 
         (kv, newest), rest = jax.lax.scan(body, (kv, sampled[0][0]), jnp.arange(1, shape.decode_steps))

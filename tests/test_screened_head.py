@@ -1,0 +1,140 @@
+"""The screened greedy head (worker/engine/screened_head.py): its tokens and their logits are the
+float32 panel kernel's product and argmax, bit for bit, with any approximation within the bound
+(numpy's bfloat16-rounded product here, the bfloat16 kernel in the engine), through exact ties,
+near ties the bound cannot split, and logits that are not finite; and an engine using it gives
+transformers' greedy tokens while requests that need the logits go through the float32 head."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
+from tests.hf_models import make_hf_model
+from worker.engine import cpu_matmul, screened_head
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampler import SamplerFlags
+from worker.engine.sampling_params import SamplingParams
+from worker.models.loader import load_model
+
+BF16_CPU = cpu_matmul.has_cpu_flag("avx512_bf16")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_matmul.load() and screened_head.load_screen(), "the CPU kernels did not build (is a C++ compiler installed?)"
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+
+
+def float32_head(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The engine's float32 logits: the panel kernel's product. x f32[R, K], rows f32[V, K] -> f32[R, V]."""
+    return np.asarray(cpu_matmul.matmul(jnp.asarray(x), cpu_matmul.pack(jnp.asarray(rows).T), rows.shape[0]))
+
+
+def screened(x: np.ndarray, rows: np.ndarray, approx: np.ndarray | None = None):
+    """(tokens, logits, candidates) of the screen, on numpy's bfloat16-rounded product unless given."""
+    if approx is None:
+        approx = (bf16(x).astype(np.float64) @ bf16(rows).T.astype(np.float64)).astype(np.float32)
+    out = screened_head.screen(jnp.asarray(approx), jnp.asarray(x), jnp.asarray(rows),
+                               screened_head.row_norms(jnp.asarray(rows)))
+    return tuple(np.asarray(a) for a in out)
+
+
+def assert_float32_argmax(x, rows, tokens, values):
+    full = float32_head(x, rows)
+    want = full.argmax(axis=1)  # numpy's argmax: the first largest, as the engine's
+    np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(values.view(np.int32), full[np.arange(len(want)), want].view(np.int32))
+
+
+# (rows, K, V): K of one 16-lane vector and not a multiple; V not a multiple of 16; llama-100m's K
+@pytest.mark.parametrize("r,k,v", [(1, 16, 16), (7, 33, 1000), (64, 256, 4096), (13, 768, 3001)])
+def test_tokens_and_logits_are_the_float32_heads(r, k, v):
+    rng = np.random.default_rng(k + v)
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    x = rng.standard_normal((r, k)).astype(np.float32)
+    tokens, values, candidates = screened(x, rows)
+    assert_float32_argmax(x, rows, tokens, values)
+    assert candidates.min() >= 1 and candidates.max() < v  # it screened: not every token computed
+    if v >= 1000:
+        assert candidates.mean() < 0.01 * v
+
+
+def test_exact_ties_go_to_the_first_token_and_near_ties_to_the_float32_winner():
+    rng = np.random.default_rng(1)
+    k, v = 64, 500
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    rows[400] = rows[7]  # an exact tie: both logits are the same float32 number
+    x = np.stack([rows[7] * 40.0, rows[7] * 40.0, rows[123] * 40.0])
+    # near ties bfloat16 cannot tell apart: token 123's twin differs in the last bits of its weights
+    rows[300] = np.nextafter(rows[123], np.float32(np.inf))
+    tokens, values, candidates = screened(x, rows)
+    assert tokens[0] == tokens[1] == 7
+    assert tokens[2] in (123, 300) and candidates[2] >= 2
+    assert_float32_argmax(x, rows, tokens, values)
+
+
+def test_logits_that_are_not_finite_search_every_token():
+    rng = np.random.default_rng(2)
+    k, v = 32, 300
+    rows = rng.standard_normal((v, k)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    approx = (bf16(x) @ bf16(rows).T).astype(np.float32)
+    approx[1, 17] = np.nan
+    approx[2, 5] = np.inf
+    tokens, values, candidates = screened(x, rows, approx)
+    assert candidates[0] < v and candidates[1] == candidates[2] == v
+    assert_float32_argmax(x, rows, tokens, values)
+
+
+def test_only_greedy_steps_without_logits_take_it():
+    assert screened_head.serves(SamplerFlags())
+    for flags in (SamplerFlags(all_greedy=False), SamplerFlags(logprobs=True), SamplerFlags(penalties=True),
+                  SamplerFlags(bias=True)):
+        assert not screened_head.serves(flags)
+
+
+@pytest.fixture(scope="module")
+def llama(tokenizer, tmp_path_factory):
+    """A tiny random Llama with an untied head (its rows are the head transposed)."""
+    path = tmp_path_factory.mktemp("llama")
+    hf = make_hf_model("llama", path, vocab_size=len(tokenizer))
+    return load_model(path), hf
+
+
+def test_an_engine_on_it_gives_transformers_greedy_tokens(llama, tokenizer):
+    model, hf = llama
+    sizes = dict(max_num_seqs=8, page_size=4, num_pages=64, max_num_batched_tokens=32, decode_steps=4)
+    engine = LLMEngine(model, tokenizer, EngineConfig(**sizes))
+    full = LLMEngine(model, tokenizer, EngineConfig(**sizes, greedy_head="full"))
+    assert engine.greedy_head == ("screened" if BF16_CPU else "full") and full.greedy_head == "full"
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (1, 5, 12, 30)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # the same prompts again with logprobs: their steps need the logits, so they take the float32 head
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    results = []
+    for e in (engine, full):
+        for i, p in enumerate(prompts):
+            e.add_request(f"g{i}", p, plain)
+        results.append(drain(e))
+        for i, p in enumerate(prompts):
+            e.add_request(f"l{i}", p, with_logprobs)
+        results[-1].update(drain(e))
+    for i, p in enumerate(prompts):
+        want = hf_greedy(hf, p, 12)
+        for got in results:
+            assert got[(f"g{i}", 0)].token_ids == want and got[(f"l{i}", 0)].token_ids == want, i
+
+
+def test_asking_for_it_where_it_cannot_run_fails(llama, tokenizer):
+    model, _ = llama
+    with pytest.raises(ValueError, match="greedy_head='screened'"):
+        LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, num_pages=16, matmul="xla", greedy_head="screened"))
+    with pytest.raises(ValueError, match="greedy_head must be"):
+        EngineConfig(greedy_head="fast")
