@@ -12,7 +12,7 @@ import pytest
 
 from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_matmul, screened_head
+from worker.engine import cpu_matmul, cpu_sampling, screened_head
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampler import SamplerFlags
@@ -24,7 +24,7 @@ BF16_CPU = cpu_matmul.has_cpu_flag("avx512_bf16")
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    assert cpu_matmul.load() and screened_head.load_screen(), "the CPU kernels did not build (is a C++ compiler installed?)"
+    assert cpu_matmul.load() and screened_head.load_screen() and cpu_sampling.load(), "the CPU kernels did not build (is a C++ compiler installed?)"
 
 
 def bf16(a: np.ndarray) -> np.ndarray:
@@ -90,6 +90,11 @@ def test_logits_that_are_not_finite_search_every_token():
     tokens, values, candidates = screened(x, rows, approx)
     assert candidates[0] < v and candidates[1] == candidates[2] == v
     assert_float32_argmax(x, rows, tokens, values)
+    # a broken row (a NaN in its input): every logit NaN, and the last token, as the argmax kernel gives
+    x[1, 3] = np.nan
+    tokens, _, candidates = screened(x, rows)
+    assert candidates[1] == v and tokens[1] == v - 1
+    assert np.asarray(cpu_sampling.argmax(jnp.asarray(float32_head(x, rows))))[1] == v - 1
 
 
 def test_only_greedy_steps_without_logits_take_it():
