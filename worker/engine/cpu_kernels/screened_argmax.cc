@@ -122,7 +122,11 @@ void screen_row(const Problem& pb, int64_t r) {
   exact.resize(n + 4);
   int64_t c = 0;
   for (; c + 4 <= n; c += 4) exact_logits<4>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c);
-  for (; c < n; ++c) exact_logits<1>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c);
+  switch (n - c) {  // the last 1-3 together too
+    case 3: exact_logits<3>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c); break;
+    case 2: exact_logits<2>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c); break;
+    case 1: exact_logits<1>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c); break;
+  }
   int64_t best = 0;  // the first largest (n >= 1: the largest lower bound's token is always kept)
   bool nan = false;
   for (c = 0; c < n; ++c) {
