@@ -97,6 +97,18 @@ def test_logits_that_are_not_finite_search_every_token():
     assert np.asarray(cpu_sampling.argmax(jnp.asarray(float32_head(x, rows))))[1] == v - 1
 
 
+def test_inputs_at_the_bottom_of_float32_still_give_the_float32_argmax():
+    # products below float32's normal range, which VDPBF16PS flushes to zero: the bound's absolute
+    # term keeps every token whose float32 logit could still win
+    rng = np.random.default_rng(4)
+    k, v = 64, 400
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    x = (rng.standard_normal((4, k)) * 1e-36).astype(np.float32)
+    tokens, values, candidates = screened(x, rows)
+    assert candidates.min() >= 1
+    assert_float32_argmax(x, rows, tokens, values)
+
+
 def test_only_greedy_steps_without_logits_take_it():
     assert screened_head.serves(SamplerFlags())
     for flags in (SamplerFlags(all_greedy=False), SamplerFlags(logprobs=True), SamplerFlags(penalties=True),

@@ -8,15 +8,15 @@
 //   |approx_j - exact_j| <= c(K) * sum_k |x_k| |W_kj| <= c(K) * |x|_2 * |W_j|_2  (Cauchy-Schwarz)
 // with c(K) = 2u + u^2 (each operand rounded to bfloat16, unit roundoff u = 2^-8) plus twice
 // gamma_K (K float32 additions in either product, in any order), widened for the float32 rounding
-// of the bound itself. So the exact argmax j* is among the candidates
+// of the bound itself (and an absolute term for subnormals, screen_row). So the exact argmax j* is
+// among the candidates
 //   { j : approx_j + e_j >= max_i (approx_i - e_i) },  e_j = c(K) |x|_2 |W_j|_2,
 // since max_i (approx_i - e_i) <= max_i exact_i = exact_j* <= approx_j* + e_j*. Each candidate's
 // logit is then computed exactly as the float32 panel kernel computes it (one fused multiply-add
 // chain over k from zero, in order), and the first largest wins, as the argmax would pick. With
 // random weights at the demo's and llama-100m's shapes, 2.5 and 5.8 candidates a row on average (at
-// most 14 and 37 over 1280 rows); a row whose
-// approximate logits or norm are not finite is searched over every token (and gives V - 1 if one
-// of its logits is NaN, as the argmax kernel does).
+// most 14 and 37 over 1280 rows); a row whose approximate logits or norm are not finite is
+// searched over every token (and gives V - 1 if one of its logits is NaN, as the argmax kernel does).
 //
 // Shapes: approx f32[R, V] (the bfloat16 product), x f32[R, K] (the head's input), rows f32[V, K]
 // (the head's weight, a row per token: W transposed), norms f32[V] (|W_j|_2, rounded up) ->
@@ -82,7 +82,11 @@ void screen_row(const Problem& pb, int64_t r) {
   const float* x = pb.x + r * pb.k;
   double sq = 0.0;
   for (int64_t i = 0; i < pb.k; ++i) sq += double{x[i]} * x[i];
-  const float s = static_cast<float>(std::sqrt(sq) * pb.factor);  // e_j = s * norms[j]
+  // e_j = s * norms[j] + t: the relative bound, and an absolute one for subnormal operands and
+  // partial sums (flushed to zero by VDPBF16PS: at most 2^-126 (|W_j|_1 + |x|_1 + 2K) in all)
+  const double root_k = std::sqrt(static_cast<double>(pb.k)), xn = std::sqrt(sq);
+  const float s = static_cast<float>(xn * pb.factor + 0x1p-120 * root_k);
+  const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * pb.k));
   // lower = max_j (a_j - e_j); an approximate logit that is not finite makes the screen void
   const f32xN zero = {}, sv = zero + s;
   f32xN lanes = zero - std::numeric_limits<float>::max();
@@ -100,6 +104,7 @@ void screen_row(const Problem& pb, int64_t r) {
     lower = std::max(lower, a[j] - s * pb.norms[j]);
     ok &= !not_finite(a[j]);
   }
+  lower -= 2 * t;  // a candidate's a_j + s n_j + t reaches the best a_i - s n_i - t
   // the candidates, in token order; every token if the screen is void
   thread_local std::vector<int32_t> picked;
   thread_local std::vector<float> exact;
