@@ -112,13 +112,19 @@ void screen_row(const Problem& pb, int64_t r) {
   if (!ok) {
     for (int64_t t = 0; t < pb.v; ++t) picked.push_back(static_cast<int32_t>(t));
   } else {
-    for (j = 0; j + kLanes <= pb.v; j += kLanes) {
-      const auto keep = load(a + j) + sv * load(pb.norms + j) >= lower;
-      bool any = false;
-      for (int l = 0; l < kLanes; ++l) any |= keep[l] != 0;
-      if (any)
-        for (int l = 0; l < kLanes; ++l)
-          if (keep[l]) picked.push_back(static_cast<int32_t>(j + l));
+    // a chunk's largest upper bound first (whole vectors): few chunks hold a candidate
+    constexpr int64_t kChunk = 16 * kLanes;
+    for (j = 0; j + kChunk <= pb.v; j += kChunk) {
+      f32xN top = zero - std::numeric_limits<float>::max();
+      for (int64_t i = j; i < j + kChunk; i += kLanes) {
+        const f32xN up = load(a + i) + sv * load(pb.norms + i);
+        top = top > up ? top : up;
+      }
+      float most = top[0];
+      for (int l = 1; l < kLanes; ++l) most = std::max(most, top[l]);
+      if (most >= lower)
+        for (int64_t i = j; i < j + kChunk; ++i)
+          if (a[i] + s * pb.norms[i] >= lower) picked.push_back(static_cast<int32_t>(i));
     }
     for (; j < pb.v; ++j)
       if (a[j] + s * pb.norms[j] >= lower) picked.push_back(static_cast<int32_t>(j));
@@ -138,9 +144,14 @@ void screen_row(const Problem& pb, int64_t r) {
     nan |= is_nan(exact[c]);
     if (exact[c] > exact[best]) best = c;
   }
-  if (nan) best = n - 1;  // a row holding a NaN: V - 1, as the argmax of sampling.cc (all were computed)
-  pb.tokens[r] = n ? picked[best] : 0;
-  pb.values[r] = n ? exact[best] : 0.0f;
+  if (nan) {  // a logit that is NaN: V - 1, as the argmax of sampling.cc gives
+    const int32_t last = static_cast<int32_t>(pb.v - 1);
+    pb.tokens[r] = last;
+    exact_logits<1>(x, pb.rows, pb.k, &last, &pb.values[r]);
+  } else {
+    pb.tokens[r] = n ? picked[best] : 0;
+    pb.values[r] = n ? exact[best] : 0.0f;
+  }
   pb.candidates[r] = static_cast<int32_t>(n);
 }
 
