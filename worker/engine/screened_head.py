@@ -52,8 +52,11 @@ def screen(approx: jax.Array, x: jax.Array, rows: jax.Array, norms: jax.Array):
 
 
 def row_norms(rows: jax.Array) -> jax.Array:
-    """f32[V, K] -> f32[V]: each row's 2-norm, summed in float64 and rounded up to float32."""
-    norms = np.sqrt(np.square(np.asarray(rows, np.float64)).sum(axis=1))
+    """f32[V, K] -> f32[V]: each row's 2-norm, summed in float64 and rounded up to float32 (4096
+    rows at a time: a float64 copy of a large vocabulary's head would be gigabytes)."""
+    host = np.asarray(rows)
+    norms = np.concatenate([np.sqrt(np.square(host[i:i + 4096], dtype=np.float64).sum(axis=1))
+                            for i in range(0, host.shape[0], 4096)])
     return jnp.asarray(np.nextafter(norms.astype(np.float32), np.float32(np.inf)))
 
 
