@@ -117,7 +117,7 @@ ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
   return ffi::Error::Success();
 }
 
-using redjax::f32xN, redjax::i32xN, redjax::kLanes, redjax::load, redjax::u32xN;
+using redjax::f32xN, redjax::i32xN, redjax::is_nan, redjax::kLanes, redjax::load, redjax::u32xN;
 
 constexpr int64_t kDrawBlock = 64;  // weights summed per block: the search walks blocks, then one block
 
@@ -189,9 +189,6 @@ ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, 
   });
   return ffi::Error::Success();
 }
-
-// NaN by its bits (-ffast-math lets a compiler assume there are none)
-inline bool is_nan(float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffffu) > 0x7f800000u; }
 
 int32_t row_argmax(const float* x, int64_t v) {
   // One pass over 16 values at a time (the `omp simd` form stayed scalar): each lane keeps its

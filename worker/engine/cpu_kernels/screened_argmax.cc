@@ -22,7 +22,6 @@
 // (the head's weight, a row per token: W transposed), norms f32[V] (|W_j|_2, rounded up) ->
 // tokens s32[R], their exact logits f32[R], candidates s32[R] (exact logits computed per row).
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -36,7 +35,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using redjax::f32xN, redjax::kLanes, redjax::load, redjax::u32xN;
+using redjax::f32xN, redjax::is_nan, redjax::kExponentBits, redjax::kLanes, redjax::load, redjax::not_finite,
+    redjax::u32xN;
 
 // The float32 panel kernel's logits of tokens t[0..N): for each, acc = fma(x[k], w[k], acc) for k = 0
 // .. K - 1 from zero. N chains at once (independent, so their latencies overlap); the empty asm keeps
@@ -59,11 +59,6 @@ double bound_factor(int64_t k) {
   const double u = 0x1p-8, gamma = (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24);
   return (2 * u + u * u + 2 * gamma * (1 + 2 * u)) * (1.0 + 0x1p-6);
 }
-
-// Non-finite floats and NaN by their bits (-ffast-math lets a compiler assume there are none).
-constexpr uint32_t kExponent = 0x7f800000u;
-inline bool not_finite(float x) { return (std::bit_cast<uint32_t>(x) & kExponent) == kExponent; }
-inline bool is_nan(float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffffu) > kExponent; }
 
 struct Problem {
   const float* approx;  // [R, V]
@@ -95,7 +90,7 @@ void screen_row(const Problem& pb, int64_t r) {
   for (; j + kLanes <= pb.v; j += kLanes) {
     const f32xN av = load(a + j), lo = av - sv * load(pb.norms + j);
     lanes = lanes > lo ? lanes : lo;
-    exponents |= (reinterpret_cast<const u32xN&>(av) & kExponent) == kExponent;
+    exponents |= (reinterpret_cast<const u32xN&>(av) & kExponentBits) == kExponentBits;
   }
   bool ok = !not_finite(s);
   float lower = -std::numeric_limits<float>::max();

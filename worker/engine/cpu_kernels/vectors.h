@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 
@@ -22,6 +23,11 @@ inline f32xN load(const float* p) {
   return v;
 }
 inline void store(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
+
+// Non-finite floats and NaN by their bits (-ffast-math lets a compiler assume there are none)
+constexpr uint32_t kExponentBits = 0x7f800000u;
+inline bool not_finite(float x) { return (std::bit_cast<uint32_t>(x) & kExponentBits) == kExponentBits; }
+inline bool is_nan(float x) { return (std::bit_cast<uint32_t>(x) & 0x7fffffffu) > kExponentBits; }
 
 // max(floor, p[0], ..., p[n - 1]), 16 lanes at a time
 inline float max_of(const float* p, int64_t n, float floor) {
