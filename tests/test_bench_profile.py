@@ -19,6 +19,10 @@ def _own_xla_flags(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
 
 
+# the screened greedy heads' kernels: the approximate product, the screen
+SCREENED_HEADS = {"screened-int8": ("redjax_panel_matmul_i8", "redjax_screened_argmax_i8"),
+                  "screened-bf16": ("redjax_panel_matmul_bf16", "redjax_screened_argmax")}
+
 def test_traced_calls_keep_the_command_buffers_the_timed_ones_use():
     # XLA would run a profiled GPU program op by op: another launch than the one the report times
     environ = {"XLA_FLAGS": "--xla_gpu_autotune_level=0"}
@@ -67,14 +71,14 @@ def test_a_profiled_round_summarizes_its_decode_calls(tmp_path, capsys):
     assert not any("kv_write" in name for name in names), names
     # 2 layers of 7 projections and the output head: the traced steps are whole decode steps
     # (the window may cut a step at either end between its attention and its products). Greedy
-    # rows on a CPU with AVX512-BF16 take the screened head: a bfloat16 product and its screen
+    # rows on a CPU with AVX512-VNNI or AVX512-BF16 take the screened head: an int8 or bfloat16
+    # product and its screen
     steps = p["decode_steps"]
     calls = {r["name"]: r["calls_per_step"] for r in p["top"]}
-    screened = report["greedy_head"] == "screened"
-    assert _within_a_step(calls["redjax_panel_matmul"], 14 if screened else 15, steps)
-    if screened:
-        assert _within_a_step(calls["redjax_panel_matmul_bf16"], 1, steps)
-        assert _within_a_step(calls["redjax_screened_argmax"], 1, steps)
+    head = SCREENED_HEADS.get(report["greedy_head"])
+    assert _within_a_step(calls["redjax_panel_matmul"], 14 if head else 15, steps)
+    if head:
+        assert _within_a_step(calls[head[0]], 1, steps) and _within_a_step(calls[head[1]], 1, steps)
     # the same products by shape (llama-tiny: hidden 256, 4 x 64 query and 2 x 64 KV dims, MLP 512,
     # vocab 1024), the 4 rows padded to the step's batch bucket: q and o, k and v (one shape), gate
     # and up (one), down, the head
@@ -108,9 +112,9 @@ def test_prefill_calls_are_traced_whole(tmp_path, capsys):
         p["device_ms_per_step"] * 1e3 / p["prompt_tokens_per_step"])
     calls = {r["name"]: r["calls_per_step"] for r in p["top"]}
     assert calls["redjax_paged_attention"] == 2, calls
-    if report["greedy_head"] == "screened":  # the head of the sampled rows: a bfloat16 product, screened
-        assert calls["redjax_panel_matmul"] == 14 and calls["redjax_panel_matmul_bf16"] == 1, calls
-        assert calls["redjax_screened_argmax"] == 1, calls
+    head = SCREENED_HEADS.get(report["greedy_head"])
+    if head:  # the head of the sampled rows: an int8 or bfloat16 product, screened
+        assert calls["redjax_panel_matmul"] == 14 and calls[head[0]] == 1 and calls[head[1]] == 1, calls
     else:
         assert calls["redjax_panel_matmul"] == 15, calls
 

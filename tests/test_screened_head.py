@@ -20,6 +20,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import load_model
 
 BF16_CPU = cpu_matmul.has_cpu_flag("avx512_bf16")
+VNNI_CPU = cpu_matmul.has_cpu_flag("avx512_vnni")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,6 +110,45 @@ def test_inputs_at_the_bottom_of_float32_still_give_the_float32_argmax():
     assert_float32_argmax(x, rows, tokens, values)
 
 
+def int8_screened(x: np.ndarray, rows: np.ndarray):
+    """(tokens, logits, candidates) of the int8 head (its product quantizes x; candidates after refine)."""
+    head = screened_head.Int8Head(jnp.asarray(rows))
+    return tuple(np.asarray(a) for a in head.screen(jnp.asarray(x)))
+
+
+@pytest.mark.parametrize("r,k,v", [(1, 16, 16), (7, 33, 1000), (64, 256, 4096), (13, 768, 3001), (5, 3, 40)])
+def test_the_int8_heads_tokens_and_logits_are_the_float32_heads(r, k, v):
+    assert screened_head.load_int8() == VNNI_CPU
+    if not VNNI_CPU:  # without AVX512-VNNI the engine never picks it (test_an_engine_on_it...)
+        return
+    rng = np.random.default_rng(k + v)
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    x = rng.standard_normal((r, k)).astype(np.float32)
+    x[0, 0] = 30.0  # an outlier: a coarse scale for row 0, a wide bound, more candidates to refine
+    tokens, values, candidates = int8_screened(x, rows)
+    assert_float32_argmax(x, rows, tokens, values)
+    assert candidates.min() >= 1 and candidates.max() <= max(2, v // 100)
+
+
+def test_the_int8_head_through_ties_non_finite_rows_and_tiny_inputs():
+    if not VNNI_CPU:  # the engine never picks it on this CPU (test_an_engine_on_it...)
+        return
+    rng = np.random.default_rng(5)
+    k, v = 64, 500
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    rows[400] = rows[7]
+    rows[300] = np.nextafter(rows[123], np.float32(np.inf))
+    x = np.stack([rows[7] * 40.0, rows[123] * 40.0, rng.standard_normal(k) * 1e-36, rng.standard_normal(k)])
+    x = x.astype(np.float32)
+    tokens, values, candidates = int8_screened(x, rows)
+    assert tokens[0] == 7 and tokens[1] in (123, 300) and candidates[1] >= 2
+    assert_float32_argmax(x, rows, tokens, values)
+    x[3, 5] = np.nan  # a broken row: every logit NaN, the last token, as the argmax kernel gives
+    tokens, _, candidates = int8_screened(x, rows)
+    assert candidates[3] == v and tokens[3] == v - 1
+    assert_float32_argmax(x[:3], rows, tokens[:3], int8_screened(x[:3], rows)[1])
+
+
 def test_only_greedy_steps_without_logits_take_it():
     assert screened_head.serves(SamplerFlags())
     for flags in (SamplerFlags(all_greedy=False), SamplerFlags(logprobs=True), SamplerFlags(penalties=True),
@@ -129,14 +169,18 @@ def test_an_engine_on_it_gives_transformers_greedy_tokens(llama, tokenizer):
     sizes = dict(max_num_seqs=8, page_size=4, num_pages=64, max_num_batched_tokens=32, decode_steps=4)
     engine = LLMEngine(model, tokenizer, EngineConfig(**sizes))
     full = LLMEngine(model, tokenizer, EngineConfig(**sizes, greedy_head="full"))
-    assert engine.greedy_head == ("screened" if BF16_CPU else "full") and full.greedy_head == "full"
+    best = "screened-int8" if VNNI_CPU else "screened-bf16" if BF16_CPU else "full"
+    assert engine.greedy_head == best and full.greedy_head == "full"
+    engines = [engine, full]
+    if VNNI_CPU and BF16_CPU:  # and the other approximation
+        engines.append(LLMEngine(model, tokenizer, EngineConfig(**sizes, greedy_head="screened-bf16")))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (1, 5, 12, 30)]
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # the same prompts again with logprobs: their steps need the logits, so they take the float32 head
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     results = []
-    for e in (engine, full):
+    for e in engines:
         for i, p in enumerate(prompts):
             e.add_request(f"g{i}", p, plain)
         results.append(drain(e))
@@ -151,7 +195,8 @@ def test_an_engine_on_it_gives_transformers_greedy_tokens(llama, tokenizer):
 
 def test_asking_for_it_where_it_cannot_run_fails(llama, tokenizer):
     model, _ = llama
-    with pytest.raises(ValueError, match="greedy_head='screened'"):
-        LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, num_pages=16, matmul="xla", greedy_head="screened"))
+    for mode in ("screened", "screened-int8", "screened-bf16"):
+        with pytest.raises(ValueError, match=f"greedy_head='{mode}'"):
+            LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, num_pages=16, matmul="xla", greedy_head=mode))
     with pytest.raises(ValueError, match="greedy_head must be"):
         EngineConfig(greedy_head="fast")

@@ -56,10 +56,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul", choices=["auto", "kernel", "xla"],
                    help="projections: compiled CPU kernel on packed float32 weights when available (auto), "
                         "required (kernel), or XLA's dot")
-    g.add_argument("--greedy-head", choices=["auto", "screened", "full"],
-                   help="greedy rows' tokens: a float32 model's LM head as a bfloat16 product screened for the "
-                        "float32 argmax, the same tokens at about half the head's cost, where the CPU has AVX512-BF16 "
-                        "(auto), required (screened), or the float32 head (full)")
+    g.add_argument("--greedy-head", choices=["auto", "screened", "screened-int8", "screened-bf16", "full"],
+                   help="greedy rows' tokens: a float32 model's LM head as an int8 (AVX512-VNNI) or else bfloat16 "
+                        "(AVX512-BF16) product screened for the float32 argmax, the same tokens at about half the "
+                        "head's cost (auto), required (screened, or one approximation), or the float32 head (full)")
     g.add_argument("--compile-threads", type=int,
                    help="step variants warm-up compiles at once (default: half the host's cores, at most 8)")
     g.add_argument("--sampler", choices=["auto", "kernel", "jnp"],

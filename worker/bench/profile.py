@@ -242,10 +242,10 @@ def op_targets(texts) -> dict[str, str]:
 
 def op_products(texts) -> dict[str, Shape]:
     """HLO op name -> (M, K, N) of a matrix-product kernel call (x f32[M, K] times a packed weight
-    -> f32[M, N]), from compiled programs' text; a name that programs give different shapes is left
-    out, as the trace cannot say which one ran."""
+    -> f32[M, N], or the int8 head's s32[M, N] sums first in a tuple), from compiled programs' text;
+    a name that programs give different shapes is left out, as the trace cannot say which one ran."""
     found: dict[str, set[Shape]] = {}
-    pattern = (r'%([\w.\-]+) = f32\[(\d+),(\d+)\][^\n]*?custom_call_target="([^"]+)"'
+    pattern = (r'%([\w.\-]+) = \(?[fs]32\[(\d+),(\d+)\][^\n]*?custom_call_target="([^"]+)"'
                r'[^\n]*?operand_layout_constraints=\{f32\[\d+,(\d+)\]')
     for text in texts:
         for name, m, n, target, k in re.findall(pattern, text):

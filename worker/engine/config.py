@@ -47,9 +47,10 @@ class EngineConfig:
     # packed at startup) for a float32 model on the CPU backend of an AVX-512 CPU if it builds, else
     # XLA's dot; "kernel": that kernel or an error; "xla": XLA's dot
     greedy_head: str = "auto"  # greedy rows without logprobs, penalties or bias: "auto": a float32 model's
-    # head as a bfloat16 product screened for the float32 argmax (screened_head.py; the same tokens) where
-    # the CPU has AVX512-BF16 and the matmul kernel runs, else the float32 head; "screened": that or an
-    # error; "full": always the float32 head
+    # head as an int8 product (AVX512-VNNI), else a bfloat16 one (AVX512-BF16), screened for the float32
+    # argmax (screened_head.py; the same tokens) where the matmul kernel runs, else the float32 head;
+    # "screened": that or an error; "screened-int8", "screened-bf16": that approximation or an error;
+    # "full": always the float32 head
     compile_threads: int | None = None  # step variants warm-up compiles at once (LLMEngine.compile_ahead);
     # None: half the host's cores, at most 8; 1: one after another
     sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
@@ -79,7 +80,8 @@ class EngineConfig:
             "compile_threads must be >= 1": self.compile_threads is None or self.compile_threads >= 1,
             "attention must be auto, kernel, pallas or jnp": self.attention in ("auto", "kernel", "pallas", "jnp"),
             "matmul must be auto, kernel or xla": self.matmul in ("auto", "kernel", "xla"),
-            "greedy_head must be auto, screened or full": self.greedy_head in ("auto", "screened", "full"),
+            "greedy_head must be auto, screened, screened-int8, screened-bf16 or full":
+                self.greedy_head in ("auto", "screened", "screened-int8", "screened-bf16", "full"),
             "sampler must be auto, kernel or jnp": self.sampler in ("auto", "kernel", "jnp"),
             "pallas_tuning must be PAGES:PROGRAMS:WARPS:STAGES, positive integers, warps a power of two":
                 self.pallas_tuning is None or parse_tuning(self.pallas_tuning) is not None,

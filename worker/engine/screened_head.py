@@ -27,6 +27,9 @@ from worker.engine.sampler import SamplerFlags
 from worker.models.llama import LlamaForCausalLM
 
 TARGET = "redjax_screened_argmax"
+I8_MATMUL = "redjax_panel_matmul_i8"  # cpu_kernels/panel_matmul.cc's PanelMatmulI8
+I8_TARGET = "redjax_screened_argmax_i8"
+KINDS = ("screened-int8", "screened-bf16")  # the approximations, fastest first
 
 
 def load() -> bool:
@@ -39,6 +42,13 @@ def load() -> bool:
 def load_screen() -> bool:
     """The screen alone (any x86-64 CPU with a C++ compiler: it takes the approximate logits as given)."""
     return cpu_build.register("screened_argmax.cc", "ScreenedArgmax", TARGET)
+
+
+@lru_cache(maxsize=1)
+def load_int8() -> bool:
+    """The int8 panel kernel (AVX512-VNNI) and its screen, built and registered; False if either cannot be."""
+    return (cpu_matmul.has_cpu_flag("avx512_vnni") and cpu_build.register("panel_matmul.cc", "PanelMatmulI8", I8_MATMUL)
+            and cpu_build.register("screened_argmax.cc", "ScreenedArgmaxI8", I8_TARGET))
 
 
 def screen(approx: jax.Array, x: jax.Array, rows: jax.Array, norms: jax.Array):
@@ -60,6 +70,59 @@ def row_norms(rows: jax.Array) -> jax.Array:
     return jnp.asarray(np.nextafter(norms.astype(np.float32), np.float32(np.inf)))
 
 
+def quantize(rows: np.ndarray, norms: np.ndarray):
+    """f32[V, K] -> (q i8[V, K], scales f32[V], totals i32[V], rho): each token's row to int8 by its
+    own scale (its largest |w| / 127), the quantized row's sum, and rho >= |W_j - scale_j q_j|_2 /
+    norms[j] for every token (rounded up), which the int8 screen's bound takes."""
+    most = np.abs(rows).max(axis=1)
+    scales = (most / np.float32(127)).astype(np.float32)
+    safe = np.where(scales > 0, scales, np.float32(1))
+    q = np.clip(np.rint(rows / safe[:, None]), -127, 127).astype(np.int8)
+    lost = np.concatenate([np.sqrt(np.square(rows[i:i + 4096] - scales[i:i + 4096, None].astype(np.float64)
+                                             * q[i:i + 4096], dtype=np.float64).sum(axis=1))
+                           for i in range(0, rows.shape[0], 4096)])
+    ratio = np.where(norms > 0, lost / np.where(norms > 0, norms, 1).astype(np.float64), 0.0).max(initial=0.0)
+    rho = float(np.nextafter(np.float32(ratio * (1 + 2.0**-40)), np.float32(np.inf)))
+    return q, scales, q.sum(axis=1, dtype=np.int32), rho
+
+
+def pack_int8(q: np.ndarray) -> np.ndarray:
+    """i8[V, K] (a row per token) -> PanelMatmulI8's panels i8[ceil(V / PANEL), ceil(K / 4), 4 *
+    PANEL]: a panel row holds each of its PANEL tokens' k .. k + 3 in turn (zeros past V and K)."""
+    v, k = q.shape
+    panels, steps, panel = -(-v // cpu_matmul.PANEL), -(-k // 4), cpu_matmul.PANEL
+    padded = np.zeros((4 * steps, panels * panel), np.int8)
+    padded[:k, :v] = q.T
+    return padded.reshape(steps, 4, panels, panel).transpose(2, 0, 3, 1).reshape(panels, steps, 4 * panel)
+
+
+class Int8Head(nnx.Module):
+    """The LM head for greedy rows: int8 panels with their scales, the float32 rows, their norms."""
+
+    def __init__(self, rows: jax.Array):  # f32[V, K]: the head's weight, a row per token
+        norms = row_norms(rows)
+        q, scales, totals, self.rho = quantize(np.asarray(rows), np.asarray(norms))
+        self.panels = nnx.Param(jnp.asarray(pack_int8(q)))  # i8[P, K / 4, 4 * PANEL]
+        self.scales, self.totals = nnx.Param(jnp.asarray(scales)), nnx.Param(jnp.asarray(totals))  # [V]
+        self.rows = nnx.Param(rows)
+        self.norms = nnx.Param(norms)  # f32[V]
+        self.vocab = rows.shape[0]
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f32[R, K] -> i32[R]
+        return self.screen(x)[0]
+
+    def screen(self, x: jax.Array):
+        """x f32[R, K] -> (tokens i32[R], their float32 logits f32[R], exact logits computed i32[R])."""
+        r, x = x.shape[0], x.astype(jnp.float32)
+        product = jax.ffi.ffi_call(I8_MATMUL, (jax.ShapeDtypeStruct((r, self.vocab), jnp.int32),
+                                               jax.ShapeDtypeStruct((r, 3), jnp.float32)))
+        sums, stats = product(x, self.panels[...])  # s32[R, V], f32[R, 3]
+        call = jax.ffi.ffi_call(I8_TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
+                                            jax.ShapeDtypeStruct((r,), jnp.int32)))
+        return call(sums, stats, x, self.rows[...], self.norms[...], self.scales[...], self.totals[...],
+                    rho=np.float32(self.rho))
+
+
 class ScreenedHead(nnx.Module):
     """The LM head for greedy rows: bfloat16 panels, the float32 rows, their norms."""
 
@@ -76,22 +139,25 @@ class ScreenedHead(nnx.Module):
 
 def choose(mode: str, matmul: str, model: LlamaForCausalLM) -> str:
     """`EngineConfig.greedy_head` for an engine whose projections run on `matmul` ("kernel": `model`
-    is packed): "auto" or "screened" attach a greedy head to a float32 model where the CPU and
-    compiler allow ("screened" fails otherwise), "full" never; -> "screened" or "full"."""
+    is packed): "auto" or "screened" attach the fastest greedy head the CPU and compiler allow to a
+    float32 model ("screened" fails if none), "screened-int8" / "screened-bf16" that one or fail,
+    "full" never; -> "screened-int8", "screened-bf16" or "full"."""
     if mode == "full":
         return "full"
-    if matmul == "kernel" and attach(model):
-        return "screened"
-    if mode == "screened":
-        raise ValueError("greedy_head='screened' needs a float32 model on the CPU matmul kernel and a CPU "
-                         "with AVX512-BF16 (the bfloat16 product it screens)")
+    for kind in KINDS if mode in ("auto", "screened") else (mode,):
+        if matmul == "kernel" and attach(model, kind):
+            return kind
+    if mode != "auto":
+        raise ValueError(f"greedy_head={mode!r} needs a float32 model on the CPU matmul kernel and a CPU with "
+                         "AVX512-VNNI (screened-int8) or AVX512-BF16 (screened-bf16): the product it screens")
     return "full"
 
 
-def attach(model: LlamaForCausalLM) -> bool:
-    """Give `model` (packed by cpu_matmul.pack_model, float32) a `greedy_head`, in place, where the
-    CPU and compiler allow; -> whether it has one. A tied head's rows are the embedding table itself."""
-    if cpu_matmul.kernel_dtype(model) != jnp.dtype(jnp.float32) or not load():
+def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
+    """Give `model` (packed by cpu_matmul.pack_model, float32) a `greedy_head` of `kind` (KINDS), in
+    place, where the CPU and compiler allow; -> whether it has one. A tied head's rows are the
+    embedding table itself."""
+    if cpu_matmul.kernel_dtype(model) != jnp.dtype(jnp.float32) or not (load_int8() if kind == KINDS[0] else load()):
         return False
     if model.lm_head.bias is not None:
         return False
@@ -100,7 +166,7 @@ def attach(model: LlamaForCausalLM) -> bool:
     else:
         panels = model.lm_head.panels[...]  # f32[P, K, PANEL]
         rows = panels.transpose(0, 2, 1).reshape(-1, panels.shape[1])[: model.cfg.vocab_size]  # f32[V, K]
-    model.greedy_head = nnx.data(ScreenedHead(rows))
+    model.greedy_head = nnx.data(Int8Head(rows) if kind == KINDS[0] else ScreenedHead(rows))
     return True
 
 

@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "bf16_rows.h"
+#include "i8_rows.h"
 #include "pool_work.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
@@ -61,7 +62,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using redjax::f32xN, redjax::kLanes, redjax::load, redjax::store;
+using redjax::f32xN, redjax::i32xN, redjax::kLanes, redjax::load, redjax::store;
 #ifdef __AVX512BF16__
 using redjax::round_rows_bf16;
 #endif
@@ -84,6 +85,8 @@ constexpr int64_t kBlockTiles = 4;
 // covers one k of float32 weights, two of bfloat16 (a panel row is 128 bytes either way).
 struct F32 {
   using X = float;
+  using Acc = f32xN;  // the accumulators' vector type, stored by put
+  static void put(float* p, Acc v) { store(p, v); }
   static constexpr bool kInPlace = true;  // x's rows are read as they are
   using W = f32xN;
   static W weights(const void* p) { return load(static_cast<const float*>(p)); }
@@ -93,6 +96,8 @@ struct F32 {
 #ifdef __AVX512BF16__
 struct BF16 {
   using X = uint32_t;  // x[k] (low half) and x[k + 1] as bfloat16
+  using Acc = f32xN;
+  static void put(float* p, Acc v) { store(p, v); }
   static constexpr bool kInPlace = false;  // x's rows are rounded first
   using W = __m512bh;  // 16 columns x (k, k + 1)
   static W weights(const void* p) { return reinterpret_cast<W>(_mm512_loadu_si512(p)); }
@@ -100,6 +105,28 @@ struct BF16 {
     return reinterpret_cast<f32xN>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc),
                                                      reinterpret_cast<W>(_mm512_set1_epi32(x)), w));
   }
+};
+#endif
+
+#ifdef __AVX512VNNI__
+// int8 weights (PanelMatmulI8: the screened greedy head's approximation, screened_head.py): a panel
+// row is [kPanel columns, 4] for k .. k + 3 as signed bytes, and one VPDPBUSD adds 16 columns' four
+// products with x's four (quantized, offset by 128, unsigned) into int32 accumulators, exactly:
+// four times the k of a float32 FMA per instruction. The product's output is those int32 sums.
+struct I8 {
+  using X = uint32_t;  // x's quantized k .. k + 3, each + 128, as unsigned bytes (low byte first)
+  // int32 sums, in GCC's own 16 x int32 vector type: through __m512i (8 x int64), which the
+  // intrinsic converts to and from on every call, GCC spilled accumulators to the stack
+  using Acc = i32xN;
+  static void put(float* p, Acc v) { std::memcpy(p, &v, sizeof v); }  // the int32 sums as they are
+  static constexpr bool kInPlace = false;  // x's rows are quantized first
+  using W = i32xN;  // 16 columns x (k .. k + 3)
+  static W weights(const void* p) {
+    W w;
+    std::memcpy(&w, p, sizeof w);
+    return w;
+  }
+  static Acc madd(Acc acc, X x, W w) { return __builtin_ia32_vpdpbusd_v16si(acc, i32xN{} + static_cast<int32_t>(x), w); }
 };
 #endif
 
@@ -143,7 +170,7 @@ template <typename F, int R, bool kFirst, bool kPacked>
 inline void tile(const Problem<F>& pb, const char* panel, int64_t m0, int64_t n0, const char* ahead = nullptr,
                  int64_t step = 0) {
   constexpr int64_t kRowBytes = kPanel * sizeof(float);  // one step's panel row
-  f32xN acc[R][kVecs] = {};
+  typename F::Acc acc[R][kVecs] = {};
   const typename F::X* rows[R];  // unpacked: x's rows
   for (int r = 0; r < R; ++r) rows[r] = pb.x + (m0 + r) * pb.steps;
   const typename F::X* xt = pb.x + m0 * pb.steps;  // packed: this tile [steps, R]
@@ -172,10 +199,10 @@ inline void tile(const Problem<F>& pb, const char* panel, int64_t m0, int64_t n0
   for (int r = 0; r < R; ++r) {
     float* out = pb.y + (m0 + r) * pb.n + n0;
     if (cols == kPanel) {
-      for (int c = 0; c < kVecs; ++c) store(out + c * kLanes, acc[r][c]);
+      for (int c = 0; c < kVecs; ++c) F::put(out + c * kLanes, acc[r][c]);
     } else {  // the last panel of an N that is not a multiple of kPanel
       float full[kPanel];
-      for (int c = 0; c < kVecs; ++c) store(full + c * kLanes, acc[r][c]);
+      for (int c = 0; c < kVecs; ++c) F::put(full + c * kLanes, acc[r][c]);
       std::memcpy(out, full, cols * sizeof(float));
     }
   }
@@ -322,6 +349,29 @@ ffi::Error PanelMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
 }
 #endif
 
+#ifdef __AVX512VNNI__
+// x f32[M, K] quantized a row at a time (redjax::quantize_row_i8) -> the int32 sums y s32[M, N] of
+// x's quantized values (+ 128) times the int8 weights, and each row's scale and error norms
+// stats f32[M, 3]
+ffi::Error PanelMatmulI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                             ffi::ResultBuffer<ffi::S32> y, ffi::ResultBuffer<ffi::F32> stats) {
+  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), 4); e.failure()) return e;
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = y->dimensions()[1], steps = (k + 3) / 4;
+  if (stats->element_count() != 3 * m) return ffi::Error::InvalidArgument("panel_matmul_i8: stats must be [M, 3]");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const TilePlan plan = tile_plan(m);
+  const Problem<I8> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()),
+                       reinterpret_cast<float*>(y->typed_data()), m, n, steps};
+  const float* xs = x.typed_data();
+  float* st = stats->typed_data();
+  run_product(pool, plan, pb, w.dimensions()[0], [=](int64_t m0, int64_t count, uint32_t* to) {
+    for (int64_t r = 0; r < count; ++r) redjax::quantize_row_i8(xs + (m0 + r) * k, k, to + r * steps, st + 3 * (m0 + r));
+    return static_cast<const uint32_t*>(to);
+  });
+  return ffi::Error::Success();
+}
+#endif
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
@@ -337,5 +387,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulBf16, PanelMatmulBf16Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#endif
+
+#ifdef __AVX512VNNI__
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulI8, PanelMatmulI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 #endif

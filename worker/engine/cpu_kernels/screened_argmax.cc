@@ -35,7 +35,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using redjax::f32xN, redjax::is_nan, redjax::kExponentBits, redjax::kLanes, redjax::load, redjax::not_finite,
+using redjax::f32xN, redjax::i32xN, redjax::is_nan, redjax::kExponentBits, redjax::kLanes, redjax::load, redjax::not_finite,
     redjax::u32xN;
 
 // The float32 panel kernel's logits of tokens t[0..N): for each, acc = fma(x[k], w[k], acc) for k = 0
@@ -60,35 +60,96 @@ double bound_factor(int64_t k) {
   return (2 * u + u * u + 2 * gamma * (1 + 2 * u)) * (1.0 + 0x1p-6);
 }
 
+// The approximate logits of a bfloat16 product, as it wrote them.
+struct Approx {
+  const float* a;  // [V]: one row's
+  f32xN vec(int64_t j) const { return load(a + j); }
+  float at(int64_t j) const { return a[j]; }
+};
+
+// The approximate logits of an int8 product (PanelMatmulI8): its int32 sums, less the 128 added to
+// each x value, scaled by x's and each token's scale. At most three roundings from the real
+// product of the quantized vectors, in whatever order -ffast-math leaves them.
+struct Int8Approx {
+  const int32_t* sums;    // [V]: one row's
+  const float* scales;    // [V]: each token's weight scale
+  const int32_t* totals;  // [V]: each token's quantized weights summed
+  float s;                // the row's scale
+  f32xN vec(int64_t j) const {
+    i32xN sv, tv;
+    std::memcpy(&sv, sums + j, sizeof sv);
+    std::memcpy(&tv, totals + j, sizeof tv);
+    return __builtin_convertvector(sv - (tv << 7), f32xN) * (s * load(scales + j));
+  }
+  float at(int64_t j) const { return static_cast<float>(sums[j] - (totals[j] << 7)) * (s * scales[j]); }
+};
+
+// refine's s2: twice gamma_K |x|_2 (the dot's and the chain's rounding), widened 2^-6 for the
+// arithmetic that applies it, and the subnormal term of the screens
+float refine_factor(double xn, int64_t k) {
+  const double gamma = (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24);
+  return static_cast<float>(2 * gamma * xn * (1.0 + 0x1p-6) + 0x1p-120 * std::sqrt(static_cast<double>(k)));
+}
+
 struct Problem {
-  const float* approx;  // [R, V]
   const float* x;       // [R, K]
   const float* rows;    // [V, K]
   const float* norms;   // [V]
   int64_t v, k;
-  double factor;
   int32_t* tokens;
   float* values;
   int32_t* candidates;
 };
 
-void screen_row(const Problem& pb, int64_t r) {
-  const float* a = pb.approx + r * pb.v;
-  const float* x = pb.x + r * pb.k;
+// |x|_2 in double
+double row_norm(const float* x, int64_t k) {
   double sq = 0.0;
-  for (int64_t i = 0; i < pb.k; ++i) sq += double{x[i]} * x[i];
-  // e_j = s * norms[j] + t: the relative bound, and an absolute one for subnormal operands and
-  // partial sums (flushed to zero by VDPBF16PS: at most 2^-126 (|W_j|_1 + |x|_1 + 2K) in all)
-  const double root_k = std::sqrt(static_cast<double>(pb.k)), xn = std::sqrt(sq);
-  const float s = static_cast<float>(xn * pb.factor + 0x1p-120 * root_k);
-  const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * pb.k));
+  for (int64_t i = 0; i < k; ++i) sq += double{x[i]} * x[i];
+  return std::sqrt(sq);
+}
+
+// x . w in float32, 16 lanes along k, then across them: any order is within gamma_K sum_k |x_k w_k|
+// of the real product, as the float32 kernel's chain is
+float dot(const float* x, const float* w, int64_t k) {
+  f32xN lanes = {};
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) lanes += load(x + i) * load(w + i);
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; i < k; ++i) sum += x[i] * w[i];
+  return sum;
+}
+
+// Narrow the candidates (in token order) with their float32 dot products, vectorized along k, each
+// within s2 * norms[j] + t of the kernel's logit (s2 = 2 gamma_K |x|, widened, as for both it and
+// the dot): a tenth of a chain's time per candidate, where the int8 screen leaves tens of them.
+void refine(const Problem& pb, const float* x, float s2, float t, std::vector<int32_t>& picked) {
+  thread_local std::vector<float> dots;
+  dots.resize(picked.size());
+  float lower = -std::numeric_limits<float>::max();
+  for (size_t c = 0; c < picked.size(); ++c) {
+    dots[c] = dot(x, pb.rows + picked[c] * pb.k, pb.k);
+    lower = std::max(lower, dots[c] - s2 * pb.norms[picked[c]]);
+  }
+  lower -= 2 * t;
+  size_t kept = 0;
+  for (size_t c = 0; c < picked.size(); ++c)
+    if (dots[c] + s2 * pb.norms[picked[c]] >= lower) picked[kept++] = picked[c];
+  picked.resize(kept);
+}
+
+// Row r's token and exact logit, from approximate logits `a` within s * norms[j] + t of the float32
+// kernel's (and s2 * norms[j] + t for refine)
+template <typename A>
+void screen_row(const Problem& pb, int64_t r, const A& a, float s, float s2, float t) {
+  const float* x = pb.x + r * pb.k;
   // lower = max_j (a_j - e_j); an approximate logit that is not finite makes the screen void
   const f32xN zero = {}, sv = zero + s;
   f32xN lanes = zero - std::numeric_limits<float>::max();
   u32xN exponents = {};  // lanes whose exponent bits are all ones: an infinity or a NaN
   int64_t j = 0;
   for (; j + kLanes <= pb.v; j += kLanes) {
-    const f32xN av = load(a + j), lo = av - sv * load(pb.norms + j);
+    const f32xN av = a.vec(j), lo = av - sv * load(pb.norms + j);
     lanes = lanes > lo ? lanes : lo;
     exponents |= (reinterpret_cast<const u32xN&>(av) & kExponentBits) == kExponentBits;
   }
@@ -96,8 +157,8 @@ void screen_row(const Problem& pb, int64_t r) {
   float lower = -std::numeric_limits<float>::max();
   for (int l = 0; l < kLanes; ++l) lower = std::max(lower, lanes[l]), ok &= exponents[l] == 0;
   for (; j < pb.v; ++j) {
-    lower = std::max(lower, a[j] - s * pb.norms[j]);
-    ok &= !not_finite(a[j]);
+    lower = std::max(lower, a.at(j) - s * pb.norms[j]);
+    ok &= !not_finite(a.at(j));
   }
   lower -= 2 * t;  // a candidate's a_j + s n_j + t reaches the best a_i - s n_i - t
   // the candidates, in token order; every token if the screen is void
@@ -105,25 +166,26 @@ void screen_row(const Problem& pb, int64_t r) {
   thread_local std::vector<float> exact;
   picked.clear();
   if (!ok) {
-    for (int64_t t = 0; t < pb.v; ++t) picked.push_back(static_cast<int32_t>(t));
+    for (int64_t i = 0; i < pb.v; ++i) picked.push_back(static_cast<int32_t>(i));
   } else {
     // a chunk's largest upper bound first (whole vectors): few chunks hold a candidate
     constexpr int64_t kChunk = 16 * kLanes;
     for (j = 0; j + kChunk <= pb.v; j += kChunk) {
       f32xN top = zero - std::numeric_limits<float>::max();
       for (int64_t i = j; i < j + kChunk; i += kLanes) {
-        const f32xN up = load(a + i) + sv * load(pb.norms + i);
+        const f32xN up = a.vec(i) + sv * load(pb.norms + i);
         top = top > up ? top : up;
       }
       float most = top[0];
       for (int l = 1; l < kLanes; ++l) most = std::max(most, top[l]);
       if (most >= lower)
         for (int64_t i = j; i < j + kChunk; ++i)
-          if (a[i] + s * pb.norms[i] >= lower) picked.push_back(static_cast<int32_t>(i));
+          if (a.at(i) + s * pb.norms[i] >= lower) picked.push_back(static_cast<int32_t>(i));
     }
     for (; j < pb.v; ++j)
-      if (a[j] + s * pb.norms[j] >= lower) picked.push_back(static_cast<int32_t>(j));
+      if (a.at(j) + s * pb.norms[j] >= lower) picked.push_back(static_cast<int32_t>(j));
   }
+  if (ok && picked.size() > 2) refine(pb, x, s2, t, picked);
   const int64_t n = static_cast<int64_t>(picked.size());
   exact.resize(n + 4);
   int64_t c = 0;
@@ -150,23 +212,88 @@ void screen_row(const Problem& pb, int64_t r) {
   pb.candidates[r] = static_cast<int32_t>(n);
 }
 
+// checks: x [R, K], rows [V, K], norms [V] and the three results [R] (R and V as the logits give them)
+ffi::Error check(int64_t r, int64_t v, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
+                 ffi::Span<const int64_t> nd, int64_t results) {
+  if (xd.size() != 2 || wd.size() != 2 || nd.size() != 1 || xd[0] != r || wd[0] != v || wd[1] != xd[1] ||
+      nd[0] != v || results != 3 * r)
+    return ffi::Error::InvalidArgument("screened_argmax: expected logits [R,V], x [R,K], rows [V,K], norms [V]");
+  if (v == 0 || v > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("screened_argmax: the vocabulary must hold 1 to 2^31 - 1 tokens");
+  return ffi::Error::Success();
+}
+
+// `row(r)` screens row r: rows in items of a few (a row's screen reads V logits: 4096-32000 here)
+template <typename Row>
+void screen_rows(ffi::ThreadPool& pool, int64_t count, int64_t v, Row row) {
+  const int64_t per_item = redjax::units_per_item(v, 1);
+  redjax::run_on_pool(pool, (count + per_item - 1) / per_item, [=](int64_t item) {
+    for (int64_t r = item * per_item; r < std::min(count, (item + 1) * per_item); ++r) row(r);
+  });
+}
+
 ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
                               ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> values,
                               ffi::ResultBuffer<ffi::S32> candidates) {
-  const auto ad = approx.dimensions(), xd = x.dimensions(), wd = rows.dimensions();
-  if (ad.size() != 2 || xd.size() != 2 || wd.size() != 2 || norms.dimensions().size() != 1 || xd[0] != ad[0] ||
-      wd[0] != ad[1] || wd[1] != xd[1] || norms.dimensions()[0] != ad[1] || tokens->element_count() != ad[0] ||
-      values->element_count() != ad[0] || candidates->element_count() != ad[0])
-    return ffi::Error::InvalidArgument("screened_argmax: expected approx [R,V], x [R,K], rows [V,K], norms [V]");
-  if (ad[1] == 0 || ad[1] > std::numeric_limits<int32_t>::max())
-    return ffi::Error::InvalidArgument("screened_argmax: the vocabulary must hold 1 to 2^31 - 1 tokens");
-  const Problem pb{approx.typed_data(), x.typed_data(), rows.typed_data(), norms.typed_data(), ad[1], xd[1],
-                   bound_factor(xd[1]), tokens->typed_data(), values->typed_data(), candidates->typed_data()};
-  // rows in items of a few (a row's screen reads V logits: 4096-32000 for these models)
-  const int64_t per_item = redjax::units_per_item(pb.v, 1);
-  redjax::run_on_pool(pool, (ad[0] + per_item - 1) / per_item, [pb, per_item, total = ad[0]](int64_t item) {
-    for (int64_t r = item * per_item; r < std::min(total, (item + 1) * per_item); ++r) screen_row(pb, r);
+  const auto ad = approx.dimensions();
+  if (ad.size() != 2) return ffi::Error::InvalidArgument("screened_argmax: approx must be [R, V]");
+  const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
+  if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results); e.failure())
+    return e;
+  const int64_t k = x.dimensions()[1];
+  const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), ad[1], k, tokens->typed_data(),
+                   values->typed_data(), candidates->typed_data()};
+  const double factor = bound_factor(k), root_k = std::sqrt(static_cast<double>(k));
+  const float* a = approx.typed_data();
+  screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
+    // e_j = s * norms[j] + t: the relative bound, and an absolute one for subnormal operands and
+    // partial sums (flushed to zero by VDPBF16PS: at most 2^-126 (|W_j|_1 + |x|_1 + 2K) in all)
+    const double xn = row_norm(pb.x + r * k, k);
+    const float s = static_cast<float>(xn * factor + 0x1p-120 * root_k);
+    const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * k));
+    screen_row(pb, r, Approx{a + r * pb.v}, s, refine_factor(xn, k), t);
+  });
+  return ffi::Error::Success();
+}
+
+// The int8 product's sums s32[R, V] and x's quantization stats f32[R, 3] (i8_rows.h), x, the
+// float32 rows and norms, each token's weight scale f32[V] and quantized weights' sum s32[V], and
+// rho >= max_j |W_j - scale_j q_j|_2 / |W_j|_2.
+//
+// With q(x) and q(W_j) the quantized vectors as reals, |x.W_j - q(x).q(W_j)| <= |x - q(x)| |W_j| +
+// |q(x)| |W_j - q(W_j)| <= (|x - q(x)| + rho |q(x)|) n_j; the float32 kernel's logit is within
+// gamma_K |x| n_j of x.W_j; the approximate logit within 3 roundings (3.01 2^-24) of q(x).q(W_j),
+// at most |q(x)| (1 + rho) n_j. The sum of those, widened 2^-6 for the arithmetic that applies
+// it, plus the subnormal terms of the bfloat16 screen, and K 2^-100 for an approximate logit whose
+// scale underflows.
+ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sums, ffi::Buffer<ffi::F32> stats,
+                                ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
+                                ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> totals, float rho,
+                                ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> values,
+                                ffi::ResultBuffer<ffi::S32> candidates) {
+  const auto sd = sums.dimensions();
+  if (sd.size() != 2) return ffi::Error::InvalidArgument("screened_argmax_i8: sums must be [R, V]");
+  const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
+  if (auto e = check(sd[0], sd[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results); e.failure())
+    return e;
+  if (stats.element_count() != 3 * sd[0] || scales.element_count() != sd[1] || totals.element_count() != sd[1])
+    return ffi::Error::InvalidArgument("screened_argmax_i8: expected stats [R,3], scales [V], totals [V]");
+  const int64_t k = x.dimensions()[1];
+  const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), sd[1], k, tokens->typed_data(),
+                   values->typed_data(), candidates->typed_data()};
+  const double gamma = (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24), root_k = std::sqrt(static_cast<double>(k));
+  const int32_t* raw = sums.typed_data();
+  const float *st = stats.typed_data(), *sc = scales.typed_data();
+  const int32_t* tot = totals.typed_data();
+  screen_rows(pool, sd[0], pb.v, [=](int64_t r) {
+    const float* row_stats = st + 3 * r;  // x's scale, |x - q(x)|, |q(x)|
+    const double xn = row_norm(pb.x + r * k, k), lost = row_stats[1], kept = row_stats[2];
+    const double bound = (lost + rho * kept + gamma * xn + 3.01 * 0x1p-24 * kept * (1.0 + rho)) * (1.0 + 0x1p-6);
+    const float s = static_cast<float>(bound + 0x1p-120 * root_k);
+    const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * k) + 0x1p-100 * k);
+    screen_row(pb, r, Int8Approx{raw + r * pb.v, sc, tot, row_stats[0]}, not_finite(row_stats[0]) ? row_stats[0] : s,
+               refine_factor(xn, k), t);
   });
   return ffi::Error::Success();
 }
@@ -180,6 +307,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmax, ScreenedArgmaxImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxI8, ScreenedArgmaxI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("rho")
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
