@@ -70,10 +70,10 @@ def row_norms(rows: jax.Array) -> jax.Array:
     return jnp.asarray(np.nextafter(norms.astype(np.float32), np.float32(np.inf)))
 
 
-def quantize(rows: np.ndarray, norms: np.ndarray):
-    """f32[V, K] -> (q i8[V, K], scales f32[V], totals i32[V], rho): each token's row to int8 by its
-    own scale (its largest |w| / 127), the quantized row's sum, and rho >= |W_j - scale_j q_j|_2 /
-    norms[j] for every token (rounded up), which the int8 screen's bound takes."""
+def quantize(rows: np.ndarray):
+    """f32[V, K] -> (q i8[V, K], scales f32[V], totals i32[V], lost f32[V]): each token's row to int8
+    by its own scale (its largest |w| / 127), the quantized row's sum, and |W_j - scale_j q_j|_2
+    (rounded up), which the int8 screen's bound takes."""
     most = np.abs(rows).max(axis=1)
     scales = (most / np.float32(127)).astype(np.float32)
     safe = np.where(scales > 0, scales, np.float32(1))
@@ -81,9 +81,8 @@ def quantize(rows: np.ndarray, norms: np.ndarray):
     lost = np.concatenate([np.sqrt(np.square(rows[i:i + 4096] - scales[i:i + 4096, None].astype(np.float64)
                                              * q[i:i + 4096], dtype=np.float64).sum(axis=1))
                            for i in range(0, rows.shape[0], 4096)])
-    ratio = np.where(norms > 0, lost / np.where(norms > 0, norms, 1).astype(np.float64), 0.0).max(initial=0.0)
-    rho = float(np.nextafter(np.float32(ratio * (1 + 2.0**-40)), np.float32(np.inf)))
-    return q, scales, q.sum(axis=1, dtype=np.int32), rho
+    lost = np.nextafter((lost * (1 + 2.0**-40)).astype(np.float32), np.float32(np.inf))
+    return q, scales, q.sum(axis=1, dtype=np.int32), lost
 
 
 def pack_int8(q: np.ndarray) -> np.ndarray:
@@ -100,12 +99,13 @@ class Int8Head(nnx.Module):
     """The LM head for greedy rows: int8 panels with their scales, the float32 rows, their norms."""
 
     def __init__(self, rows: jax.Array):  # f32[V, K]: the head's weight, a row per token
-        norms = row_norms(rows)
-        q, scales, totals, self.rho = quantize(np.asarray(rows), np.asarray(norms))
+        q, scales, totals, lost = quantize(np.asarray(rows))
         self.panels = nnx.Param(jnp.asarray(pack_int8(q)))  # i8[P, K / 4, 4 * PANEL]
-        self.scales, self.totals = nnx.Param(jnp.asarray(scales)), nnx.Param(jnp.asarray(totals))  # [V]
+        pad = self.panels.shape[0] * cpu_matmul.PANEL - rows.shape[0]  # columns past V: zeros
+        self.scales = nnx.Param(jnp.asarray(np.pad(scales, (0, pad))))  # f32[P * PANEL]
+        self.totals = nnx.Param(jnp.asarray(np.pad(totals, (0, pad))))  # i32[P * PANEL]
         self.rows = nnx.Param(rows)
-        self.norms = nnx.Param(norms)  # f32[V]
+        self.norms, self.lost = nnx.Param(row_norms(rows)), nnx.Param(jnp.asarray(lost))  # f32[V]
         self.vocab = rows.shape[0]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # f32[R, K] -> i32[R]
@@ -114,13 +114,12 @@ class Int8Head(nnx.Module):
     def screen(self, x: jax.Array):
         """x f32[R, K] -> (tokens i32[R], their float32 logits f32[R], exact logits computed i32[R])."""
         r, x = x.shape[0], x.astype(jnp.float32)
-        product = jax.ffi.ffi_call(I8_MATMUL, (jax.ShapeDtypeStruct((r, self.vocab), jnp.int32),
+        product = jax.ffi.ffi_call(I8_MATMUL, (jax.ShapeDtypeStruct((r, self.vocab), jnp.float32),
                                                jax.ShapeDtypeStruct((r, 3), jnp.float32)))
-        sums, stats = product(x, self.panels[...])  # s32[R, V], f32[R, 3]
+        approx, stats = product(x, self.panels[...], self.scales[...], self.totals[...])  # f32[R, V], f32[R, 3]
         call = jax.ffi.ffi_call(I8_TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
                                             jax.ShapeDtypeStruct((r,), jnp.int32)))
-        return call(sums, stats, x, self.rows[...], self.norms[...], self.scales[...], self.totals[...],
-                    rho=np.float32(self.rho))
+        return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...])
 
 
 class ScreenedHead(nnx.Module):

@@ -86,7 +86,8 @@ constexpr int64_t kBlockTiles = 4;
 struct F32 {
   using X = float;
   using Acc = f32xN;  // the accumulators' vector type, stored by put
-  static void put(float* p, Acc v) { store(p, v); }
+  struct Scales {};   // what put needs beyond the sums (I8: the scales)
+  static void put(float* p, Acc v, const Scales&, int64_t, int64_t) { store(p, v); }
   static constexpr bool kInPlace = true;  // x's rows are read as they are
   using W = f32xN;
   static W weights(const void* p) { return load(static_cast<const float*>(p)); }
@@ -97,7 +98,8 @@ struct F32 {
 struct BF16 {
   using X = uint32_t;  // x[k] (low half) and x[k + 1] as bfloat16
   using Acc = f32xN;
-  static void put(float* p, Acc v) { store(p, v); }
+  struct Scales {};
+  static void put(float* p, Acc v, const Scales&, int64_t, int64_t) { store(p, v); }
   static constexpr bool kInPlace = false;  // x's rows are rounded first
   using W = __m512bh;  // 16 columns x (k, k + 1)
   static W weights(const void* p) { return reinterpret_cast<W>(_mm512_loadu_si512(p)); }
@@ -112,13 +114,24 @@ struct BF16 {
 // int8 weights (PanelMatmulI8: the screened greedy head's approximation, screened_head.py): a panel
 // row is [kPanel columns, 4] for k .. k + 3 as signed bytes, and one VPDPBUSD adds 16 columns' four
 // products with x's four (quantized, offset by 128, unsigned) into int32 accumulators, exactly:
-// four times the k of a float32 FMA per instruction. The product's output is those int32 sums.
+// four times the k of a float32 FMA per instruction. The tile's stores scale the sums to floats.
 struct I8 {
   using X = uint32_t;  // x's quantized k .. k + 3, each + 128, as unsigned bytes (low byte first)
   // int32 sums, in GCC's own 16 x int32 vector type: through __m512i (8 x int64), which the
   // intrinsic converts to and from on every call, GCC spilled accumulators to the stack
   using Acc = i32xN;
-  static void put(float* p, Acc v) { std::memcpy(p, &v, sizeof v); }  // the int32 sums as they are
+  struct Scales {
+    const float* rows;     // [M, 3]: each row's scale first (i8_rows.h)
+    const float* columns;  // [P * kPanel]: each column's scale (zero past N)
+    const int32_t* sums;   // [P * kPanel]: each column's quantized weights summed
+  };
+  // row m's sums for columns n .. n + 15 -> the product of the quantized vectors, in float32: the
+  // 128 added to x's values taken off exactly in int32, then scaled
+  static void put(float* p, Acc v, const Scales& sc, int64_t m, int64_t n) {
+    i32xN sums;
+    std::memcpy(&sums, sc.sums + n, sizeof sums);
+    store(p, __builtin_convertvector(v - (sums << 7), f32xN) * (sc.rows[3 * m] * load(sc.columns + n)));
+  }
   static constexpr bool kInPlace = false;  // x's rows are quantized first
   using W = i32xN;  // 16 columns x (k .. k + 3)
   static W weights(const void* p) {
@@ -136,7 +149,8 @@ struct Problem {
   const char* w;           // panels of steps x 128 bytes
   float* y;
   int64_t m, n;
-  int64_t steps;  // panel rows: K for float32 weights, ceil(K / 2) for bfloat16
+  int64_t steps;  // panel rows: K for float32 weights, ceil(K / 2) for bfloat16, ceil(K / 4) for int8
+  typename F::Scales scales = {};
   int64_t panel_bytes() const { return steps * kPanel * int64_t{sizeof(float)}; }
 };
 
@@ -199,10 +213,10 @@ inline void tile(const Problem<F>& pb, const char* panel, int64_t m0, int64_t n0
   for (int r = 0; r < R; ++r) {
     float* out = pb.y + (m0 + r) * pb.n + n0;
     if (cols == kPanel) {
-      for (int c = 0; c < kVecs; ++c) F::put(out + c * kLanes, acc[r][c]);
+      for (int c = 0; c < kVecs; ++c) F::put(out + c * kLanes, acc[r][c], pb.scales, m0 + r, n0 + c * kLanes);
     } else {  // the last panel of an N that is not a multiple of kPanel
       float full[kPanel];
-      for (int c = 0; c < kVecs; ++c) F::put(full + c * kLanes, acc[r][c]);
+      for (int c = 0; c < kVecs; ++c) F::put(full + c * kLanes, acc[r][c], pb.scales, m0 + r, n0 + c * kLanes);
       std::memcpy(out, full, cols * sizeof(float));
     }
   }
@@ -350,20 +364,24 @@ ffi::Error PanelMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
 #endif
 
 #ifdef __AVX512VNNI__
-// x f32[M, K] quantized a row at a time (redjax::quantize_row_i8) -> the int32 sums y s32[M, N] of
-// x's quantized values (+ 128) times the int8 weights, and each row's scale and error norms
-// stats f32[M, 3]
+// x f32[M, K] quantized a row at a time (redjax::quantize_row_i8), times int8 weights w whose
+// columns' scales and quantized sums are `scales` f32[P * kPanel] and `sums` s32[P * kPanel] ->
+// y f32[M, N], the product of the quantized vectors (three roundings from it), and each row's scale
+// and error norms stats f32[M, 3]
 ffi::Error PanelMatmulI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                             ffi::ResultBuffer<ffi::S32> y, ffi::ResultBuffer<ffi::F32> stats) {
+                             ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> sums, ffi::ResultBuffer<ffi::F32> y,
+                             ffi::ResultBuffer<ffi::F32> stats) {
   if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), 4); e.failure()) return e;
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = y->dimensions()[1], steps = (k + 3) / 4;
-  if (stats->element_count() != 3 * m) return ffi::Error::InvalidArgument("panel_matmul_i8: stats must be [M, 3]");
+  const int64_t columns = w.dimensions()[0] * kPanel;
+  if (stats->element_count() != 3 * m || scales.element_count() != columns || sums.element_count() != columns)
+    return ffi::Error::InvalidArgument("panel_matmul_i8: expected stats [M, 3], scales and sums [P * 32]");
   if (m == 0 || n == 0) return ffi::Error::Success();
   const TilePlan plan = tile_plan(m);
-  const Problem<I8> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()),
-                       reinterpret_cast<float*>(y->typed_data()), m, n, steps};
-  const float* xs = x.typed_data();
   float* st = stats->typed_data();
+  const Problem<I8> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()), y->typed_data(), m, n, steps,
+                       {st, scales.typed_data(), sums.typed_data()}};
+  const float* xs = x.typed_data();
   run_product(pool, plan, pb, w.dimensions()[0], [=](int64_t m0, int64_t count, uint32_t* to) {
     for (int64_t r = 0; r < count; ++r) redjax::quantize_row_i8(xs + (m0 + r) * k, k, to + r * steps, st + 3 * (m0 + r));
     return static_cast<const uint32_t*>(to);
@@ -396,6 +414,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulI8, PanelMatmulI8Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 #endif

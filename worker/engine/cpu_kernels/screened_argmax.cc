@@ -35,7 +35,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using redjax::f32xN, redjax::i32xN, redjax::is_nan, redjax::kExponentBits, redjax::kLanes, redjax::load, redjax::not_finite,
+using redjax::f32xN, redjax::is_nan, redjax::kExponentBits, redjax::kLanes, redjax::load, redjax::not_finite,
     redjax::u32xN;
 
 // The float32 panel kernel's logits of tokens t[0..N): for each, acc = fma(x[k], w[k], acc) for k = 0
@@ -60,30 +60,6 @@ double bound_factor(int64_t k) {
   return (2 * u + u * u + 2 * gamma * (1 + 2 * u)) * (1.0 + 0x1p-6);
 }
 
-// The approximate logits of a bfloat16 product, as it wrote them.
-struct Approx {
-  const float* a;  // [V]: one row's
-  f32xN vec(int64_t j) const { return load(a + j); }
-  float at(int64_t j) const { return a[j]; }
-};
-
-// The approximate logits of an int8 product (PanelMatmulI8): its int32 sums, less the 128 added to
-// each x value, scaled by x's and each token's scale. At most three roundings from the real
-// product of the quantized vectors, in whatever order -ffast-math leaves them.
-struct Int8Approx {
-  const int32_t* sums;    // [V]: one row's
-  const float* scales;    // [V]: each token's weight scale
-  const int32_t* totals;  // [V]: each token's quantized weights summed
-  float s;                // the row's scale
-  f32xN vec(int64_t j) const {
-    i32xN sv, tv;
-    std::memcpy(&sv, sums + j, sizeof sv);
-    std::memcpy(&tv, totals + j, sizeof tv);
-    return __builtin_convertvector(sv - (tv << 7), f32xN) * (s * load(scales + j));
-  }
-  float at(int64_t j) const { return static_cast<float>(sums[j] - (totals[j] << 7)) * (s * scales[j]); }
-};
-
 // refine's s2: twice gamma_K |x|_2 (the dot's and the chain's rounding), widened 2^-6 for the
 // arithmetic that applies it, and the subnormal term of the screens
 float refine_factor(double xn, int64_t k) {
@@ -99,6 +75,7 @@ struct Problem {
   int32_t* tokens;
   float* values;
   int32_t* candidates;
+  const float* lost = nullptr;  // [V], the int8 screen's: |W_j - q(W_j)|_2, rounded up
 };
 
 // |x|_2 in double
@@ -128,6 +105,8 @@ void refine(const Problem& pb, const float* x, float s2, float t, std::vector<in
   dots.resize(picked.size());
   float lower = -std::numeric_limits<float>::max();
   for (size_t c = 0; c < picked.size(); ++c) {
+    if (c + 1 < picked.size())  // the next candidate's row, while this one's is summed
+      for (int64_t i = 0; i < pb.k; i += 16) __builtin_prefetch(pb.rows + picked[c + 1] * pb.k + i, 0, 3);
     dots[c] = dot(x, pb.rows + picked[c] * pb.k, pb.k);
     lower = std::max(lower, dots[c] - s2 * pb.norms[picked[c]]);
   }
@@ -138,27 +117,41 @@ void refine(const Problem& pb, const float* x, float s2, float t, std::vector<in
   picked.resize(kept);
 }
 
-// Row r's token and exact logit, from approximate logits `a` within s * norms[j] + t of the float32
-// kernel's (and s2 * norms[j] + t for refine)
-template <typename A>
-void screen_row(const Problem& pb, int64_t r, const A& a, float s, float s2, float t) {
+// Row r's token and exact logit, from approximate logits a f32[V] within e_j = s * norms[j] + t of
+// the float32 kernel's, plus b * lost[j] with kLost (and s2 * norms[j] + t for refine)
+template <bool kLost>
+void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t) {
+  const auto margin = [&](int64_t j) { return kLost ? s * pb.norms[j] + b * pb.lost[j] : s * pb.norms[j]; };
   const float* x = pb.x + r * pb.k;
-  // lower = max_j (a_j - e_j); an approximate logit that is not finite makes the screen void
-  const f32xN zero = {}, sv = zero + s;
-  f32xN lanes = zero - std::numeric_limits<float>::max();
+  // One pass: lower = max_j (a_j - e_j), and each chunk's largest upper bound a_j + e_j (few
+  // chunks hold a candidate; only those are read again). An approximate logit that is not finite
+  // makes the screen void.
+  constexpr int64_t kChunk = 16 * kLanes;
+  const int64_t chunks = pb.v / kChunk;
+  thread_local std::vector<float> tops;
+  tops.resize(chunks);
+  const f32xN zero = {}, sv = zero + s, bv = zero + b, least = zero - std::numeric_limits<float>::max();
+  f32xN lanes = least;
   u32xN exponents = {};  // lanes whose exponent bits are all ones: an infinity or a NaN
-  int64_t j = 0;
-  for (; j + kLanes <= pb.v; j += kLanes) {
-    const f32xN av = a.vec(j), lo = av - sv * load(pb.norms + j);
-    lanes = lanes > lo ? lanes : lo;
-    exponents |= (reinterpret_cast<const u32xN&>(av) & kExponentBits) == kExponentBits;
+  for (int64_t c = 0; c < chunks; ++c) {
+    f32xN top = least;
+    for (int64_t j = c * kChunk; j < (c + 1) * kChunk; j += kLanes) {
+      const f32xN av = load(a + j), e = kLost ? sv * load(pb.norms + j) + bv * load(pb.lost + j) : sv * load(pb.norms + j);
+      const f32xN lo = av - e, up = av + e;
+      lanes = lanes > lo ? lanes : lo;
+      top = top > up ? top : up;
+      exponents |= (reinterpret_cast<const u32xN&>(av) & kExponentBits) == kExponentBits;
+    }
+    float most = top[0];
+    for (int l = 1; l < kLanes; ++l) most = std::max(most, top[l]);
+    tops[c] = most;
   }
-  bool ok = !not_finite(s);
+  bool ok = !not_finite(s) && !not_finite(b);
   float lower = -std::numeric_limits<float>::max();
   for (int l = 0; l < kLanes; ++l) lower = std::max(lower, lanes[l]), ok &= exponents[l] == 0;
-  for (; j < pb.v; ++j) {
-    lower = std::max(lower, a.at(j) - s * pb.norms[j]);
-    ok &= !not_finite(a.at(j));
+  for (int64_t j = chunks * kChunk; j < pb.v; ++j) {
+    lower = std::max(lower, a[j] - margin(j));
+    ok &= !not_finite(a[j]);
   }
   lower -= 2 * t;  // a candidate's a_j + s n_j + t reaches the best a_i - s n_i - t
   // the candidates, in token order; every token if the screen is void
@@ -168,22 +161,12 @@ void screen_row(const Problem& pb, int64_t r, const A& a, float s, float s2, flo
   if (!ok) {
     for (int64_t i = 0; i < pb.v; ++i) picked.push_back(static_cast<int32_t>(i));
   } else {
-    // a chunk's largest upper bound first (whole vectors): few chunks hold a candidate
-    constexpr int64_t kChunk = 16 * kLanes;
-    for (j = 0; j + kChunk <= pb.v; j += kChunk) {
-      f32xN top = zero - std::numeric_limits<float>::max();
-      for (int64_t i = j; i < j + kChunk; i += kLanes) {
-        const f32xN up = a.vec(i) + sv * load(pb.norms + i);
-        top = top > up ? top : up;
-      }
-      float most = top[0];
-      for (int l = 1; l < kLanes; ++l) most = std::max(most, top[l]);
-      if (most >= lower)
-        for (int64_t i = j; i < j + kChunk; ++i)
-          if (a.at(i) + s * pb.norms[i] >= lower) picked.push_back(static_cast<int32_t>(i));
-    }
-    for (; j < pb.v; ++j)
-      if (a.at(j) + s * pb.norms[j] >= lower) picked.push_back(static_cast<int32_t>(j));
+    for (int64_t c = 0; c < chunks; ++c)
+      if (tops[c] >= lower)
+        for (int64_t i = c * kChunk; i < (c + 1) * kChunk; ++i)
+          if (a[i] + margin(i) >= lower) picked.push_back(static_cast<int32_t>(i));
+    for (int64_t j = chunks * kChunk; j < pb.v; ++j)
+      if (a[j] + margin(j) >= lower) picked.push_back(static_cast<int32_t>(j));
   }
   if (ok && picked.size() > 2) refine(pb, x, s2, t, picked);
   const int64_t n = static_cast<int64_t>(picked.size());
@@ -252,48 +235,44 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx
     const double xn = row_norm(pb.x + r * k, k);
     const float s = static_cast<float>(xn * factor + 0x1p-120 * root_k);
     const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * k));
-    screen_row(pb, r, Approx{a + r * pb.v}, s, refine_factor(xn, k), t);
+    screen_row<false>(pb, r, a + r * pb.v, s, 0.0f, refine_factor(xn, k), t);
   });
   return ffi::Error::Success();
 }
 
-// The int8 product's sums s32[R, V] and x's quantization stats f32[R, 3] (i8_rows.h), x, the
-// float32 rows and norms, each token's weight scale f32[V] and quantized weights' sum s32[V], and
-// rho >= max_j |W_j - scale_j q_j|_2 / |W_j|_2.
+// The int8 product's approximate logits f32[R, V] (PanelMatmulI8) and x's quantization stats
+// f32[R, 3] (i8_rows.h), x, the float32 rows and norms, and `lost` f32[V], |W_j - q(W_j)|_2 rounded up.
 //
 // With q(x) and q(W_j) the quantized vectors as reals, |x.W_j - q(x).q(W_j)| <= |x - q(x)| |W_j| +
-// |q(x)| |W_j - q(W_j)| <= (|x - q(x)| + rho |q(x)|) n_j; the float32 kernel's logit is within
-// gamma_K |x| n_j of x.W_j; the approximate logit within 3 roundings (3.01 2^-24) of q(x).q(W_j),
-// at most |q(x)| (1 + rho) n_j. The sum of those, widened 2^-6 for the arithmetic that applies
-// it, plus the subnormal terms of the bfloat16 screen, and K 2^-100 for an approximate logit whose
-// scale underflows.
-ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> sums, ffi::Buffer<ffi::F32> stats,
+// |q(x)| |W_j - q(W_j)|; the float32 kernel's logit is within gamma_K |x| |W_j| of x.W_j; the
+// approximate logit within 3 roundings (3.01 2^-24) of q(x).q(W_j), at most |q(x)| (|W_j| + |W_j -
+// q(W_j)|). So e_j = s n_j + b lost_j with s = |x - q(x)| + gamma_K |x| + 3.01 2^-24 |q(x)| and
+// b = |q(x)| (1 + 3.01 2^-24), each widened 2^-6 for the arithmetic that applies them, plus the
+// subnormal terms of the bfloat16 screen, and K 2^-100 for an approximate logit whose scale underflows.
+ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> stats,
                                 ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
-                                ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> totals, float rho,
-                                ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> values,
-                                ffi::ResultBuffer<ffi::S32> candidates) {
-  const auto sd = sums.dimensions();
-  if (sd.size() != 2) return ffi::Error::InvalidArgument("screened_argmax_i8: sums must be [R, V]");
+                                ffi::Buffer<ffi::F32> lost, ffi::ResultBuffer<ffi::S32> tokens,
+                                ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> candidates) {
+  const auto ad = approx.dimensions();
+  if (ad.size() != 2) return ffi::Error::InvalidArgument("screened_argmax_i8: approx must be [R, V]");
   const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
-  if (auto e = check(sd[0], sd[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results); e.failure())
+  if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results); e.failure())
     return e;
-  if (stats.element_count() != 3 * sd[0] || scales.element_count() != sd[1] || totals.element_count() != sd[1])
-    return ffi::Error::InvalidArgument("screened_argmax_i8: expected stats [R,3], scales [V], totals [V]");
+  if (stats.element_count() != 3 * ad[0] || lost.element_count() != ad[1])
+    return ffi::Error::InvalidArgument("screened_argmax_i8: expected stats [R, 3] and lost [V]");
   const int64_t k = x.dimensions()[1];
-  const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), sd[1], k, tokens->typed_data(),
-                   values->typed_data(), candidates->typed_data()};
+  const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), ad[1], k, tokens->typed_data(),
+                   values->typed_data(), candidates->typed_data(), lost.typed_data()};
   const double gamma = (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24), root_k = std::sqrt(static_cast<double>(k));
-  const int32_t* raw = sums.typed_data();
-  const float *st = stats.typed_data(), *sc = scales.typed_data();
-  const int32_t* tot = totals.typed_data();
-  screen_rows(pool, sd[0], pb.v, [=](int64_t r) {
-    const float* row_stats = st + 3 * r;  // x's scale, |x - q(x)|, |q(x)|
-    const double xn = row_norm(pb.x + r * k, k), lost = row_stats[1], kept = row_stats[2];
-    const double bound = (lost + rho * kept + gamma * xn + 3.01 * 0x1p-24 * kept * (1.0 + rho)) * (1.0 + 0x1p-6);
-    const float s = static_cast<float>(bound + 0x1p-120 * root_k);
+  const double widen = 1.0 + 0x1p-6, u3 = 3.01 * 0x1p-24;
+  const float *a = approx.typed_data(), *st = stats.typed_data();
+  screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
+    const float* row_stats = st + 3 * r;  // x's scale, |x - q(x)|, |q(x)|: not finite where x is not
+    const double xn = row_norm(pb.x + r * k, k), kept = row_stats[2];
+    const float s = static_cast<float>((row_stats[1] + gamma * xn + u3 * kept) * widen + 0x1p-120 * root_k);
+    const float b = static_cast<float>(kept * (1.0 + u3) * widen);
     const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * k) + 0x1p-100 * k);
-    screen_row(pb, r, Int8Approx{raw + r * pb.v, sc, tot, row_stats[0]}, not_finite(row_stats[0]) ? row_stats[0] : s,
-               refine_factor(xn, k), t);
+    screen_row<true>(pb, r, a + r * pb.v, not_finite(row_stats[0]) ? row_stats[0] : s, b, refine_factor(xn, k), t);
   });
   return ffi::Error::Success();
 }
@@ -314,14 +293,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmax, ScreenedArgmaxImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxI8, ScreenedArgmaxI8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("rho")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
