@@ -6,6 +6,7 @@ transformers' greedy tokens while requests that need the logits go through the f
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import load_model
 
 BF16_CPU = cpu_matmul.has_cpu_flag("avx512_bf16")
-VNNI_CPU = cpu_matmul.has_cpu_flag("avx512_vnni")
+VNNI_CPU = BF16_CPU and cpu_matmul.has_cpu_flag("avx512_vnni")  # the int8 head, and the bfloat16 one beside it
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,6 +148,24 @@ def test_the_int8_head_through_ties_non_finite_rows_and_tiny_inputs():
     tokens, _, candidates = int8_screened(x, rows)
     assert candidates[3] == v and tokens[3] == v - 1
     assert_float32_argmax(x[:3], rows, tokens[:3], int8_screened(x[:3], rows)[1])
+
+
+def test_steps_with_outlier_rows_take_the_bfloat16_head():
+    # a row with a few values far above the rest quantizes coarsely: its int8 bound would leave many
+    # candidates, so such a step takes the bfloat16 head; both give the float32 head's tokens
+    if not VNNI_CPU:  # the engine never picks it on this CPU (test_an_engine_on_it...)
+        return
+    rng = np.random.default_rng(6)
+    k, v = 256, 2000
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    head = screened_head.Int8Head(jnp.asarray(rows))
+    plain = rng.standard_normal((8, k)).astype(np.float32)
+    spiky = plain.copy()
+    spiky[3, :4] *= 20.0
+    assert bool(head.takes_int8(jnp.asarray(plain))) and not bool(head.takes_int8(jnp.asarray(spiky)))
+    for x in (plain, spiky):
+        want = float32_head(x, rows).argmax(axis=1)
+        np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x))), want)
 
 
 def test_only_greedy_steps_without_logits_take_it():
