@@ -18,9 +18,14 @@
 // most 14 and 37 over 1280 rows); a row whose approximate logits or norm are not finite is
 // searched over every token (and gives V - 1 if one of its logits is NaN, as the argmax kernel does).
 //
-// Shapes: approx f32[R, V] (the bfloat16 product), x f32[R, K] (the head's input), rows f32[V, K]
-// (the head's weight, a row per token: W transposed), norms f32[V] (|W_j|_2, rounded up) ->
-// tokens s32[R], their exact logits f32[R], candidates s32[R] (exact logits computed per row).
+// ScreenedArgmaxI8 screens the int8 product (PanelMatmulI8) the same way with its own bound
+// (ScreenedArgmaxI8Impl), about twice as wide: ~60 candidates a row at llama-100m's shape. Where
+// more than two are left, `refine` first narrows them with float32 dot products vectorized along
+// k (within 2 gamma_K |x|_2 |W_j|_2 of the chain), so that about one gets the chain.
+//
+// Shapes: approx f32[R, V] (the bfloat16 or int8 product), x f32[R, K] (the head's input), rows
+// f32[V, K] (the head's weight, a row per token: W transposed), norms f32[V] (|W_j|_2, rounded up)
+// -> tokens s32[R], their exact logits f32[R], candidates s32[R] (exact logits computed per row).
 
 #include <cmath>
 #include <cstdint>
