@@ -212,6 +212,17 @@ def test_an_engine_on_it_gives_transformers_greedy_tokens(llama, tokenizer):
             assert got[(f"g{i}", 0)].token_ids == want and got[(f"l{i}", 0)].token_ids == want, i
 
 
+def test_with_amx_the_bfloat16_head_comes_first(llama, monkeypatch):
+    # on AMX tiles the bfloat16 product outruns the AVX-512 int8 one (cpu_matmul.amx)
+    packed = lambda: cpu_matmul.pack_model(llama[0])  # noqa: E731 (a head attaches once per model)
+    best = "screened-int8" if VNNI_CPU else "screened-bf16" if BF16_CPU else "full"
+    assert screened_head.choose("auto", "kernel", packed()) == best
+    monkeypatch.setattr(cpu_matmul, "amx", lambda: True)
+    assert screened_head.choose("auto", "kernel", packed()) == ("screened-bf16" if BF16_CPU else "full")
+    if VNNI_CPU:  # asked for by name, the int8 head still
+        assert screened_head.choose("screened-int8", "kernel", packed()) == "screened-int8"
+
+
 def test_asking_for_it_where_it_cannot_run_fails(llama, tokenizer):
     model, _ = llama
     for mode in ("screened", "screened-int8", "screened-bf16"):
