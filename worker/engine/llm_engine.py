@@ -84,7 +84,7 @@ class LLMEngine:
         self.matmul = cpu_matmul.choose_matmul(config.matmul, config.tensor_parallel, model)
         if self.matmul == "kernel":  # before sizing the KV pages: the packed weights are new memory
             model = cpu_layer_ops.with_kernels(cpu_matmul.pack_model(model))
-        self.greedy_head = screened_head.choose(config.greedy_head, self.matmul, model)  # "screened" or "full"
+        self.greedy_head = screened_head.choose(config.greedy_head, self.matmul, model)  # "screened-int8", "screened-bf16" or "full"
         num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(kv_dtype).itemsize, mesh.size if mesh else 1)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
