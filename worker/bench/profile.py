@@ -43,8 +43,9 @@ KINDS = (
 # host-thread events that are bookkeeping, not an XLA op (the CPU fallback)
 HOST_NOISE = ("threadpool", "await", "end: ", "thunkexecutor", "execute")
 # XLA's control flow on a CPU: the thread that runs a `while` (a fused decode call's loop over its
-# steps) shows it as one event around the ops of the iterations it ran, which count on their own
-CONTAINERS = ("while", "conditional", "call")
+# steps) or a conditional (JAX names it `cond`: the int8 greedy head's) shows it as one event around
+# the ops it ran, which count on their own. Matched by the name's first dotted part
+CONTAINERS = ("while", "conditional", "cond", "call")
 TOP = 15  # kernels listed by name; the rest are summed into their kinds only
 Shape = tuple[int, int, int]  # a product's (M, K, N): x [M, K] times a weight [K, N]
 # XLA runs a GPU program op by op while a profiler is active, not through the command buffers (CUDA
@@ -358,7 +359,7 @@ def kernel_events(events: list[dict]) -> list[dict]:
         noise = HOST_NOISE
     return [e for e in events
             if e.get("ph") == "X" and (e["pid"], e["tid"]) in lines and not any(w in e["name"].lower() for w in noise)
-            and not (noise and family(e["name"]) in CONTAINERS)]
+            and not (noise and e["name"].split(".")[0].lower() in CONTAINERS)]
 
 
 def op_events(events: list[dict], targets: dict[str, str]) -> tuple[dict[str, tuple[float, int]],
