@@ -131,6 +131,20 @@ def test_the_int8_heads_tokens_and_logits_are_the_float32_heads(r, k, v):
     assert candidates.min() >= 1 and candidates.max() <= max(2, v // 100)
 
 
+def test_the_weights_quantization_and_its_error_norms():
+    # 4096-row blocks and a block's tail; a zero row; the error norms the bound takes are upper bounds
+    rng = np.random.default_rng(7)
+    rows = (rng.standard_normal((4100, 24)) * 0.05).astype(np.float32)
+    rows[5] = 0.0
+    q, scales, totals, lost = screened_head.quantize(rows)
+    np.testing.assert_array_equal(scales, (np.abs(rows).max(axis=1) / np.float32(127)).astype(np.float32))
+    assert np.abs(q).max() == 127 and not q[5].any() and scales[5] == 0
+    np.testing.assert_array_equal(totals, q.astype(np.int64).sum(axis=1))
+    error = np.sqrt(np.square(rows - scales[:, None].astype(np.float64) * q).sum(axis=1))
+    assert (lost >= error).all() and (lost <= error * (1 + 1e-6) + 1e-30).all()
+    assert (np.abs(rows - scales[:, None] * q) <= scales[:, None] / 2 * (1 + 1e-6)).all()  # to nearest
+
+
 def test_the_int8_head_through_ties_non_finite_rows_and_tiny_inputs():
     if not VNNI_CPU:  # the engine never picks it on this CPU (test_an_engine_on_it...)
         return
