@@ -111,6 +111,13 @@ def test_inputs_at_the_bottom_of_float32_still_give_the_float32_argmax():
     assert_float32_argmax(x, rows, tokens, values)
 
 
+def int8_runs() -> bool:
+    """Whether the int8 head runs here: where it cannot, it must not load, and the engine never picks
+    it (test_an_engine_on_it...), so its own tests have nothing to run."""
+    assert screened_head.load_int8() == VNNI_CPU
+    return VNNI_CPU
+
+
 def int8_screened(x: np.ndarray, rows: np.ndarray):
     """(tokens, logits, candidates) of the int8 head (its product quantizes x; candidates after refine)."""
     head = screened_head.Int8Head(jnp.asarray(rows))
@@ -119,8 +126,7 @@ def int8_screened(x: np.ndarray, rows: np.ndarray):
 
 @pytest.mark.parametrize("r,k,v", [(1, 16, 16), (7, 33, 1000), (64, 256, 4096), (13, 768, 3001), (5, 3, 40)])
 def test_the_int8_heads_tokens_and_logits_are_the_float32_heads(r, k, v):
-    assert screened_head.load_int8() == VNNI_CPU
-    if not VNNI_CPU:  # without AVX512-VNNI the engine never picks it (test_an_engine_on_it...)
+    if not int8_runs():
         return
     rng = np.random.default_rng(k + v)
     rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
@@ -147,7 +153,7 @@ def test_the_weights_quantization_and_its_error_norms():
 
 
 def test_the_int8_head_through_ties_non_finite_rows_and_tiny_inputs():
-    if not VNNI_CPU:  # the engine never picks it on this CPU (test_an_engine_on_it...)
+    if not int8_runs():
         return
     rng = np.random.default_rng(5)
     k, v = 64, 500
@@ -168,7 +174,7 @@ def test_the_int8_head_through_ties_non_finite_rows_and_tiny_inputs():
 def test_steps_with_outlier_rows_take_the_bfloat16_head():
     # a row with a few values far above the rest quantizes coarsely: its int8 bound would leave many
     # candidates, so such a step takes the bfloat16 head; both give the float32 head's tokens
-    if not VNNI_CPU:  # the engine never picks it on this CPU (test_an_engine_on_it...)
+    if not int8_runs():
         return
     rng = np.random.default_rng(6)
     k, v = 256, 2000
