@@ -21,7 +21,7 @@ from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import load_model
 
 BF16_CPU = cpu_matmul.has_cpu_flag("avx512_bf16")
-VNNI_CPU = BF16_CPU and cpu_matmul.has_cpu_flag("avx512_vnni")  # the int8 head, and the bfloat16 one beside it
+VNNI_CPU = cpu_matmul.has_cpu_flag("avx512_vnni")  # the int8 head
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -173,20 +173,23 @@ def test_the_int8_head_through_ties_non_finite_rows_and_tiny_inputs():
 
 def test_steps_with_outlier_rows_take_the_bfloat16_head():
     # a row with a few values far above the rest quantizes coarsely: its int8 bound would leave many
-    # candidates, so such a step takes the bfloat16 head; both give the float32 head's tokens
+    # candidates, so such a step takes the bfloat16 head, or without AVX512-BF16 the float32 head
+    # (the model's own panels) and its argmax; each gives the float32 head's tokens
     if not int8_runs():
         return
     rng = np.random.default_rng(6)
     k, v = 256, 2000
-    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
-    head = screened_head.Int8Head(jnp.asarray(rows))
+    rows = jnp.asarray(rng.standard_normal((v, k)).astype(np.float32) * 0.05)
+    full = screened_head.Int8Head(rows, screened_head.FullHead(cpu_matmul.PanelLinear(rows.T, None)))
+    heads = [full] + ([screened_head.Int8Head(rows)] if screened_head.load() else [])  # the bfloat16 head behind it
     plain = rng.standard_normal((8, k)).astype(np.float32)
     spiky = plain.copy()
     spiky[3, :4] *= 20.0
-    assert bool(head.takes_int8(jnp.asarray(plain))) and not bool(head.takes_int8(jnp.asarray(spiky)))
+    assert bool(full.takes_int8(jnp.asarray(plain))) and not bool(full.takes_int8(jnp.asarray(spiky)))
     for x in (plain, spiky):
-        want = float32_head(x, rows).argmax(axis=1)
-        np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x))), want)
+        want = float32_head(x, np.asarray(rows)).argmax(axis=1)
+        for head in heads:
+            np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x))), want)
 
 
 def test_only_greedy_steps_without_logits_take_it():
@@ -242,6 +245,21 @@ def test_with_amx_the_bfloat16_head_comes_first(llama, monkeypatch):
     assert screened_head.choose("auto", "kernel", packed()) == ("screened-bf16" if BF16_CPU else "full")
     if VNNI_CPU:  # asked for by name, the int8 head still
         assert screened_head.choose("screened-int8", "kernel", packed()) == "screened-int8"
+
+
+def test_without_avx512_bf16_the_int8_heads_fallback_is_the_models_float32_head(llama, monkeypatch):
+    if not int8_runs():
+        return
+    monkeypatch.setattr(screened_head, "load", lambda: False)  # as on a CPU without AVX512-BF16
+    model = cpu_matmul.pack_model(llama[0])
+    assert screened_head.choose("auto", "kernel", model) == "screened-int8"
+    head = model.greedy_head
+    assert isinstance(head.fallback, screened_head.FullHead) and head.fallback.head is model.lm_head
+    # (its hidden size is too small for rows to leave the int8 head: test_steps_with_outlier_rows...)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((4, model.cfg.hidden_size)).astype(np.float32))
+    want = np.asarray(model.lm_head(x)).argmax(axis=1)
+    for run in (head, head.fallback):
+        np.testing.assert_array_equal(np.asarray(jax.jit(run)(x)), want)
 
 
 def test_asking_for_it_where_it_cannot_run_fails(llama, tokenizer):

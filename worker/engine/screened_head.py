@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from worker.engine import cpu_build, cpu_matmul
-from worker.engine.sampler import SamplerFlags
+from worker.engine.sampler import SamplerFlags, first_argmax
 from worker.models.llama import LlamaForCausalLM
 
 TARGET = "redjax_screened_argmax"
@@ -54,9 +54,10 @@ def load_screen() -> bool:
 
 @lru_cache(maxsize=1)
 def load_int8() -> bool:
-    """The int8 panel kernel (AVX512-VNNI) and its screen, and the bfloat16 head for the steps it
-    leaves to that (`Int8Head.takes_int8`), built and registered; False if any cannot be."""
-    return (cpu_matmul.has_cpu_flag("avx512_vnni") and load()
+    """The int8 panel kernel (AVX512-VNNI) and its screen, built and registered; False if either
+    cannot be. (The steps it leaves to another head take the bfloat16 one where `load()`, else the
+    float32 head.)"""
+    return (cpu_matmul.has_cpu_flag("avx512_vnni") and cpu_matmul.load()
             and cpu_build.register("panel_matmul.cc", "PanelMatmulI8", I8_MATMUL)
             and cpu_build.register("screened_argmax.cc", "ScreenedArgmaxI8", I8_TARGET))
 
@@ -106,20 +107,32 @@ def pack_int8(q: np.ndarray) -> np.ndarray:
     return padded.reshape(steps, 4, panels, panel).transpose(2, 0, 3, 1).reshape(panels, steps, 4 * panel)
 
 
+class FullHead(nnx.Module):
+    """The float32 head and its first argmax, as the sampler's greedy rows take it: the int8 head's
+    fallback on a CPU without AVX512-BF16."""
+
+    def __init__(self, head: cpu_matmul.PanelLinear):  # the model's own (shared, not copied)
+        self.head = head
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f32[R, K] -> i32[R]
+        return first_argmax(self.head(x))
+
+
 class Int8Head(nnx.Module):
     """The LM head for greedy rows: int8 panels with their scales, the float32 rows, their norms; and
-    the bfloat16 head for steps whose rows int8 would screen poorly (`takes_int8`)."""
+    the bfloat16 head (or `fallback`) for steps whose rows int8 would screen poorly (`takes_int8`)."""
 
-    def __init__(self, rows: jax.Array):  # f32[V, K]: the head's weight, a row per token
+    def __init__(self, rows: jax.Array, fallback: nnx.Module | None = None):  # f32[V, K]: a row per token
         q, scales, totals, lost = quantize(np.asarray(rows))
         self.panels = nnx.Param(jnp.asarray(pack_int8(q)))  # i8[P, K / 4, 4 * PANEL]
         pad = self.panels.shape[0] * cpu_matmul.PANEL - rows.shape[0]  # columns past V: zeros
         self.scales = nnx.Param(jnp.asarray(np.pad(scales, (0, pad))))  # f32[P * PANEL]
         self.totals = nnx.Param(jnp.asarray(np.pad(totals, (0, pad))))  # i32[P * PANEL]
-        self.fallback = ScreenedHead(rows)  # its rows and norms are this head's too
+        self.fallback = fallback if fallback is not None else ScreenedHead(rows)
+        self.rows, self.norms = nnx.Param(rows), nnx.Param(row_norms(rows))  # f32[V, K] (not a copy), f32[V]
         self.lost = nnx.Param(jnp.asarray(lost))  # f32[V]
         # the weights' share of the int8 bound, |W_j - q(W_j)| / |W_j| over the tokens (a Python float)
-        norms = np.asarray(self.fallback.norms[...], np.float64)
+        norms = np.asarray(self.norms[...], np.float64)
         self.weight_loss = float(np.mean(lost / np.where(norms > 0, norms, 1.0)))
         self.vocab = rows.shape[0]
 
@@ -146,8 +159,7 @@ class Int8Head(nnx.Module):
         approx, stats = product(x, self.panels[...], self.scales[...], self.totals[...])  # f32[R, V], f32[R, 3]
         call = jax.ffi.ffi_call(I8_TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
                                             jax.ShapeDtypeStruct((r,), jnp.int32)))
-        rows, norms = self.fallback.rows[...], self.fallback.norms[...]
-        return call(approx, stats, x, rows, norms, self.lost[...])
+        return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...])
 
 
 class ScreenedHead(nnx.Module):
@@ -196,7 +208,10 @@ def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
     else:
         panels = model.lm_head.panels[...]  # f32[P, K, PANEL]
         rows = panels.transpose(0, 2, 1).reshape(-1, panels.shape[1])[: model.cfg.vocab_size]  # f32[V, K]
-    model.greedy_head = nnx.data(Int8Head(rows) if kind == KINDS[0] else ScreenedHead(rows))
+    if kind != KINDS[0]:
+        model.greedy_head = nnx.data(ScreenedHead(rows))
+    else:  # steps with outlier rows: the bfloat16 head, or without AVX512-BF16 the float32 one
+        model.greedy_head = nnx.data(Int8Head(rows, None if load() else FullHead(model.lm_head)))
     return True
 
 
