@@ -128,8 +128,8 @@ class Int8Head(nnx.Module):
         pad = self.panels.shape[0] * cpu_matmul.PANEL - rows.shape[0]  # columns past V: zeros
         self.scales = nnx.Param(jnp.asarray(np.pad(scales, (0, pad))))  # f32[P * PANEL]
         self.totals = nnx.Param(jnp.asarray(np.pad(totals, (0, pad))))  # i32[P * PANEL]
-        self.fallback = fallback if fallback is not None else ScreenedHead(rows)
         self.rows, self.norms = nnx.Param(rows), nnx.Param(row_norms(rows))  # f32[V, K] (not a copy), f32[V]
+        self.fallback = fallback if fallback is not None else ScreenedHead(rows, self.norms[...])
         self.lost = nnx.Param(jnp.asarray(lost))  # f32[V]
         # the weights' share of the int8 bound, |W_j - q(W_j)| / |W_j| over the tokens (a Python float)
         norms = np.asarray(self.norms[...], np.float64)
@@ -165,10 +165,10 @@ class Int8Head(nnx.Module):
 class ScreenedHead(nnx.Module):
     """The LM head for greedy rows: bfloat16 panels, the float32 rows, their norms."""
 
-    def __init__(self, rows: jax.Array):  # f32[V, K]: the head's weight, a row per token
+    def __init__(self, rows: jax.Array, norms: jax.Array | None = None):  # f32[V, K]: a row per token
         self.panels = nnx.Param(cpu_matmul.pack(rows.T.astype(jnp.bfloat16)))  # bf16[P, K / 2, 2 * PANEL]
         self.rows = nnx.Param(rows)
-        self.norms = nnx.Param(row_norms(rows))  # f32[V]
+        self.norms = nnx.Param(row_norms(rows) if norms is None else norms)  # f32[V] (`row_norms`)
         self.vocab = rows.shape[0]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # f32[R, K] -> i32[R]

@@ -59,18 +59,26 @@ void exact_logits(const float* x, const float* rows, int64_t k, const int32_t* t
   for (int c = 0; c < N; ++c) out[c] = acc[c];
 }
 
-// c(K) of the bound above, widened by 2^-6 of itself for the float32 arithmetic that applies it.
+constexpr double kWiden = 1.0 + 0x1p-6;  // every bound widened by 2^-6 for the float32 arithmetic that applies it
+
+// gamma_K: K float32 additions (a K + 2 margin), in any order, are within gamma_K sum |terms|
+double gamma(int64_t k) { return (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24); }
+
+// The absolute parts of the screens' bounds (double, each caller rounds it once): subnormal operands
+// and partial sums flushed to zero, at most 2^-126 (|W_j|_1 + |x|_1 + 2K) in all; the relative
+// factor's share is 2^-120 sqrt(K) times |W_j|, the rest (`absolute_term`) stands alone.
+double subnormal_factor(int64_t k) { return 0x1p-120 * std::sqrt(static_cast<double>(k)); }
+double absolute_term(double xn, int64_t k) { return 0x1p-120 * (std::sqrt(static_cast<double>(k)) * xn + 2.0 * k); }
+
+// c(K) of the bound above, widened.
 double bound_factor(int64_t k) {
-  const double u = 0x1p-8, gamma = (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24);
-  return (2 * u + u * u + 2 * gamma * (1 + 2 * u)) * (1.0 + 0x1p-6);
+  const double u = 0x1p-8;
+  return (2 * u + u * u + 2 * gamma(k) * (1 + 2 * u)) * kWiden;
 }
 
-// refine's s2: twice gamma_K |x|_2 (the dot's and the chain's rounding), widened 2^-6 for the
-// arithmetic that applies it, and the subnormal term of the screens
-float refine_factor(double xn, int64_t k) {
-  const double gamma = (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24);
-  return static_cast<float>(2 * gamma * xn * (1.0 + 0x1p-6) + 0x1p-120 * std::sqrt(static_cast<double>(k)));
-}
+// refine's s2: twice gamma_K |x|_2 (the dot's and the chain's rounding), widened, and the subnormal
+// factor of the screens
+float refine_factor(double xn, int64_t k) { return static_cast<float>(2 * gamma(k) * xn * kWiden + subnormal_factor(k)); }
 
 struct Problem {
   const float* x;       // [R, K]
@@ -232,14 +240,14 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx
   const int64_t k = x.dimensions()[1];
   const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), ad[1], k, tokens->typed_data(),
                    values->typed_data(), candidates->typed_data()};
-  const double factor = bound_factor(k), root_k = std::sqrt(static_cast<double>(k));
+  const double factor = bound_factor(k);
   const float* a = approx.typed_data();
   screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
     // e_j = s * norms[j] + t: the relative bound, and an absolute one for subnormal operands and
     // partial sums (flushed to zero by VDPBF16PS: at most 2^-126 (|W_j|_1 + |x|_1 + 2K) in all)
     const double xn = row_norm(pb.x + r * k, k);
-    const float s = static_cast<float>(xn * factor + 0x1p-120 * root_k);
-    const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * k));
+    const float s = static_cast<float>(xn * factor + subnormal_factor(k));
+    const float t = static_cast<float>(absolute_term(xn, k));
     screen_row<false>(pb, r, a + r * pb.v, s, 0.0f, refine_factor(xn, k), t);
   });
   return ffi::Error::Success();
@@ -268,15 +276,14 @@ ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> appr
   const int64_t k = x.dimensions()[1];
   const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), ad[1], k, tokens->typed_data(),
                    values->typed_data(), candidates->typed_data(), lost.typed_data()};
-  const double gamma = (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24), root_k = std::sqrt(static_cast<double>(k));
-  const double widen = 1.0 + 0x1p-6, u3 = 3.01 * 0x1p-24;
+  const double gk = gamma(k), u3 = 3.01 * 0x1p-24;
   const float *a = approx.typed_data(), *st = stats.typed_data();
   screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
     const float* row_stats = st + 3 * r;  // x's scale, |x - q(x)|, |q(x)|: not finite where x is not
     const double xn = row_norm(pb.x + r * k, k), kept = row_stats[2];
-    const float s = static_cast<float>((row_stats[1] + gamma * xn + u3 * kept) * widen + 0x1p-120 * root_k);
-    const float b = static_cast<float>(kept * (1.0 + u3) * widen);
-    const float t = static_cast<float>(0x1p-120 * (root_k * xn + 2.0 * k) + 0x1p-100 * k);
+    const float s = static_cast<float>((row_stats[1] + gk * xn + u3 * kept) * kWiden + subnormal_factor(k));
+    const float b = static_cast<float>(kept * (1.0 + u3) * kWiden);
+    const float t = static_cast<float>(absolute_term(xn, k) + 0x1p-100 * k);
     screen_row<true>(pb, r, a + r * pb.v, not_finite(row_stats[0]) ? row_stats[0] : s, b, refine_factor(xn, k), t);
   });
   return ffi::Error::Success();
