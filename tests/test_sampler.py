@@ -31,7 +31,7 @@ CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8:
 
 @pytest.fixture(params=["jnp", "kernel"])
 def kernels(request):
-    """How sampled rows are cut and drawn: jnp (bisections, a blocked inverse CDF; accelerators) or the compiled
+    """How sampled rows are cut and drawn: jnp (bisections, Gumbel noise in jnp; accelerators) or the compiled
     CPU kernels (the CPU backend; CI installs the compiler they need, so they must build)."""
     if request.param == "jnp":
         return None
@@ -98,7 +98,7 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass(kernels):
 def test_min_p_mask_matches_transformers():
     logits = random_logits(4, 64, seed=2)
     mins = [0.0, 0.05, 0.3, 1.0]
-    kept = ours_kept(logits, tensors(4, min_p=mins), SamplerFlags(all_greedy=False))  # min-p needs no sort
+    kept = ours_kept(logits, tensors(4, min_p=mins))  # (a cut: with needs_cut alone)
     for row, m in enumerate(mins):
         expected = hf_kept(MinPLogitsWarper(m), logits[row]) if m else np.ones(64, bool)
         np.testing.assert_array_equal(kept[row], expected, err_msg=f"min_p={m}")
@@ -201,7 +201,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_sampled_frequencies_match_the_filtered_distribution(fields, kernels):
     logits = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.2, -0.1, -0.6, -1.0, -2.0], np.float32)
     n = 6000
-    flags = SamplerFlags(all_greedy=False, needs_cut="top_k" in fields or "top_p" in fields)
+    flags = SamplerFlags(all_greedy=False, needs_cut=len(fields) > 1)
     tokens = draws(logits, n, flags, kernels, seed=11, **fields)
     counts = np.bincount(tokens, minlength=len(logits))
     # the target law, written out independently: temperature, then the cut, renormalised
@@ -255,52 +255,79 @@ def test_cutoffs_equal_a_descending_sort_with_ties_and_large_vocabularies(kernel
                                       sorted_kept(logits, top_k, top_p.astype(np.float32)), err_msg=f"trial {trial}")
 
 
-def float64_cdf(logits: np.ndarray) -> np.ndarray:
-    """Each row's cumulative probability in vocabulary order, in float64: f64[R, V]."""
-    probs = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
-    return np.cumsum(probs / probs.sum(-1, keepdims=True), -1)
-
-
 def draw_fn(kernels):
-    return jax.jit(kernels.draw if kernels is not None else sampler.inverse_cdf_draw)
+    return jax.jit(kernels.draw if kernels is not None else sampler.gumbel_draw)
 
 
-@pytest.mark.parametrize("vocab", [300, 4096, 7])  # a partial last block; whole blocks; less than one
-def test_draw_is_the_inverse_cdf_of_the_row_distribution(kernels, vocab):
-    """The drawn token is the first whose cumulative probability (vocabulary order) passes u, masked
-    (-inf) entries are never drawn, and u near 0 or 1 stays on the ends of what can be drawn."""
+def random_keys(rng, rows: int) -> np.ndarray:
+    return rng.integers(0, 2**32, (rows, 2), dtype=np.uint32)
+
+
+def test_the_noise_is_gumbel_distributed_and_independent_across_tokens_and_keys():
+    """The hashed noise against the Gumbel law (Kolmogorov-Smirnov distance over a million values),
+    with no correlation between neighbouring tokens, between rows with neighbouring keys, or
+    between a row's tokens j and j + 2^k."""
+    keys = np.stack([np.arange(64, dtype=np.uint32), np.full(64, 7, np.uint32)], axis=1)  # neighbouring keys
+    g = np.asarray(jax.jit(sampler.gumbel_noise, static_argnums=1)(jnp.asarray(keys), 16384), np.float64)
+    assert np.isfinite(g).all() and g.max() < 17.4 and g.min() > -2.9  # 24-bit uniforms in (0, 1)
+    values = np.sort(g.ravel())
+    law = np.exp(-np.exp(-values))
+    n = len(values)
+    ks = max((np.arange(1, n + 1) / n - law).max(), (law - np.arange(n) / n).max())
+    assert ks < 1.95 / np.sqrt(n), f"KS distance {ks:.2e}"  # p ~ 1e-3 for a true Gumbel
+    assert abs(g.mean() - np.euler_gamma) < 0.01 and abs(g.std() - np.pi / np.sqrt(6)) < 0.01
+    z = (g - g.mean()) / g.std()
+    bound = 5 / np.sqrt(z.size)  # 5 standard errors of a correlation
+    for shift in (1, 2, 16, 1024):
+        assert abs((z[:, :-shift] * z[:, shift:]).mean()) < bound, shift
+    assert abs((z[:-1] * z[1:]).mean()) < bound
+
+
+@pytest.mark.parametrize("vocab", [300, 4096, 7])  # a partial last vector; whole vectors; less than one
+def test_the_draw_is_the_first_largest_logit_plus_scaled_noise(kernels, vocab):
+    """Each row takes the first largest of logit_j + T g_j (g from the jnp noise, the same hash; the
+    kernel's logarithm may differ by an ulp, so a row whose two largest are within rounding may
+    take either); masked (-inf) entries are never drawn; T = 0 takes the argmax; a NaN gives V - 1."""
     rng = np.random.default_rng(3)
-    logits = (rng.standard_normal((32, vocab)) * 2).astype(np.float32)
+    rows = 64
+    logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
     logits[rng.random(logits.shape) < 0.3] = -np.inf  # masked by a cut
-    logits[np.arange(32), rng.integers(0, vocab, 32)] = 1.0  # every row keeps one
-    u = rng.random(32).astype(np.float32)
-    u[:2] = [0.0, np.nextafter(np.float32(1), np.float32(0))]
-    got = np.asarray(draw_fn(kernels)(jnp.asarray(logits), jnp.asarray(u)))
-    cdf = float64_cdf(logits)
-    want = np.minimum((cdf <= u[:, None]).sum(-1), vocab - 1)
-    assert np.isfinite(logits[np.arange(32), got]).all()
-    assert (got == want).mean() >= 0.9  # float32 sums decide a u within rounding of a boundary
-    assert np.abs(cdf[np.arange(32), got] - cdf[np.arange(32), want]).max() < 1e-5
-    assert got[0] == np.flatnonzero(np.isfinite(logits[0]))[0]
-    assert got[1] == np.flatnonzero(np.isfinite(logits[1]))[-1]
+    logits[np.arange(rows), rng.integers(0, vocab, rows)] = 1.0  # every row keeps one
+    temperature = rng.choice([0.0, 0.1, 0.7, 1.0, 3.0], rows).astype(np.float32)
+    keys = random_keys(rng, rows)
+    logits[5, 3] = np.nan
+    got = np.asarray(draw_fn(kernels)(jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(keys)))
+    noise = np.asarray(sampler.gumbel_noise(jnp.asarray(keys), vocab), np.float64)
+    noisy = np.where(np.isinf(logits), -np.inf, logits + temperature[:, None].astype(np.float64) * noise)
+    ordered = np.sort(np.nan_to_num(noisy, nan=-np.inf), axis=1)
+    close = ordered[:, -1] - ordered[:, -2] < 1e-5 * (1 + np.abs(ordered[:, -1]))
+    want = np.nan_to_num(noisy, nan=-np.inf).argmax(axis=1)
+    assert got[5] == vocab - 1
+    ok = np.arange(rows) != 5
+    assert np.isfinite(logits[ok, got[ok]]).all()
+    assert ((got == want) | close)[ok].all(), np.flatnonzero((got != want) & ~close & ok)
+    greedy = ok & (temperature == 0)
+    np.testing.assert_array_equal(got[greedy], np.nan_to_num(logits, nan=-np.inf)[greedy].argmax(axis=1))
 
 
 def test_jnp_and_kernel_draw_the_same_token_for_a_seed():
-    """One rule on both paths: for the same u, the accelerators' jnp draw and the CPU kernel's give
-    the same token, unless u lies within rounding of a boundary of the float64 distribution (then
-    either neighbour is right). So a request keeps its seeded tokens on any worker of a fleet."""
+    """One rule on both paths: for the same keys, the accelerators' jnp draw and the CPU kernel's give
+    the same token, unless the row's two largest noisy logits are within rounding (then either is
+    right). So a request keeps its seeded tokens on any worker of a fleet."""
     assert cpu_sampling.load(), "the sampling kernels did not build"
     rng = np.random.default_rng(21)
     rows, vocab = 512, 4096
     logits = (rng.standard_normal((rows, vocab)) * rng.choice([0.5, 2.0, 6.0], (rows, 1))).astype(np.float32)
     logits[rng.random(logits.shape) < 0.2] = -np.inf
-    u = rng.random(rows).astype(np.float32)
-    jnp_tokens = np.asarray(draw_fn(None)(jnp.asarray(logits), jnp.asarray(u)))
-    kernel_tokens = np.asarray(draw_fn(cpu_sampling.KERNELS)(jnp.asarray(logits), jnp.asarray(u)))
-    cdf = float64_cdf(logits)
-    margin = np.abs(cdf - u[:, None].astype(np.float64)).min(-1)  # u's distance to its nearest boundary
+    args = (jnp.asarray(logits), jnp.asarray(rng.choice([0.3, 1.0, 1.7], rows).astype(np.float32)),
+            jnp.asarray(random_keys(rng, rows)))
+    jnp_tokens = np.asarray(draw_fn(None)(*args))
+    kernel_tokens = np.asarray(draw_fn(cpu_sampling.KERNELS)(*args))
+    noisy = np.asarray(args[0]) + np.asarray(args[1])[:, None] * np.asarray(sampler.gumbel_noise(args[2], vocab))
+    ordered = np.sort(noisy, axis=1)
+    gap = ordered[:, -1] - ordered[:, -2]
     differ = np.flatnonzero(jnp_tokens != kernel_tokens)
-    assert (margin[differ] < 1e-5).all(), f"rows {differ}: margins {margin[differ]}"
+    assert (gap[differ] < 1e-5).all(), f"rows {differ}: gaps {gap[differ]}"
     assert len(differ) <= 5, f"{len(differ)} of {rows} rows differ"
 
 

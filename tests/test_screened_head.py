@@ -1,8 +1,10 @@
-"""The screened greedy head (worker/engine/screened_head.py): its tokens and their logits are the
+"""The screened head (worker/engine/screened_head.py): its greedy tokens and their logits are the
 float32 panel kernel's product and argmax, bit for bit, with any approximation within the bound
 (numpy's bfloat16-rounded product here, the bfloat16 kernel in the engine), through exact ties,
-near ties the bound cannot split, and logits that are not finite; and an engine using it gives
-transformers' greedy tokens while requests that need the logits go through the float32 head."""
+near ties the bound cannot split, and logits that are not finite; its sampled tokens are the
+sampler's draw over the float32 logits; and an engine using it gives transformers' greedy tokens,
+and the float32 head's seeded samples, while requests that need the logits go through the float32
+head."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 
 from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_matmul, cpu_sampling, screened_head
+from worker.engine import cpu_matmul, cpu_sampling, runner, screened_head
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampler import SamplerFlags
@@ -38,12 +40,18 @@ def float32_head(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.asarray(cpu_matmul.matmul(jnp.asarray(x), cpu_matmul.pack(jnp.asarray(rows).T), rows.shape[0]))
 
 
-def screened(x: np.ndarray, rows: np.ndarray, approx: np.ndarray | None = None):
-    """(tokens, logits, candidates) of the screen, on numpy's bfloat16-rounded product unless given."""
+def greedy(r: int) -> tuple[jax.Array, jax.Array]:
+    """(temperature, keys) of r greedy rows."""
+    return jnp.zeros((r,)), jnp.zeros((r, 2), jnp.uint32)
+
+
+def screened(x: np.ndarray, rows: np.ndarray, approx: np.ndarray | None = None, sampling=None):
+    """(tokens, logits, candidates) of the screen, on numpy's bfloat16-rounded product unless given;
+    greedy rows unless `sampling` gives (temperature, keys)."""
     if approx is None:
         approx = (bf16(x).astype(np.float64) @ bf16(rows).T.astype(np.float64)).astype(np.float32)
     out = screened_head.screen(jnp.asarray(approx), jnp.asarray(x), jnp.asarray(rows),
-                               screened_head.row_norms(jnp.asarray(rows)))
+                               screened_head.row_norms(jnp.asarray(rows)), *(sampling or greedy(len(x))))
     return tuple(np.asarray(a) for a in out)
 
 
@@ -118,10 +126,10 @@ def int8_runs() -> bool:
     return VNNI_CPU
 
 
-def int8_screened(x: np.ndarray, rows: np.ndarray):
+def int8_screened(x: np.ndarray, rows: np.ndarray, sampling=None):
     """(tokens, logits, candidates) of the int8 head (its product quantizes x; candidates after refine)."""
     head = screened_head.Int8Head(jnp.asarray(rows))
-    return tuple(np.asarray(a) for a in head.screen(jnp.asarray(x)))
+    return tuple(np.asarray(a) for a in head.screen(jnp.asarray(x), *(sampling or greedy(len(x)))))
 
 
 @pytest.mark.parametrize("r,k,v", [(1, 16, 16), (7, 33, 1000), (64, 256, 4096), (13, 768, 3001), (5, 3, 40)])
@@ -135,6 +143,47 @@ def test_the_int8_heads_tokens_and_logits_are_the_float32_heads(r, k, v):
     tokens, values, candidates = int8_screened(x, rows)
     assert_float32_argmax(x, rows, tokens, values)
     assert candidates.min() >= 1 and candidates.max() <= max(2, v // 100)
+
+
+def sampling_rows(rng, r: int):
+    """(temperature, keys) of r rows: greedy, cold, plain and hot sampled rows mixed."""
+    temperature = rng.choice([0.0, 0.05, 0.7, 1.0, 2.5], r).astype(np.float32)
+    return jnp.asarray(temperature), jnp.asarray(rng.integers(0, 2**32, (r, 2), dtype=np.uint32))
+
+
+def float32_draw(x: np.ndarray, rows: np.ndarray, sampling) -> np.ndarray:
+    """The sampler's tokens over the float32 head's logits (the CPU draw kernel: Gumbel-max)."""
+    return np.asarray(cpu_sampling.draw(jnp.asarray(float32_head(x, rows)), *sampling))
+
+
+@pytest.mark.parametrize("r,k,v", [(7, 33, 1000), (64, 256, 4096), (13, 768, 3001)])
+def test_sampled_rows_take_the_samplers_draw_over_the_float32_logits(r, k, v):
+    """A sampled row (nothing cut) takes the token the sampler draws from the float32 logits with
+    the same noise, bit for bit: through the bfloat16 screen, the int8 one, and each head as the
+    engine runs it (jitted, with its fallback for outlier rows); with few candidates a row."""
+    rng = np.random.default_rng(k + v + 1)
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    x = rng.standard_normal((r, k)).astype(np.float32)
+    sampling = sampling_rows(rng, r)
+    want = float32_draw(x, rows, sampling)
+    tokens, values, candidates = screened(x, rows, sampling=sampling)
+    np.testing.assert_array_equal(tokens, want)
+    full = float32_head(x, rows)
+    np.testing.assert_array_equal(values.view(np.int32), full[np.arange(r), want].view(np.int32))
+    assert candidates.max() <= max(4, v // 100)
+    heads = [screened_head.ScreenedHead(jnp.asarray(rows))] if screened_head.load() else []
+    if int8_runs():
+        tokens, _, candidates = int8_screened(x, rows, sampling)
+        np.testing.assert_array_equal(tokens, want)
+        assert candidates.max() <= max(4, v // 100)
+        heads.append(screened_head.Int8Head(jnp.asarray(rows)))
+        spiky = x.copy()
+        spiky[1, :4] *= 20.0  # with k >= 256, a step the int8 head leaves to its fallback
+        assert bool(heads[-1].takes_int8(jnp.asarray(spiky))) == (k < 256)
+        np.testing.assert_array_equal(np.asarray(jax.jit(heads[-1])(jnp.asarray(spiky), *sampling)),
+                                      float32_draw(spiky, rows, sampling))
+    for head in heads:
+        np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x), *sampling)), want)
 
 
 def test_the_weights_quantization_and_its_error_norms():
@@ -189,13 +238,13 @@ def test_steps_with_outlier_rows_take_the_bfloat16_head():
     for x in (plain, spiky):
         want = float32_head(x, np.asarray(rows)).argmax(axis=1)
         for head in heads:
-            np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x))), want)
+            np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x), *greedy(len(x)))), want)
 
 
-def test_only_greedy_steps_without_logits_take_it():
-    assert screened_head.serves(SamplerFlags())
-    for flags in (SamplerFlags(all_greedy=False), SamplerFlags(logprobs=True), SamplerFlags(penalties=True),
-                  SamplerFlags(bias=True)):
+def test_only_steps_without_logits_or_cuts_take_it():
+    assert screened_head.serves(SamplerFlags()) and screened_head.serves(SamplerFlags(all_greedy=False))
+    for flags in (SamplerFlags(all_greedy=False, needs_cut=True), SamplerFlags(logprobs=True),
+                  SamplerFlags(penalties=True), SamplerFlags(bias=True)):
         assert not screened_head.serves(flags)
 
 
@@ -236,6 +285,39 @@ def test_an_engine_on_it_gives_transformers_greedy_tokens(llama, tokenizer):
             assert got[(f"g{i}", 0)].token_ids == want and got[(f"l{i}", 0)].token_ids == want, i
 
 
+def test_an_engines_seeded_samples_are_the_float32_heads(llama, tokenizer, monkeypatch):
+    """Sampled requests with nothing cut take their tokens from the screened head (the step traces
+    its noise keys), and they are the float32 head's seeded draws: the same tokens as an engine
+    without the screened head; with top-p (a cut: the float32 head in both) as well."""
+    model, _ = llama
+    traced = []
+    real = runner.noise_keys
+    monkeypatch.setattr(runner, "noise_keys", lambda *a: traced.append(1) or real(*a))
+    sizes = dict(max_num_seqs=8, page_size=4, num_pages=64, max_num_batched_tokens=32, decode_steps=4)
+    engines = [LLMEngine(model, tokenizer, EngineConfig(**sizes)),
+               LLMEngine(model, tokenizer, EngineConfig(**sizes, greedy_head="full"))]
+    if engines[0].greedy_head == "full":  # nothing to compare on a CPU without AVX512-BF16 or VNNI
+        assert not (BF16_CPU or VNNI_CPU)
+        return
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (1, 5, 12, 30)]
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=12, ignore_eos=True, n=2, **cut)
+              for i, (t, cut) in enumerate([(0.8, {}), (1.5, {}), (0.5, {}), (1.0, dict(top_p=0.9))])]
+    results = []
+    for e in engines:
+        for i, (p, sp) in enumerate(zip(prompts[:3], params)):
+            e.add_request(f"s{i}", p, sp)
+        results.append(drain(e))
+        if e is engines[0]:
+            assert traced, "no step took sampled tokens from the screened head"
+        e.add_request("s3", prompts[3], params[3])  # alone: a batch with a cut takes the float32 head
+        drain(e, results=results[-1])
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 8
+    for key, got in results[0].items():
+        assert got.token_ids == results[1][key].token_ids, key
+    assert results[0][("s0", 0)].token_ids != results[0][("s0", 1)].token_ids  # two choices, two streams
+
+
 def test_with_amx_the_bfloat16_head_comes_first(llama, monkeypatch):
     # on AMX tiles the bfloat16 product outruns the AVX-512 int8 one (cpu_matmul.amx)
     packed = lambda: cpu_matmul.pack_model(llama[0])  # noqa: E731 (a head attaches once per model)
@@ -259,7 +341,7 @@ def test_without_avx512_bf16_the_int8_heads_fallback_is_the_models_float32_head(
     x = jnp.asarray(np.random.default_rng(8).standard_normal((4, model.cfg.hidden_size)).astype(np.float32))
     want = np.asarray(model.lm_head(x)).argmax(axis=1)
     for run in (head, head.fallback):
-        np.testing.assert_array_equal(np.asarray(jax.jit(run)(x)), want)
+        np.testing.assert_array_equal(np.asarray(jax.jit(run)(x, *greedy(4))), want)
 
 
 def test_asking_for_it_where_it_cannot_run_fails(llama, tokenizer):

@@ -46,16 +46,16 @@ class EngineConfig:
     matmul: str = "auto"  # the projections and LM head: "auto": the compiled CPU panel kernel (weights
     # packed at startup) for a float32 model on the CPU backend of an AVX-512 CPU if it builds, else
     # XLA's dot; "kernel": that kernel or an error; "xla": XLA's dot
-    greedy_head: str = "auto"  # greedy rows without logprobs, penalties or bias: "auto": a float32 model's
-    # head as an int8 product (AVX512-VNNI), else a bfloat16 one (AVX512-BF16), screened for the float32
-    # argmax (screened_head.py; the same tokens) where the matmul kernel runs, else the float32 head;
-    # "screened": that or an error; "screened-int8", "screened-bf16": that approximation or an error;
-    # "full": always the float32 head
+    greedy_head: str = "auto"  # greedy and plain sampled rows (no logprobs, penalties, bias, top-k, top-p
+    # or min-p): "auto": a float32 model's head as an int8 product (AVX512-VNNI), else a bfloat16 one
+    # (AVX512-BF16), screened for the float32 argmax or Gumbel-max draw (screened_head.py; the same
+    # tokens) where the matmul kernel runs, else the float32 head; "screened": that or an error;
+    # "screened-int8", "screened-bf16": that approximation or an error; "full": always the float32 head
     compile_threads: int | None = None  # step variants warm-up compiles at once (LLMEngine.compile_ahead);
     # None: half the host's cores, at most 8; 1: one after another
     sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
-    # on the CPU backend of one device if they build, else jnp (bisections for the cut and a blocked
-    # inverse CDF: fast on accelerators, slower on XLA's CPU backend); "kernel": those or an error; "jnp";
+    # on the CPU backend of one device if they build, else jnp (bisections for the cut and hashed Gumbel
+    # noise: fast on accelerators, slower on XLA's CPU backend); "kernel": those or an error; "jnp";
     # both keep the same tokens and draw the same ones for a seed
     pallas_tuning: str | None = None  # the Pallas decode kernel's work split, "PAGES:PROGRAMS:WARPS:STAGES"
     # (pages read per loop iteration, programs to aim for, Triton's warps and stages; gpu_attention.Tuning);

@@ -1,16 +1,15 @@
 """Sampling on the CPU backend through compiled kernels (`cpu_kernels/sampling.cc`): top-k/top-p
-cutoffs without sorting the vocabulary, draws with one random number per row, greedy argmax in
-one pass per row, and the N largest logprobs (requests asking for logprobs) in one pass per row.
+cutoffs without sorting the vocabulary, Gumbel-max draws with hashed noise, greedy argmax in one
+pass per row, and the N largest logprobs (requests asking for logprobs) in one pass per row.
 
 The jnp sampler (accelerators, tensor-parallel workers) finds the same top-k/top-p cut by
-bisection (`sampler.top_k_top_p_cut`, 64 masked passes over each row) and draws by the same
-inverse-CDF rule (`sampler.inverse_cdf_draw`) with the same uniform number from the row's (seed,
-choice, position) key. On XLA's CPU backend those passes cost more than the kernels' one or two
-(64 rows, top_k 50, top_p 0.95: cut 1.9 / 25 / 172 ms against 0.85 / 6.4 / 24 ms at V = 4096 /
-32000 / 128256; draw 0.87 against 0.34 ms at 32000; a sort, the jnp cut until session 51, took 35
-/ 335 / 1568 ms). Tests hold both paths to a descending sort's cut and to transformers' warpers,
-so a seed gives the same tokens on either, up to a number within rounding of a boundary between
-two tokens.
+bisection (`sampler.top_k_top_p_cut`, 64 masked passes over each row) and draws by the same rule
+(`sampler.gumbel_draw`) with the same noise from the row's (seed, choice, position) key. On XLA's
+CPU backend those passes cost more than the kernels' one or two (64 rows, top_k 50, top_p 0.95:
+cut 1.9 / 25 / 172 ms against 0.85 / 6.4 / 24 ms at V = 4096 / 32000 / 128256; a sort, the jnp
+cut until session 51, took 35 / 335 / 1568 ms). Tests hold both paths to a descending sort's cut
+and to transformers' warpers, so a seed gives the same tokens on either, up to noise within
+rounding of a tie between two tokens.
 """
 
 from __future__ import annotations
@@ -43,11 +42,11 @@ def cutoffs(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return call(logits.astype(jnp.float32), top_k.astype(jnp.int32), top_p.astype(jnp.float32))
 
 
-def draw(logits: jax.Array, u: jax.Array) -> jax.Array:
-    """logits f32[R, V] (masked entries -inf), u f32[R] in [0, 1) -> i32[R]: per row, the first
-    token whose cumulative probability passes u. Call `load()` first."""
+def draw(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits f32[R, V] (masked entries -inf), temperature f32[R], keys u32[R, 2] -> i32[R]: per
+    row, the first largest of logit_j + T g_j (`sampler.gumbel_draw`). Call `load()` first."""
     call = jax.ffi.ffi_call(DRAW, jax.ShapeDtypeStruct((logits.shape[0],), jnp.int32))
-    return call(logits.astype(jnp.float32), u.astype(jnp.float32))
+    return call(logits.astype(jnp.float32), temperature.astype(jnp.float32), keys.astype(jnp.uint32))
 
 
 def argmax(logits: jax.Array) -> jax.Array:

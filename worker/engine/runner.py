@@ -32,7 +32,7 @@ from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batc
                                  step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
-from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, sample
+from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, noise_keys, sample
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
     out_ids, prompt_ids, bias = flags.widths
-    parts = {"top-k/top-p": flags.needs_cut, f"logprobs {flags.num_logprobs}": flags.logprobs,
+    parts = {"top-k/top-p/min-p": flags.needs_cut, f"logprobs {flags.num_logprobs}": flags.logprobs,
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
@@ -380,14 +380,18 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         full = model.logits(hidden) if prompt_lp else None  # f32[T, V]
         return KVCache(keys, values), rows, full
 
-    # greedy rows that need no logits: tokens from the screened head (screened_head.py), else the sampler
+    # greedy and plain sampled rows that need no logits: tokens from the screened head (screened_head.py),
+    # else the sampler
     greedy_head = getattr(model, "greedy_head", None) if screened_head.serves(flags) else None
 
     def next_tokens(rows, st: SamplingTensors):
         if greedy_head is None:
             return sample(model.logits(rows), st, flags, sampling_kernels)
         r = rows.shape[0]
-        return greedy_head(rows), jnp.zeros((r,)), jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0))
+        keys = (jnp.zeros((r, 2), jnp.uint32) if flags.all_greedy  # (no row takes noise)
+                else noise_keys(st.seed, st.choice, st.out_pos))
+        tokens = greedy_head(rows, st.temperature, keys)
+        return tokens, jnp.zeros((r,)), jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0))
 
     kv, rows, full = forward(kv, tokens, db.positions, db.slots, db.context_lens, shape.prompt_logprobs)
     if flags.penalties:  # the newest generated token may still be on device only

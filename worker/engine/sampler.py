@@ -41,7 +41,7 @@ class SamplerFlags:
     """Static switches: each combination is one compiled variant; all off is the cheap path."""
 
     all_greedy: bool = True
-    needs_cut: bool = False  # some row uses top-k or top-p (top_k_top_p_cut's passes)
+    needs_cut: bool = False  # some row uses top-k, top-p (top_k_top_p_cut's passes) or min-p
     penalties: bool = False
     bias: bool = False
     num_logprobs: int = 0  # top-N alternatives to return (0: sampled token's logprob only when logprobs)
@@ -56,7 +56,7 @@ class SamplingKernels:
     """Compiled stand-ins for the costly parts of sampling (engine/cpu_sampling.py)."""
 
     cutoffs: Callable  # (logits f32[R, V], top_k i32[R], top_p f32[R]) -> f32[R]: mask the logits below
-    draw: Callable  # (logits f32[R, V] with -inf for masked, u f32[R] in [0, 1)) -> i32[R]: inverse-CDF draw
+    draw: Callable  # (logits f32[R, V] with -inf for masked, temperature f32[R], keys u32[R, 2]) -> i32[R]: gumbel_draw
     argmax: Callable  # (logits f32[R, V]) -> i32[R]: first_argmax
     top_n: Callable  # (x f32[R, V], n) -> (f32[R, n], i32[R, n]): jax.lax.top_k
 
@@ -65,7 +65,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     """logits f32[R, V] -> (tokens i32[R], logprobs f32[R], top_ids i32[R, N], top_logprobs f32[R, N]).
 
     Logprobs are of the model's own distribution (raw log-softmax), as OpenAI reports them.
-    `kernels`: compiled cutoffs and draws (the CPU backend), or None: `top_k_top_p_cut` and `inverse_cdf_draw`.
+    `kernels`: compiled cutoffs and draws (the CPU backend), or None: `top_k_top_p_cut` and `gumbel_draw`.
     """
     r, v = logits.shape
     raw = jax.nn.log_softmax(logits, axis=-1) if flags.logprobs else None
@@ -78,9 +78,11 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     if flags.all_greedy:
         tokens = greedy
     else:
-        masked = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, kernels)
-        draw = kernels.draw if kernels is not None else inverse_cdf_draw
-        drawn = draw(masked, jax.vmap(_uniform)(t.seed, t.choice, t.out_pos))
+        if flags.needs_cut:  # the cut on the temperature-scaled logits; the draw scales its noise instead
+            cut = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, kernels)
+            logits = jnp.where(cut == -jnp.inf, -jnp.inf, logits)
+        draw = kernels.draw if kernels is not None else gumbel_draw
+        drawn = draw(logits, t.temperature, noise_keys(t.seed, t.choice, t.out_pos))
         tokens = jnp.where(t.temperature == 0.0, greedy, drawn)
     if not flags.logprobs:
         zeros = jnp.zeros((r, 0))
@@ -106,13 +108,15 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags,
                   kernels: SamplingKernels | None = None) -> jax.Array:
-    """Mask (to -inf) what top-k, top-p and min-p exclude; logits already temperature-scaled.
+    """Mask (to -inf) what top-k, top-p and min-p exclude (with `flags.needs_cut`; else nothing);
+    logits already temperature-scaled.
 
     Each row's top-k/top-p cut comes from `kernels.cutoffs` (a selection in C++) or
     `top_k_top_p_cut` (bisections in jnp): the same rules, and neither sorts the vocabulary."""
-    if flags.needs_cut:
-        cutoffs = kernels.cutoffs if kernels is not None else top_k_top_p_cut
-        logits = jnp.where(logits < cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
+    if not flags.needs_cut:
+        return logits
+    cutoffs = kernels.cutoffs if kernels is not None else top_k_top_p_cut
+    logits = jnp.where(logits < cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)
     floor = t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(probs < floor, -jnp.inf, logits)
@@ -184,36 +188,34 @@ def row_key(seed: jax.Array, choice: jax.Array, out_pos: jax.Array) -> jax.Array
     return jax.random.fold_in(key, out_pos)
 
 
-def _uniform(seed, choice, out_pos) -> jax.Array:
-    """The row's one number in [0, 1) for an inverse-CDF draw (SamplingKernels.draw)."""
-    return jax.random.uniform(row_key(seed, choice, out_pos), (), jnp.float32)
+def noise_keys(seed: jax.Array, choice: jax.Array, out_pos: jax.Array) -> jax.Array:
+    """u32[R] x3 -> u32[R, 2]: each row's noise key (`gumbel_noise`), from its threefry key."""
+    return jax.vmap(lambda *row: jax.random.bits(row_key(*row), (2,), jnp.uint32))(seed, choice, out_pos)
 
 
-DRAW_BLOCK = 64  # weights summed per block before the search, as the CPU kernel does
+def _mix32(x: jax.Array) -> jax.Array:
+    """cpu_kernels/gumbel_noise.h's integer hash, on u32 arrays (multiplications wrap)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x735A2D97)
+    return x ^ (x >> 15)
 
 
-def inverse_cdf_draw(logits: jax.Array, u: jax.Array) -> jax.Array:
-    """logits f32[R, V] (-inf: cut), u f32[R] in [0, 1) -> i32[R]: the first token, in vocabulary
-    order, whose running weight passes u x the row's total weight; u within rounding of 1 gives the
-    last token that can be drawn. The CPU kernel's rule (cpu_kernels/sampling.cc), so one seed
-    draws the same tokens on every backend, up to a u within rounding of a boundary.
+def gumbel_noise(keys: jax.Array, v: int) -> jax.Array:
+    """keys u32[R, 2] -> f32[R, V]: token j's Gumbel noise in each row, as cpu_kernels/gumbel_noise.h
+    computes it (the same hash bit for bit; the library's logarithm, within an ulp or two of the
+    kernel's), a function of the row's key and j alone."""
+    j = jnp.arange(v, dtype=jnp.uint32)[None, :]
+    h = _mix32(_mix32((j * jnp.uint32(0x9E3779B9)) ^ keys[:, :1]) ^ keys[:, 1:])  # u32[R, V]
+    u = ((h >> 8).astype(jnp.int32).astype(jnp.float32) + 0.5) * 2.0**-24  # (0, 1), 24 bits
+    return -jnp.log(-jnp.log(u))
 
-    Blocked like the kernel, so no running sum spans a whole row: block sums, their running sum
-    (one number per 64 tokens), then a running sum in the one block per row where the target falls."""
-    r, v = logits.shape
-    nb = -(-v // DRAW_BLOCK)
-    top = logits.max(axis=-1, keepdims=True)
-    w = jnp.where(logits == -jnp.inf, 0.0, jnp.exp(logits - top))  # f32[R, V]
-    w = jnp.pad(w, ((0, 0), (0, nb * DRAW_BLOCK - v))).reshape(r, nb, DRAW_BLOCK)
-    sums = w.sum(axis=-1)  # f32[R, nb]
-    ends = jnp.cumsum(sums, axis=-1)  # f32[R, nb]: the weight through each block
-    target = u * ends[:, -1]  # f32[R]
-    rows, lanes = jnp.arange(r), jnp.arange(DRAW_BLOCK)
-    b = jnp.sum(ends <= target[:, None], axis=-1)  # i32[R]: the first block passing the target; nb: none
-    passed = b < nb
-    b = jnp.where(passed, b, jnp.max(jnp.where(sums > 0, jnp.arange(nb), 0), axis=-1))  # else the last with weight
-    block = w[rows, b]  # f32[R, DRAW_BLOCK]
-    running = (ends[rows, b] - sums[rows, b])[:, None] + jnp.cumsum(block, axis=-1)
-    first = jnp.min(jnp.where((block > 0) & (running > target[:, None]) & passed[:, None], lanes, DRAW_BLOCK), axis=-1)
-    last = jnp.max(jnp.where(block > 0, lanes, 0), axis=-1)  # the block's own sum rounded past the target
-    return (b * DRAW_BLOCK + jnp.where(first < DRAW_BLOCK, first, last)).astype(jnp.int32)
+
+def gumbel_draw(logits: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits f32[R, V] (-inf: cut), temperature f32[R], keys u32[R, 2] -> i32[R]: each row's first
+    largest of logit_j + T g_j (g: `gumbel_noise`), a draw from softmax(logits / T) by the Gumbel-max
+    property; at T = 0 the first largest logit. The CPU kernel's rule (cpu_kernels/sampling.cc), and
+    the screened heads' (cpu_kernels/screened_argmax.cc), so one seed draws the same tokens on every
+    path, up to noise within rounding of a tie."""
+    return first_argmax(logits + temperature[:, None] * gumbel_noise(keys, logits.shape[1]))

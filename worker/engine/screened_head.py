@@ -1,8 +1,9 @@
-"""Greedy tokens of a float32 model's LM head at a third to a half of its cost, exactly as float32
-picks them.
+"""Greedy and sampled tokens of a float32 model's LM head at a third to a half of its cost, exactly
+as float32 picks them.
 
 A greedy step without logprobs, penalties or logit bias needs each row's first largest logit and
-nothing else. On a CPU with AVX512-BF16 the bfloat16 panel product runs at about twice the float32
+nothing else; a sampled row with nothing cut (no top-k, top-p or min-p) the first largest of its
+logits plus its Gumbel noise (`sampler.gumbel_draw`), which the screen bounds alike. On a CPU with AVX512-BF16 the bfloat16 panel product runs at about twice the float32
 one's speed (64 rows x 768 x 32000, Zen 4: 8.4-8.7 against 15.8-16.6 ms), and its logits differ
 from the float32 ones by at most c(K) |x| |W_j| (`cpu_kernels/screened_argmax.cc` derives it). With
 AVX512-VNNI an int8 product (both operands quantized, a scale per row of x and per token) runs in
@@ -14,8 +15,9 @@ is 12-20 % of a float32 decode step for the demo model and llama-100m.
 
 `attach` gives a packed float32 model a `greedy_head`: `ScreenedHead` (bfloat16 panels of the head,
 its rows in float32, and their norms) or `Int8Head` (int8 panels beside those, for the steps whose
-rows have no outliers); the step (engine/runner.py) uses it for the greedy variants it can serve
-(`serves`), the full head and the sampler for the rest.
+rows have no outliers); the step (engine/runner.py) uses it for the variants it can serve
+(`serves`), the full head and the sampler for the rest. Each takes (x f32[R, K], temperature f32[R],
+noise keys u32[R, 2]) -> tokens i32[R].
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine import cpu_build, cpu_matmul
-from worker.engine.sampler import SamplerFlags, first_argmax
+from worker.engine import cpu_build, cpu_matmul, cpu_sampling
+from worker.engine.sampler import SamplerFlags, gumbel_draw
 from worker.models.llama import LlamaForCausalLM
 
 TARGET = "redjax_screened_argmax"
@@ -62,14 +64,20 @@ def load_int8() -> bool:
             and cpu_build.register("screened_argmax.cc", "ScreenedArgmaxI8", I8_TARGET))
 
 
-def screen(approx: jax.Array, x: jax.Array, rows: jax.Array, norms: jax.Array):
+def screen(approx: jax.Array, x: jax.Array, rows: jax.Array, norms: jax.Array, temperature: jax.Array,
+           keys: jax.Array):
     """approx f32[R, V] (a bfloat16 product of x and the head), x f32[R, K], rows f32[V, K] (the
-    head's weight, a row per token), norms f32[V] (each row's 2-norm, rounded up) -> (tokens i32[R],
-    their float32 logits f32[R], tokens whose exact logit was computed i32[R])."""
+    head's weight, a row per token), norms f32[V] (each row's 2-norm, rounded up), temperature
+    f32[R] (0: greedy), keys u32[R, 2] (sampled rows' noise) -> (tokens i32[R], their float32 logits
+    f32[R], tokens whose exact logit was computed i32[R])."""
     r = approx.shape[0]
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
                                      jax.ShapeDtypeStruct((r,), jnp.int32)))
-    return call(approx, x.astype(jnp.float32), rows, norms)
+    return call(approx, x.astype(jnp.float32), rows, norms, *_sampling(temperature, keys))
+
+
+def _sampling(temperature: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return temperature.astype(jnp.float32), keys.astype(jnp.uint32)
 
 
 def row_norms(rows: jax.Array) -> jax.Array:
@@ -108,18 +116,19 @@ def pack_int8(q: np.ndarray) -> np.ndarray:
 
 
 class FullHead(nnx.Module):
-    """The float32 head and its first argmax, as the sampler's greedy rows take it: the int8 head's
-    fallback on a CPU without AVX512-BF16."""
+    """The float32 head and the sampler's draw (`sampler.gumbel_draw`: the first argmax for greedy
+    rows): the int8 head's fallback on a CPU without AVX512-BF16."""
 
     def __init__(self, head: cpu_matmul.PanelLinear):  # the model's own (shared, not copied)
         self.head = head
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # f32[R, K] -> i32[R]
-        return first_argmax(self.head(x))
+    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:  # -> i32[R]
+        draw = cpu_sampling.draw if cpu_sampling.load() else gumbel_draw
+        return draw(self.head(x), *_sampling(temperature, keys))
 
 
 class Int8Head(nnx.Module):
-    """The LM head for greedy rows: int8 panels with their scales, the float32 rows, their norms; and
+    """The LM head for greedy and plain sampled rows: int8 panels with their scales, the float32 rows, their norms; and
     the bfloat16 head (or `fallback`) for steps whose rows int8 would screen poorly (`takes_int8`)."""
 
     def __init__(self, rows: jax.Array, fallback: nnx.Module | None = None):  # f32[V, K]: a row per token
@@ -136,8 +145,8 @@ class Int8Head(nnx.Module):
         self.weight_loss = float(np.mean(lost / np.where(norms > 0, norms, 1.0)))
         self.vocab = rows.shape[0]
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # f32[R, K] -> i32[R]
-        return jax.lax.cond(self.takes_int8(x), lambda x: self.screen(x)[0], self.fallback, x)
+    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:  # -> i32[R]
+        return jax.lax.cond(self.takes_int8(x), lambda *a: self.screen(*a)[0], self.fallback, x, temperature, keys)
 
     def takes_int8(self, x: jax.Array) -> jax.Array:
         """Whether the int8 screen serves this step's rows x f32[R, K] (a bool on the device): the
@@ -151,19 +160,20 @@ class Int8Head(nnx.Module):
         int8 = jnp.max(jnp.abs(x), axis=1) / 127 * (x.shape[1] / 12) ** 0.5 + self.weight_loss * norm
         return jnp.all(int8 <= WIDEST_INT8 * 2.0**-7 * norm)
 
-    def screen(self, x: jax.Array):
-        """x f32[R, K] -> (tokens i32[R], their float32 logits f32[R], exact logits computed i32[R])."""
+    def screen(self, x: jax.Array, temperature: jax.Array, keys: jax.Array):
+        """x f32[R, K], temperature f32[R], keys u32[R, 2] -> (tokens i32[R], their float32 logits
+        f32[R], exact logits computed i32[R])."""
         r, x = x.shape[0], x.astype(jnp.float32)
         product = jax.ffi.ffi_call(I8_MATMUL, (jax.ShapeDtypeStruct((r, self.vocab), jnp.float32),
                                                jax.ShapeDtypeStruct((r, 3), jnp.float32)))
         approx, stats = product(x, self.panels[...], self.scales[...], self.totals[...])  # f32[R, V], f32[R, 3]
         call = jax.ffi.ffi_call(I8_TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
                                             jax.ShapeDtypeStruct((r,), jnp.int32)))
-        return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...])
+        return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...], *_sampling(temperature, keys))
 
 
 class ScreenedHead(nnx.Module):
-    """The LM head for greedy rows: bfloat16 panels, the float32 rows, their norms."""
+    """The LM head for greedy and plain sampled rows: bfloat16 panels, the float32 rows, their norms."""
 
     def __init__(self, rows: jax.Array, norms: jax.Array | None = None):  # f32[V, K]: a row per token
         self.panels = nnx.Param(cpu_matmul.pack(rows.T.astype(jnp.bfloat16)))  # bf16[P, K / 2, 2 * PANEL]
@@ -171,9 +181,9 @@ class ScreenedHead(nnx.Module):
         self.norms = nnx.Param(row_norms(rows) if norms is None else norms)  # f32[V] (`row_norms`)
         self.vocab = rows.shape[0]
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # f32[R, K] -> i32[R]
+    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:  # -> i32[R]
         approx = cpu_matmul.matmul(x, self.panels[...], self.vocab)  # f32[R, V]
-        return screen(approx, x, self.rows[...], self.norms[...])[0]
+        return screen(approx, x, self.rows[...], self.norms[...], temperature, keys)[0]
 
 
 def choose(mode: str, matmul: str, model: LlamaForCausalLM) -> str:
@@ -216,6 +226,6 @@ def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
 
 
 def serves(flags: SamplerFlags) -> bool:
-    """Whether a step of these sampler flags takes its tokens from the greedy head: every row greedy,
-    and nothing that needs the logits themselves (logprobs, penalties, logit bias)."""
-    return flags.all_greedy and not flags.logprobs and not flags.penalties and not flags.bias
+    """Whether a step of these sampler flags takes its tokens from the screened head: nothing that
+    needs the logits themselves (logprobs, penalties, logit bias, a top-k/top-p/min-p cut)."""
+    return not (flags.logprobs or flags.penalties or flags.bias or flags.needs_cut)

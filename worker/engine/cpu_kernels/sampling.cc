@@ -1,5 +1,5 @@
 // The costly parts of sampling on XLA's CPU backend, called from JAX through the XLA FFI: top-k and
-// top-p cutoffs, and the draw itself.
+// top-p cutoffs, the draw itself, the greedy argmax and the N largest logprobs.
 //
 // Cutoffs. The jnp sampler finds both by sorting every row of the vocabulary, and XLA's CPU sort is
 // a generic comparison sort: 470 ms for 64 rows of 32000 logits, ten times a llama-100m decode
@@ -16,10 +16,13 @@
 // are the jnp path's rules (worker/engine/sampler.py), so ties at the cut are kept as there.
 // Rows with neither top_k nor top_p < 1 get -inf (nothing cut) without looking at their logits.
 //
-// Draw. The jnp sampler adds Gumbel noise to every logit (a threefry random number per vocabulary
-// entry: 13 ms for 64 rows of 32000 on the CPU). Here each row gets one uniform number u (drawn in
-// JAX from the row's key) and takes the first token whose cumulative probability, in vocabulary
-// order, passes u: an exact draw from the row's distribution with one random number.
+// Draw. A sampled row at temperature T takes the first largest of logit_j + T g_j, where g_j is
+// Gumbel noise hashed from the row's key and j (gumbel_noise.h): by the Gumbel-max property an
+// exact draw from softmax(logits / T), masked (-inf) tokens never drawn. The noise is a function of
+// the row's key and the token alone, so the screened heads (screened_argmax.cc), which add the same
+// noise to the same float32 logits, draw the same token without computing most of them. (Threefry
+// noise per token, the jnp sampler's until session 51, took 13 ms for 64 rows of 32000; the hash and
+// two logarithms take about a tenth of that.) A row at T = 0 takes the argmax.
 //
 // Argmax. Greedy rows take the first index of the row's largest logit. XLA's CPU backend runs that
 // as a max, a compare-select over the whole row and a min (3.4 ms for 62 rows of 32000 on the
@@ -33,7 +36,7 @@
 // jax.lax.top_k: descending, equal values by lower index first. Rows holding NaN: unspecified.
 //
 // Shapes: cutoffs: logits f32[R, V] (temperature applied); top_k i32[R] (0: off); top_p f32[R];
-// cut f32[R]. draw: logits f32[R, V] (masked entries -inf); u f32[R] in [0, 1); token i32[R].
+// cut f32[R]. draw: logits f32[R, V] (masked entries -inf); temperature f32[R]; keys u32[R, 2]; token i32[R].
 // argmax: logits f32[R, V]; token i32[R]. top_n: x f32[R, V]; values f32[R, N]; ids i32[R, N] (N <= V).
 
 #include <algorithm>
@@ -45,6 +48,7 @@
 #include <limits>
 #include <vector>
 
+#include "gumbel_noise.h"
 #include "pool_work.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
@@ -119,77 +123,6 @@ ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
 
 using redjax::f32xN, redjax::i32xN, redjax::is_nan, redjax::kLanes, redjax::load, redjax::u32xN;
 
-constexpr int64_t kDrawBlock = 64;  // weights summed per block: the search walks blocks, then one block
-
-// The cumulative search is blocked: the weights are summed per block of 64 (vectorized), the
-// running sum walks the blocks to the one where it passes the target, and only that block is
-// scanned one weight at a time (a scan of the whole row was a chain of dependent additions:
-// 4.2 ms for 62 rows of 32000).
-int32_t row_draw(const float* x, int64_t v, float u, std::vector<float>& e, std::vector<double>& sums) {
-  const float top = redjax::max_of(x, v, -std::numeric_limits<float>::infinity());
-  if (masked(top)) return 0;  // nothing to draw from (cannot happen: the largest logit is never cut)
-  const int64_t blocks = (v + kDrawBlock - 1) / kDrawBlock;
-  e.resize(blocks * kDrawBlock);
-#pragma omp simd
-  for (int64_t i = 0; i < v; ++i) e[i] = masked(x[i]) ? 0.0f : std::exp(x[i] - top);
-  std::fill(e.begin() + v, e.end(), 0.0f);
-  sums.resize(blocks);
-  double z = 0.0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* w = e.data() + b * kDrawBlock;
-    f32xN acc = load(w);
-    for (int64_t j = kLanes; j < kDrawBlock; j += kLanes) acc += load(w + j);
-    double sum = 0.0;
-    for (int l = 0; l < kLanes; ++l) sum += acc[l];
-    sums[b] = sum;
-    z += sum;
-  }
-  const double target = double(u) * z;
-  // the last entry of block b that can be drawn (b holds weight)
-  auto last_in = [&](int64_t b) {
-    int64_t i = (b + 1) * kDrawBlock - 1;
-    while (e[i] == 0.0f) --i;
-    return int32_t(i);
-  };
-  double before = 0.0;  // the weight of the blocks before b
-  int64_t last_block = -1;
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (sums[b] == 0.0) continue;
-    if (before + sums[b] > target) {
-      double sum = before;
-      for (int64_t i = b * kDrawBlock; i < (b + 1) * kDrawBlock; ++i) {
-        sum += e[i];
-        if (e[i] != 0.0f && sum > target) return int32_t(i);
-      }
-      return last_in(b);  // the block's own sum rounded past the target: its last entry
-    }
-    before += sums[b];
-    last_block = b;
-  }
-  return last_in(last_block);  // u within rounding of 1: the last token that can be drawn
-}
-
-ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> u,
-                            ffi::ResultBuffer<ffi::S32> token) {
-  auto ld = logits.dimensions();
-  if (ld.size() != 2 || u.element_count() != ld[0] || token->element_count() != ld[0])
-    return ffi::Error::InvalidArgument("sampling_draw: expected logits [R,V], u [R], token [R]");
-  const int64_t rows = ld[0], v = ld[1];
-  const float* x = logits.typed_data();
-  const float* us = u.typed_data();
-  int32_t* out = token->typed_data();
-  if (v == 0) {
-    std::fill(out, out + rows, 0);
-    return ffi::Error::Success();
-  }
-  redjax::run_on_pool(pool, rows, [=](int64_t r) {
-    thread_local std::vector<float> e;      // each row's weights, reused across calls
-    thread_local std::vector<double> sums;  // and their block sums
-    out[r] = row_draw(x + r * v, v, us[r], e, sums);
-  });
-  return ffi::Error::Success();
-}
-
 int32_t row_argmax(const float* x, int64_t v) {
   // One pass over 16 values at a time (the `omp simd` form stayed scalar): each lane keeps its
   // largest value, the first index where it saw it, and whether it saw a NaN. The answer is the
@@ -233,6 +166,48 @@ ffi::Error SamplingArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits
     return ffi::Error::Success();
   }
   redjax::run_on_pool(pool, rows, [=](int64_t r) { out[r] = row_argmax(x + r * v, v); });
+  return ffi::Error::Success();
+}
+
+// A row at temperature t > 0: the first largest of x_j + t g_j (gumbel_noise.h), into `noisy`;
+// t = 0: the first largest of x_j. Masked logits (-inf) stay -inf; a NaN gives V - 1.
+int32_t row_draw(const float* x, int64_t v, float t, uint32_t k0, uint32_t k1, std::vector<float>& noisy) {
+  if (!(t > 0.0f)) return row_argmax(x, v);
+  noisy.resize((v + kLanes - 1) / kLanes * kLanes);
+  redjax::gumbel_noise(k0, k1, t, v, noisy.data());
+  int64_t i = 0;
+  for (; i + kLanes <= v; i += kLanes) {
+    f32xN sum = load(x + i) + load(noisy.data() + i);
+    asm("" : "+v"(sum));  // each sum as it is rounded, whatever the compiler would fold into it
+    redjax::store(noisy.data() + i, sum);
+  }
+  for (; i < v; ++i) {
+    float sum = x[i] + noisy[i];
+    asm("" : "+x"(sum));
+    noisy[i] = sum;
+  }
+  return row_argmax(noisy.data(), v);
+}
+
+ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
+                            ffi::Buffer<ffi::U32> keys, ffi::ResultBuffer<ffi::S32> token) {
+  auto ld = logits.dimensions();
+  if (ld.size() != 2 || temperature.element_count() != ld[0] || keys.element_count() != 2 * ld[0] ||
+      token->element_count() != ld[0])
+    return ffi::Error::InvalidArgument("sampling_draw: expected logits [R,V], temperature [R], keys [R,2], token [R]");
+  const int64_t rows = ld[0], v = ld[1];
+  const float* x = logits.typed_data();
+  const float* t = temperature.typed_data();
+  const uint32_t* k = keys.typed_data();
+  int32_t* out = token->typed_data();
+  if (v == 0) {
+    std::fill(out, out + rows, 0);
+    return ffi::Error::Success();
+  }
+  redjax::run_on_pool(pool, rows, [=](int64_t r) {
+    thread_local std::vector<float> noisy;  // each row's noisy logits, reused across calls
+    out[r] = row_draw(x + r * v, v, t[r], k[2 * r], k[2 * r + 1], noisy);
+  });
   return ffi::Error::Success();
 }
 
@@ -301,4 +276,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SamplingDraw, SamplingDrawImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());

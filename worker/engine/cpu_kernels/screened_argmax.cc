@@ -1,4 +1,4 @@
-// Greedy tokens of a float32 LM head from its bfloat16 product, for XLA's CPU backend through the
+// Greedy and sampled tokens of a float32 LM head from its bfloat16 product, for XLA's CPU backend through the
 // XLA FFI: the same tokens the float32 product and its argmax give, bit for bit, at about half
 // the head's cost.
 //
@@ -23,15 +23,26 @@
 // more than two are left, `refine` first narrows them with float32 dot products vectorized along
 // k (within 2 gamma_K |x|_2 |W_j|_2 of the chain), so that about one gets the chain.
 //
+// Sampled rows (temperature T > 0, nothing cut) take the token the sampler's draw gives over the
+// float32 logits: the first largest of l_j + n_j, n_j = T g_j the token's Gumbel noise
+// (gumbel_noise.h, the same bits here as there). Rounding is monotone, so where l_j lies in [lo_j,
+// up_j], fl(l_j + n_j) lies in [fl(lo_j + n_j), fl(up_j + n_j)]: the screen keeps the tokens whose
+// upper end reaches the largest lower end, and the first largest of their exact logits plus noise
+// wins. The noise spreads the row's values (a Gumbel's scale is T), so a sampled row keeps about
+// as few candidates as a greedy one.
+//
 // Shapes: approx f32[R, V] (the bfloat16 or int8 product), x f32[R, K] (the head's input), rows
-// f32[V, K] (the head's weight, a row per token: W transposed), norms f32[V] (|W_j|_2, rounded up)
-// -> tokens s32[R], their exact logits f32[R], candidates s32[R] (exact logits computed per row).
+// f32[V, K] (the head's weight, a row per token: W transposed), norms f32[V] (|W_j|_2, rounded up),
+// temperature f32[R] (0: greedy), keys u32[R, 2] (the noise's, for sampled rows) -> tokens s32[R],
+// their exact logits f32[R] (without noise), candidates s32[R] (exact logits computed per row).
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
+#include "gumbel_noise.h"
 #include "pool_work.h"
 #include "vectors.h"
 #include "xla/ffi/api/ffi.h"
@@ -88,6 +99,8 @@ struct Problem {
   int32_t* tokens;
   float* values;
   int32_t* candidates;
+  const float* temperature;  // [R]: 0 for a greedy row
+  const uint32_t* keys;      // [R, 2]: a sampled row's noise key
   const float* lost = nullptr;  // [V], the int8 screen's: |W_j - q(W_j)|_2, rounded up
 };
 
@@ -110,30 +123,43 @@ float dot(const float* x, const float* w, int64_t k) {
   return sum;
 }
 
+// The bounds [lo, up] of a logit, moved by the token's noise n: x = fl(logit + n) lies in [fl(lo +
+// n), fl(up + n)] since rounding is monotone. The empty asm keeps lo and up as they are, so the
+// compiler cannot fold n into the arithmetic that made them.
+inline void add_noise(float& lo, float& up, float n) {
+  asm("" : "+x"(lo), "+x"(up));
+  lo += n, up += n;
+}
+
 // Narrow the candidates (in token order) with their float32 dot products, vectorized along k, each
 // within s2 * norms[j] + t of the kernel's logit (s2 = 2 gamma_K |x|, widened, as for both it and
 // the dot): a tenth of a chain's time per candidate, where the int8 screen leaves tens of them.
-void refine(const Problem& pb, const float* x, float s2, float t, std::vector<int32_t>& picked) {
-  thread_local std::vector<float> dots;
-  dots.resize(picked.size());
+// With `noise` (a sampled row), each bound moved by its token's noise.
+void refine(const Problem& pb, const float* x, float s2, float t, const float* noise, std::vector<int32_t>& picked) {
+  thread_local std::vector<float> los, ups;
+  los.resize(picked.size()), ups.resize(picked.size());
   float lower = -std::numeric_limits<float>::max();
   for (size_t c = 0; c < picked.size(); ++c) {
     if (c + 1 < picked.size())  // the next candidate's row, while this one's is summed
       for (int64_t i = 0; i < pb.k; i += 16) __builtin_prefetch(pb.rows + picked[c + 1] * pb.k + i, 0, 3);
-    dots[c] = dot(x, pb.rows + picked[c] * pb.k, pb.k);
-    lower = std::max(lower, dots[c] - s2 * pb.norms[picked[c]]);
+    const float d = dot(x, pb.rows + picked[c] * pb.k, pb.k), e = s2 * pb.norms[picked[c]];
+    los[c] = d - e - t, ups[c] = d + e + t;
+    if (noise) add_noise(los[c], ups[c], noise[picked[c]]);
+    lower = std::max(lower, los[c]);
   }
-  lower -= 2 * t;
   size_t kept = 0;
   for (size_t c = 0; c < picked.size(); ++c)
-    if (dots[c] + s2 * pb.norms[picked[c]] >= lower) picked[kept++] = picked[c];
+    if (ups[c] >= lower) picked[kept++] = picked[c];
   picked.resize(kept);
 }
 
 // Row r's token and exact logit, from approximate logits a f32[V] within e_j = s * norms[j] + t of
-// the float32 kernel's, plus b * lost[j] with kLost (and s2 * norms[j] + t for refine)
-template <bool kLost>
-void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t) {
+// the float32 kernel's, plus b * lost[j] with kLost (and s2 * norms[j] + t for refine). With kNoise
+// (a sampled row) the token is the first largest of logit_j + noise[j] (gumbel_noise.h), the
+// bounds moved by the noise as `add_noise` does; else the first largest logit.
+template <bool kLost, bool kNoise>
+void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t,
+                const float* noise) {
   const auto margin = [&](int64_t j) { return kLost ? s * pb.norms[j] + b * pb.lost[j] : s * pb.norms[j]; };
   const float* x = pb.x + r * pb.k;
   // One pass: lower = max_j (a_j - e_j), and each chunk's largest upper bound a_j + e_j (few
@@ -143,14 +169,19 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
   const int64_t chunks = pb.v / kChunk;
   thread_local std::vector<float> tops;
   tops.resize(chunks);
-  const f32xN zero = {}, sv = zero + s, bv = zero + b, least = zero - std::numeric_limits<float>::max();
+  const f32xN zero = {}, sv = zero + s, bv = zero + b, tv = zero + t, least = zero - std::numeric_limits<float>::max();
   f32xN lanes = least;
   u32xN exponents = {};  // lanes whose exponent bits are all ones: an infinity or a NaN
   for (int64_t c = 0; c < chunks; ++c) {
     f32xN top = least;
     for (int64_t j = c * kChunk; j < (c + 1) * kChunk; j += kLanes) {
       const f32xN av = load(a + j), e = kLost ? sv * load(pb.norms + j) + bv * load(pb.lost + j) : sv * load(pb.norms + j);
-      const f32xN lo = av - e, up = av + e;
+      f32xN lo = av - e, up = av + e;
+      if constexpr (kNoise) {  // t inside each bound, then the noise (as add_noise)
+        lo -= tv, up += tv;
+        asm("" : "+v"(lo), "+v"(up));
+        lo += load(noise + j), up += load(noise + j);
+      }
       lanes = lanes > lo ? lanes : lo;
       top = top > up ? top : up;
       exponents |= (reinterpret_cast<const u32xN&>(av) & kExponentBits) == kExponentBits;
@@ -162,11 +193,17 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
   bool ok = !not_finite(s) && !not_finite(b);
   float lower = -std::numeric_limits<float>::max();
   for (int l = 0; l < kLanes; ++l) lower = std::max(lower, lanes[l]), ok &= exponents[l] == 0;
+  // a token's bounds as floats: [a_j - e_j, a_j + e_j] and, for a sampled row, t and the noise inside
+  const auto bounds = [&](int64_t j) {
+    float lo = a[j] - margin(j), up = a[j] + margin(j);
+    if constexpr (kNoise) lo -= t, up += t, add_noise(lo, up, noise[j]);
+    return std::pair{lo, up};
+  };
   for (int64_t j = chunks * kChunk; j < pb.v; ++j) {
-    lower = std::max(lower, a[j] - margin(j));
+    lower = std::max(lower, bounds(j).first);
     ok &= !not_finite(a[j]);
   }
-  lower -= 2 * t;  // a candidate's a_j + s n_j + t reaches the best a_i - s n_i - t
+  if constexpr (!kNoise) lower -= 2 * t;  // a candidate's a_j + s n_j + t reaches the best a_i - s n_i - t
   // the candidates, in token order; every token if the screen is void
   thread_local std::vector<int32_t> picked;
   thread_local std::vector<float> exact;
@@ -177,11 +214,11 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
     for (int64_t c = 0; c < chunks; ++c)
       if (tops[c] >= lower)
         for (int64_t i = c * kChunk; i < (c + 1) * kChunk; ++i)
-          if (a[i] + margin(i) >= lower) picked.push_back(static_cast<int32_t>(i));
+          if (bounds(i).second >= lower) picked.push_back(static_cast<int32_t>(i));
     for (int64_t j = chunks * kChunk; j < pb.v; ++j)
-      if (a[j] + margin(j) >= lower) picked.push_back(static_cast<int32_t>(j));
+      if (bounds(j).second >= lower) picked.push_back(static_cast<int32_t>(j));
   }
-  if (ok && picked.size() > 2) refine(pb, x, s2, t, picked);
+  if (ok && picked.size() > 2) refine(pb, x, s2, t, kNoise ? noise : nullptr, picked);
   const int64_t n = static_cast<int64_t>(picked.size());
   exact.resize(n + 4);
   int64_t c = 0;
@@ -193,9 +230,20 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
   }
   int64_t best = 0;  // the first largest (n >= 1: the largest lower bound's token is always kept)
   bool nan = false;
-  for (c = 0; c < n; ++c) {
-    nan |= is_nan(exact[c]);
-    if (exact[c] > exact[best]) best = c;
+  for (c = 0; c < n; ++c) nan |= is_nan(exact[c]);
+  if constexpr (kNoise) {  // as the sampler's draw: the exact logit plus the token's noise
+    thread_local std::vector<float> noisy;
+    noisy.resize(n);
+    for (c = 0; c < n; ++c) {
+      float sum = exact[c] + noise[picked[c]];
+      asm("" : "+x"(sum));  // the sum as it is rounded, whatever the compiler would fold
+      noisy[c] = sum;
+    }
+    for (c = 0; c < n; ++c)
+      if (noisy[c] > noisy[best]) best = c;
+  } else {
+    for (c = 0; c < n; ++c)
+      if (exact[c] > exact[best]) best = c;
   }
   if (nan) {  // a logit that is NaN: V - 1, as the argmax of sampling.cc gives
     const int32_t last = static_cast<int32_t>(pb.v - 1);
@@ -210,13 +258,26 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
 
 // checks: x [R, K], rows [V, K], norms [V] and the three results [R] (R and V as the logits give them)
 ffi::Error check(int64_t r, int64_t v, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                 ffi::Span<const int64_t> nd, int64_t results) {
+                 ffi::Span<const int64_t> nd, int64_t results, int64_t temperatures, int64_t keys) {
   if (xd.size() != 2 || wd.size() != 2 || nd.size() != 1 || xd[0] != r || wd[0] != v || wd[1] != xd[1] ||
-      nd[0] != v || results != 3 * r)
-    return ffi::Error::InvalidArgument("screened_argmax: expected logits [R,V], x [R,K], rows [V,K], norms [V]");
+      nd[0] != v || results != 3 * r || temperatures != r || keys != 2 * r)
+    return ffi::Error::InvalidArgument("screened_argmax: expected logits [R,V], x [R,K], rows [V,K], norms [V], "
+                                       "temperature [R], keys [R,2]");
   if (v == 0 || v > std::numeric_limits<int32_t>::max())
     return ffi::Error::InvalidArgument("screened_argmax: the vocabulary must hold 1 to 2^31 - 1 tokens");
   return ffi::Error::Success();
+}
+
+// Screens row r by `screen_row` with its noise where its temperature is above zero (into a buffer of
+// the calling thread's)
+template <bool kLost>
+void screen_noisy(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t) {
+  const float temperature = pb.temperature[r];
+  if (!(temperature > 0.0f)) return screen_row<kLost, false>(pb, r, a, s, b, s2, t, nullptr);
+  thread_local std::vector<float> noise;
+  noise.resize((pb.v + redjax::kLanes - 1) / redjax::kLanes * redjax::kLanes);
+  redjax::gumbel_noise(pb.keys[2 * r], pb.keys[2 * r + 1], temperature, pb.v, noise.data());
+  screen_row<kLost, true>(pb, r, a, s, b, s2, t, noise.data());
 }
 
 // `row(r)` screens row r: rows in items of a few (a row's screen reads V logits: 4096-32000 here)
@@ -230,16 +291,20 @@ void screen_rows(ffi::ThreadPool& pool, int64_t count, int64_t v, Row row) {
 
 ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
+                              ffi::Buffer<ffi::F32> temperature, ffi::Buffer<ffi::U32> keys,
                               ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> values,
                               ffi::ResultBuffer<ffi::S32> candidates) {
   const auto ad = approx.dimensions();
   if (ad.size() != 2) return ffi::Error::InvalidArgument("screened_argmax: approx must be [R, V]");
   const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
-  if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results); e.failure())
+  if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results,
+                     temperature.element_count(), keys.element_count());
+      e.failure())
     return e;
   const int64_t k = x.dimensions()[1];
-  const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), ad[1], k, tokens->typed_data(),
-                   values->typed_data(), candidates->typed_data()};
+  const Problem pb{x.typed_data(),         rows.typed_data(),     norms.typed_data(),      ad[1],
+                   k,                      tokens->typed_data(),  values->typed_data(),    candidates->typed_data(),
+                   temperature.typed_data(), keys.typed_data()};
   const double factor = bound_factor(k);
   const float* a = approx.typed_data();
   screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
@@ -248,7 +313,7 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx
     const double xn = row_norm(pb.x + r * k, k);
     const float s = static_cast<float>(xn * factor + subnormal_factor(k));
     const float t = static_cast<float>(absolute_term(xn, k));
-    screen_row<false>(pb, r, a + r * pb.v, s, 0.0f, refine_factor(xn, k), t);
+    screen_noisy<false>(pb, r, a + r * pb.v, s, 0.0f, refine_factor(xn, k), t);
   });
   return ffi::Error::Success();
 }
@@ -264,18 +329,22 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx
 // subnormal terms of the bfloat16 screen, and K 2^-100 for an approximate logit whose scale underflows.
 ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> stats,
                                 ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
-                                ffi::Buffer<ffi::F32> lost, ffi::ResultBuffer<ffi::S32> tokens,
+                                ffi::Buffer<ffi::F32> lost, ffi::Buffer<ffi::F32> temperature,
+                                ffi::Buffer<ffi::U32> keys, ffi::ResultBuffer<ffi::S32> tokens,
                                 ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> candidates) {
   const auto ad = approx.dimensions();
   if (ad.size() != 2) return ffi::Error::InvalidArgument("screened_argmax_i8: approx must be [R, V]");
   const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
-  if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results); e.failure())
+  if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results,
+                     temperature.element_count(), keys.element_count());
+      e.failure())
     return e;
   if (stats.element_count() != 3 * ad[0] || lost.element_count() != ad[1])
     return ffi::Error::InvalidArgument("screened_argmax_i8: expected stats [R, 3] and lost [V]");
   const int64_t k = x.dimensions()[1];
-  const Problem pb{x.typed_data(), rows.typed_data(), norms.typed_data(), ad[1], k, tokens->typed_data(),
-                   values->typed_data(), candidates->typed_data(), lost.typed_data()};
+  const Problem pb{x.typed_data(),         rows.typed_data(),     norms.typed_data(),      ad[1],
+                   k,                      tokens->typed_data(),  values->typed_data(),    candidates->typed_data(),
+                   temperature.typed_data(), keys.typed_data(),  lost.typed_data()};
   const double gk = gamma(k), u3 = 3.01 * 0x1p-24;
   const float *a = approx.typed_data(), *st = stats.typed_data();
   screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
@@ -284,7 +353,7 @@ ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> appr
     const float s = static_cast<float>((row_stats[1] + gk * xn + u3 * kept) * kWiden + subnormal_factor(k));
     const float b = static_cast<float>(kept * (1.0 + u3) * kWiden);
     const float t = static_cast<float>(absolute_term(xn, k) + 0x1p-100 * k);
-    screen_row<true>(pb, r, a + r * pb.v, not_finite(row_stats[0]) ? row_stats[0] : s, b, refine_factor(xn, k), t);
+    screen_noisy<true>(pb, r, a + r * pb.v, not_finite(row_stats[0]) ? row_stats[0] : s, b, refine_factor(xn, k), t);
   });
   return ffi::Error::Success();
 }
@@ -298,6 +367,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmax, ScreenedArgmaxImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
@@ -311,6 +382,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxI8, ScreenedArgmaxI8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
