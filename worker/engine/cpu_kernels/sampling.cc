@@ -169,24 +169,54 @@ ffi::Error SamplingArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits
   return ffi::Error::Success();
 }
 
-// A row at temperature t > 0: the first largest of x_j + t g_j (gumbel_noise.h), into `noisy`;
-// t = 0: the first largest of x_j. Masked logits (-inf) stay -inf; a NaN gives V - 1.
-int32_t row_draw(const float* x, int64_t v, float t, uint32_t k0, uint32_t k1, std::vector<float>& noisy) {
+// A row at temperature t > 0: the first largest of x_j + t g_j (gumbel_noise.h); t = 0: the first
+// largest of x_j. Masked logits (-inf) stay -inf; a NaN gives V - 1. The noise of the loud tokens
+// bounds the row's maximum from below, and only the quiet tokens whose logit plus t kQuietG reaches
+// that bound get theirs computed: the largest noisy logit is among those and the loud ones.
+int32_t row_draw(const float* x, int64_t v, float t, uint32_t k0, uint32_t k1) {
   if (!(t > 0.0f)) return row_argmax(x, v);
-  noisy.resize((v + kLanes - 1) / kLanes * kLanes);
-  redjax::gumbel_noise(k0, k1, t, v, noisy.data());
-  int64_t i = 0;
-  for (; i + kLanes <= v; i += kLanes) {
-    f32xN sum = load(x + i) + load(noisy.data() + i);
-    asm("" : "+v"(sum));  // each sum as it is rounded, whatever the compiler would fold into it
-    redjax::store(noisy.data() + i, sum);
-  }
-  for (; i < v; ++i) {
-    float sum = x[i] + noisy[i];
+  thread_local std::vector<int32_t> ids;  // the loud tokens, the quiet candidates, their union
+  thread_local std::vector<float> noise;
+  if (static_cast<int64_t>(ids.size()) < 3 * (v + kLanes)) ids.resize(3 * (v + kLanes)), noise.resize(2 * (v + kLanes));
+  int32_t *loud = ids.data(), *quiet = loud + v + kLanes, *picked = quiet + v + kLanes;
+  const auto noisy = [&](int32_t j, float n) {  // fl(x_j + n) as rounded, whatever the compiler would fold
+    float sum = x[j] + n;
     asm("" : "+x"(sum));
-    noisy[i] = sum;
+    return sum;
+  };
+  const int64_t nl = redjax::loud_tokens(k0, k1, v, loud);
+  redjax::noise_of(k0, k1, t, loud, nl, noise.data());
+  // the bound: the loud tokens' noisy logits, and the largest logit with the least noise any token has
+  const float top = redjax::max_of(x, v, -std::numeric_limits<float>::infinity());
+  float lower = top + t * redjax::kLeastG;
+  for (int64_t i = 0; i < nl; ++i) lower = std::max(lower, noisy(loud[i], noise[i]));
+  const float quiet_most = t * redjax::kQuietG;
+  const f32xN most_v = f32xN{} + quiet_most;
+  u32xN nan_lanes = {};
+  int64_t nq = 0, j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
+    const f32xN xv = load(x + j);
+    nan_lanes |= ((u32xN)xv & 0x7fffffffu) > 0x7f800000u;
+    f32xN sum = xv + most_v;
+    asm("" : "+v"(sum));
+    nq += redjax::put_lanes(sum >= lower, j, quiet + nq);
   }
-  return row_argmax(noisy.data(), v);
+  bool nan = false;
+  for (int l = 0; l < kLanes; ++l) nan |= nan_lanes[l] != 0;
+  for (; j < v; ++j) {
+    nan |= is_nan(x[j]);
+    if (noisy(static_cast<int32_t>(j), quiet_most) >= lower) quiet[nq++] = static_cast<int32_t>(j);
+  }
+  if (nan) return int32_t(v - 1);
+  const int64_t n = redjax::merge_tokens(loud, nl, quiet, nq, picked);
+  redjax::noise_of(k0, k1, t, picked, n, noise.data());
+  int32_t best = -1;  // the first largest noisy logit, in token order
+  float most = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float value = noisy(picked[i], noise[i]);
+    if (best < 0 || value > most) best = picked[i], most = value;
+  }
+  return best < 0 ? 0 : best;
 }
 
 ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
@@ -204,10 +234,7 @@ ffi::Error SamplingDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, 
     std::fill(out, out + rows, 0);
     return ffi::Error::Success();
   }
-  redjax::run_on_pool(pool, rows, [=](int64_t r) {
-    thread_local std::vector<float> noisy;  // each row's noisy logits, reused across calls
-    out[r] = row_draw(x + r * v, v, t[r], k[2 * r], k[2 * r + 1], noisy);
-  });
+  redjax::run_on_pool(pool, rows, [=](int64_t r) { out[r] = row_draw(x + r * v, v, t[r], k[2 * r], k[2 * r + 1]); });
   return ffi::Error::Success();
 }
 

@@ -123,13 +123,20 @@ float dot(const float* x, const float* w, int64_t k) {
   return sum;
 }
 
-// The bounds [lo, up] of a logit, moved by the token's noise n: x = fl(logit + n) lies in [fl(lo +
-// n), fl(up + n)] since rounding is monotone. The empty asm keeps lo and up as they are, so the
-// compiler cannot fold n into the arithmetic that made them.
-inline void add_noise(float& lo, float& up, float n) {
-  asm("" : "+x"(lo), "+x"(up));
-  lo += n, up += n;
+// A bound of a logit moved by noise n: x = fl(logit + n) lies in [fl(lo + n), fl(up + n)] since
+// rounding is monotone (and below fl(up + m) for any noise n <= m). The empty asm keeps the bound
+// as it is, so the compiler cannot fold n into the arithmetic that made it.
+inline float moved(float bound, float n) {
+  asm("" : "+x"(bound));
+  return bound + n;
 }
+
+// A sampled row's noise: its key and temperature, and the noise computed so far (by token)
+struct RowNoise {
+  uint32_t k0, k1;
+  float temperature;
+  float* by_token;  // [V]: filled for the tokens the screen computes it for
+};
 
 // Narrow the candidates (in token order) with their float32 dot products, vectorized along k, each
 // within s2 * norms[j] + t of the kernel's logit (s2 = 2 gamma_K |x|, widened, as for both it and
@@ -144,7 +151,7 @@ void refine(const Problem& pb, const float* x, float s2, float t, const float* n
       for (int64_t i = 0; i < pb.k; i += 16) __builtin_prefetch(pb.rows + picked[c + 1] * pb.k + i, 0, 3);
     const float d = dot(x, pb.rows + picked[c] * pb.k, pb.k), e = s2 * pb.norms[picked[c]];
     los[c] = d - e - t, ups[c] = d + e + t;
-    if (noise) add_noise(los[c], ups[c], noise[picked[c]]);
+    if (noise) los[c] = moved(los[c], noise[picked[c]]), ups[c] = moved(ups[c], noise[picked[c]]);
     lower = std::max(lower, los[c]);
   }
   size_t kept = 0;
@@ -155,11 +162,14 @@ void refine(const Problem& pb, const float* x, float s2, float t, const float* n
 
 // Row r's token and exact logit, from approximate logits a f32[V] within e_j = s * norms[j] + t of
 // the float32 kernel's, plus b * lost[j] with kLost (and s2 * norms[j] + t for refine). With kNoise
-// (a sampled row) the token is the first largest of logit_j + noise[j] (gumbel_noise.h), the
-// bounds moved by the noise as `add_noise` does; else the first largest logit.
+// (a sampled row) the token is the first largest of logit_j + n_j (gumbel_noise.h), the bounds
+// moved by the noise (`moved`): the loud tokens' (and the largest lower bound moved by the least
+// noise) give the lower bound; a quiet token is a candidate where its upper bound moved by the
+// most a quiet token's noise can be reaches it, and then where moved by its own; else the first
+// largest logit.
 template <bool kLost, bool kNoise>
 void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t,
-                const float* noise) {
+                const RowNoise* rn) {
   const auto margin = [&](int64_t j) { return kLost ? s * pb.norms[j] + b * pb.lost[j] : s * pb.norms[j]; };
   const float* x = pb.x + r * pb.k;
   // One pass: lower = max_j (a_j - e_j), and each chunk's largest upper bound a_j + e_j (few
@@ -177,11 +187,7 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
     for (int64_t j = c * kChunk; j < (c + 1) * kChunk; j += kLanes) {
       const f32xN av = load(a + j), e = kLost ? sv * load(pb.norms + j) + bv * load(pb.lost + j) : sv * load(pb.norms + j);
       f32xN lo = av - e, up = av + e;
-      if constexpr (kNoise) {  // t inside each bound, then the noise (as add_noise)
-        lo -= tv, up += tv;
-        asm("" : "+v"(lo), "+v"(up));
-        lo += load(noise + j), up += load(noise + j);
-      }
+      if constexpr (kNoise) lo -= tv, up += tv;  // t inside each bound, before the noise
       lanes = lanes > lo ? lanes : lo;
       top = top > up ? top : up;
       exponents |= (reinterpret_cast<const u32xN&>(av) & kExponentBits) == kExponentBits;
@@ -193,10 +199,10 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
   bool ok = !not_finite(s) && !not_finite(b);
   float lower = -std::numeric_limits<float>::max();
   for (int l = 0; l < kLanes; ++l) lower = std::max(lower, lanes[l]), ok &= exponents[l] == 0;
-  // a token's bounds as floats: [a_j - e_j, a_j + e_j] and, for a sampled row, t and the noise inside
+  // a token's bounds as floats: [a_j - e_j, a_j + e_j], for a sampled row with t inside
   const auto bounds = [&](int64_t j) {
     float lo = a[j] - margin(j), up = a[j] + margin(j);
-    if constexpr (kNoise) lo -= t, up += t, add_noise(lo, up, noise[j]);
+    if constexpr (kNoise) lo -= t, up += t;
     return std::pair{lo, up};
   };
   for (int64_t j = chunks * kChunk; j < pb.v; ++j) {
@@ -204,6 +210,20 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
     ok &= !not_finite(a[j]);
   }
   if constexpr (!kNoise) lower -= 2 * t;  // a candidate's a_j + s n_j + t reaches the best a_i - s n_i - t
+  thread_local std::vector<int32_t> ids;  // a sampled row's loud tokens, quiet candidates and their union
+  float reach = 0.0f;  // a quiet token's noise is at most this (0 for a greedy row)
+  int64_t nl = 0;
+  float* noise = kNoise ? rn->by_token : nullptr;
+  if constexpr (kNoise) {
+    if (static_cast<int64_t>(ids.size()) < 3 * (pb.v + kLanes)) ids.resize(3 * (pb.v + kLanes));
+    thread_local std::vector<float> loud_noise;
+    loud_noise.resize(pb.v + kLanes);
+    nl = redjax::loud_tokens(rn->k0, rn->k1, pb.v, ids.data());
+    redjax::noise_of(rn->k0, rn->k1, rn->temperature, ids.data(), nl, loud_noise.data());
+    lower = moved(lower, rn->temperature * redjax::kLeastG);  // the largest lower bound, the least noise
+    for (int64_t i = 0; i < nl; ++i) lower = std::max(lower, moved(bounds(ids[i]).first, loud_noise[i]));
+    reach = rn->temperature * redjax::kQuietG;
+  }
   // the candidates, in token order; every token if the screen is void
   thread_local std::vector<int32_t> picked;
   thread_local std::vector<float> exact;
@@ -211,14 +231,30 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
   if (!ok) {
     for (int64_t i = 0; i < pb.v; ++i) picked.push_back(static_cast<int32_t>(i));
   } else {
+    const auto reaches = [&](float up) { return kNoise ? moved(up, reach) >= lower : up >= lower; };
     for (int64_t c = 0; c < chunks; ++c)
-      if (tops[c] >= lower)
+      if (reaches(tops[c]))
         for (int64_t i = c * kChunk; i < (c + 1) * kChunk; ++i)
-          if (bounds(i).second >= lower) picked.push_back(static_cast<int32_t>(i));
+          if (reaches(bounds(i).second)) picked.push_back(static_cast<int32_t>(i));
     for (int64_t j = chunks * kChunk; j < pb.v; ++j)
-      if (bounds(j).second >= lower) picked.push_back(static_cast<int32_t>(j));
+      if (reaches(bounds(j).second)) picked.push_back(static_cast<int32_t>(j));
   }
-  if (ok && picked.size() > 2) refine(pb, x, s2, t, kNoise ? noise : nullptr, picked);
+  if constexpr (kNoise) {  // with the loud tokens, each with its own noise, kept where its bound reaches
+    int32_t* merged = ids.data() + 2 * (pb.v + kLanes);
+    const int64_t n = ok ? redjax::merge_tokens(ids.data(), nl, picked.data(), static_cast<int64_t>(picked.size()), merged)
+                         : static_cast<int64_t>(picked.size());
+    if (ok) picked.assign(merged, merged + n);
+    thread_local std::vector<float> values;
+    values.resize(n + kLanes);
+    redjax::noise_of(rn->k0, rn->k1, rn->temperature, picked.data(), n, values.data());
+    size_t kept = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      noise[picked[i]] = values[i];
+      if (!ok || moved(bounds(picked[i]).second, values[i]) >= lower) picked[kept++] = picked[i];
+    }
+    picked.resize(kept);
+  }
+  if (ok && picked.size() > 2) refine(pb, x, s2, t, noise, picked);
   const int64_t n = static_cast<int64_t>(picked.size());
   exact.resize(n + 4);
   int64_t c = 0;
@@ -234,11 +270,7 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
   if constexpr (kNoise) {  // as the sampler's draw: the exact logit plus the token's noise
     thread_local std::vector<float> noisy;
     noisy.resize(n);
-    for (c = 0; c < n; ++c) {
-      float sum = exact[c] + noise[picked[c]];
-      asm("" : "+x"(sum));  // the sum as it is rounded, whatever the compiler would fold
-      noisy[c] = sum;
-    }
+    for (c = 0; c < n; ++c) noisy[c] = moved(exact[c], noise[picked[c]]);
     for (c = 0; c < n; ++c)
       if (noisy[c] > noisy[best]) best = c;
   } else {
@@ -268,16 +300,15 @@ ffi::Error check(int64_t r, int64_t v, ffi::Span<const int64_t> xd, ffi::Span<co
   return ffi::Error::Success();
 }
 
-// Screens row r by `screen_row` with its noise where its temperature is above zero (into a buffer of
-// the calling thread's)
+// Screens row r by `screen_row`, with its noise where its temperature is above zero
 template <bool kLost>
 void screen_noisy(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t) {
   const float temperature = pb.temperature[r];
   if (!(temperature > 0.0f)) return screen_row<kLost, false>(pb, r, a, s, b, s2, t, nullptr);
-  thread_local std::vector<float> noise;
-  noise.resize((pb.v + redjax::kLanes - 1) / redjax::kLanes * redjax::kLanes);
-  redjax::gumbel_noise(pb.keys[2 * r], pb.keys[2 * r + 1], temperature, pb.v, noise.data());
-  screen_row<kLost, true>(pb, r, a, s, b, s2, t, noise.data());
+  thread_local std::vector<float> by_token;
+  by_token.resize(pb.v);
+  const RowNoise rn{pb.keys[2 * r], pb.keys[2 * r + 1], temperature, by_token.data()};
+  screen_row<kLost, true>(pb, r, a, s, b, s2, t, &rn);
 }
 
 // `row(r)` screens row r: rows in items of a few (a row's screen reads V logits: 4096-32000 here)
