@@ -171,7 +171,9 @@ def test_logit_bias_steers_greedy_choice_but_not_reported_logprobs():
 
 def test_greedy_rows_stay_greedy_beside_sampled_rows(kernels):
     logits = random_logits(4, 32, seed=7)
-    t = tensors(4, temperature=[0.0, 1.5, 0.0, 1.5], seed=[1, 2, 3, 4], top_k=[0, 5, 0, 0])
+    # (row 2 asks for a cut too: a greedy row's token is its argmax whatever the cut)
+    t = tensors(4, temperature=[0.0, 1.5, 0.0, 1.5], seed=[1, 2, 3, 4], top_k=[0, 5, 3, 0], top_p=[1, 1, 0.2, 1],
+                min_p=[0, 0, 0.5, 0])
     tokens = np.asarray(sample(jnp.asarray(logits), t, CUTTING, kernels)[0])
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     assert tokens[1] in np.argsort(-logits[1])[:5]

@@ -74,16 +74,14 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     if flags.bias:
         rows = jnp.arange(r)[:, None]
         logits = logits.at[rows, t.bias_ids].add(t.bias_vals)
-    greedy = kernels.argmax(logits) if kernels is not None else first_argmax(logits)
     if flags.all_greedy:
-        tokens = greedy
-    else:
+        tokens = kernels.argmax(logits) if kernels is not None else first_argmax(logits)
+    else:  # (greedy rows among them: the draw's argmax at T = 0, which a cut never changes: it keeps the largest)
         if flags.needs_cut:  # the cut on the temperature-scaled logits; the draw scales its noise instead
             cut = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, kernels)
             logits = jnp.where(cut == -jnp.inf, -jnp.inf, logits)
         draw = kernels.draw if kernels is not None else gumbel_draw
-        drawn = draw(logits, t.temperature, noise_keys(t.seed, t.choice, t.out_pos))
-        tokens = jnp.where(t.temperature == 0.0, greedy, drawn)
+        tokens = draw(logits, t.temperature, noise_keys(t.seed, t.choice, t.out_pos))
     if not flags.logprobs:
         zeros = jnp.zeros((r, 0))
         return tokens, jnp.zeros((r,)), zeros.astype(jnp.int32), zeros
