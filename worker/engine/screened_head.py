@@ -3,14 +3,16 @@ as float32 picks them.
 
 A greedy step without logprobs, penalties or logit bias needs each row's first largest logit and
 nothing else; a sampled row with nothing cut (no top-k, top-p or min-p) the first largest of its
-logits plus its Gumbel noise (`sampler.gumbel_draw`), which the screen bounds alike. On a CPU with AVX512-BF16 the bfloat16 panel product runs at about twice the float32
-one's speed (64 rows x 768 x 32000, Zen 4: 8.4-8.7 against 15.8-16.6 ms), and its logits differ
-from the float32 ones by at most c(K) |x| |W_j| (`cpu_kernels/screened_argmax.cc` derives it). With
+logits plus its Gumbel noise (`sampler.gumbel_draw`), which the screen bounds alike. On a CPU
+with AVX512-BF16 the bfloat16 panel product runs at about twice the float32 one's speed (64 rows
+x 768 x 32000, Zen 4: 8.4-8.7 against 15.8-16.6 ms), and its logits differ from the float32 ones
+by at most c(K) |x| |W_j| (`cpu_kernels/screened_argmax.cc` derives it). With
 AVX512-VNNI an int8 product (both operands quantized, a scale per row of x and per token) runs in
 half the bfloat16 one's time again (4.1-4.3 ms), within |x - q(x)| |W_j| + |q(x)| |W_j - q(W_j)|
 plus rounding of the float32 logit. The screen keeps the tokens the bound cannot rule out, narrows
 them with float32 dot products, recomputes the rest as the float32 panel kernel computes them, bit
-for bit, and returns the first largest: the token the float32 head and its argmax give. The head
+for bit, and returns the first largest: the token the float32 head and its argmax (or the
+sampler's draw) give. The head
 is 12-20 % of a float32 decode step for the demo model and llama-100m.
 
 `attach` gives a packed float32 model a `greedy_head`: `ScreenedHead` (bfloat16 panels of the head,
@@ -169,7 +171,8 @@ class Int8Head(nnx.Module):
         approx, stats = product(x, self.panels[...], self.scales[...], self.totals[...])  # f32[R, V], f32[R, 3]
         call = jax.ffi.ffi_call(I8_TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
                                             jax.ShapeDtypeStruct((r,), jnp.int32)))
-        return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...], *_sampling(temperature, keys))
+        return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...],
+                    *_sampling(temperature, keys))
 
 
 class ScreenedHead(nnx.Module):
