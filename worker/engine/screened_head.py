@@ -12,8 +12,8 @@ half the bfloat16 one's time again (4.1-4.3 ms), within |x - q(x)| |W_j| + |q(x)
 plus rounding of the float32 logit. The screen keeps the tokens the bound cannot rule out, narrows
 them with float32 dot products, recomputes the rest as the float32 panel kernel computes them, bit
 for bit, and returns the first largest: the token the float32 head and its argmax (or the
-sampler's draw) give. The head
-is 12-20 % of a float32 decode step for the demo model and llama-100m.
+sampler's draw) give. The head is 12-20 % of a float32 decode step for the demo model and
+llama-100m.
 
 `attach` gives a packed float32 model a `greedy_head`: `ScreenedHead` (bfloat16 panels of the head,
 its rows in float32, and their norms) or `Int8Head` (int8 panels beside those, for the steps whose
