@@ -24,7 +24,7 @@ sample = jax.jit(sampler.sample, static_argnames=("flags", "kernels"))
 filter_logits = jax.jit(sampler.filter_logits, static_argnames=("flags", "kernels"))
 apply_penalties = jax.jit(sampler.apply_penalties)
 
-CUTTING = SamplerFlags(all_greedy=False, needs_cut=True)
+CUTTING = SamplerFlags(all_greedy=False, needs_cut=True, min_p=True)
 # chi-square quantile at 1 - 1e-6 by degrees of freedom (scipy.stats.chi2.ppf(1 - 1e-6, df))
 CHI2_1E6 = {2: 27.631, 3: 30.665, 4: 33.377, 5: 35.888, 6: 38.258, 7: 40.522, 8: 42.701, 9: 44.811}
 
@@ -98,7 +98,7 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass(kernels):
 def test_min_p_mask_matches_transformers():
     logits = random_logits(4, 64, seed=2)
     mins = [0.0, 0.05, 0.3, 1.0]
-    kept = ours_kept(logits, tensors(4, min_p=mins))  # (a cut: with needs_cut alone)
+    kept = ours_kept(logits, tensors(4, min_p=mins), SamplerFlags(all_greedy=False, min_p=True))
     for row, m in enumerate(mins):
         expected = hf_kept(MinPLogitsWarper(m), logits[row]) if m else np.ones(64, bool)
         np.testing.assert_array_equal(kept[row], expected, err_msg=f"min_p={m}")
@@ -203,7 +203,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_sampled_frequencies_match_the_filtered_distribution(fields, kernels):
     logits = np.array([2.0, 1.5, 1.2, 0.9, 0.5, 0.2, -0.1, -0.6, -1.0, -2.0], np.float32)
     n = 6000
-    flags = SamplerFlags(all_greedy=False, needs_cut=len(fields) > 1)
+    flags = SamplerFlags(all_greedy=False, needs_cut="top_k" in fields or "top_p" in fields, min_p="min_p" in fields)
     tokens = draws(logits, n, flags, kernels, seed=11, **fields)
     counts = np.bincount(tokens, minlength=len(logits))
     # the target law, written out independently: temperature, then the cut, renormalised
@@ -244,15 +244,19 @@ def sorted_kept(logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.
 
 def test_cutoffs_equal_a_descending_sort_with_ties_and_large_vocabularies(kernels):
     """Both paths keep exactly the tokens a descending sort keeps: rows with ties at the cut
-    (rounded logits, -0.0 beside 0.0), flat and peaked rows, top_k past the vocabulary, top_p 1,
-    and a vocabulary large enough for the kernel to set values aside and sort in several blocks."""
+    (rounded logits, -0.0 beside 0.0), flat and peaked rows, values past float32's resolution of
+    their differences, top_k past the vocabulary, top_p 1, and vocabularies large enough for the
+    kernel's every path: the top-k set kept in a buffer (top_k <= 256) or selected, and the top-p
+    cut by value buckets (a flat row of 32000 keeps most of them)."""
     rng = np.random.default_rng(12)
-    for trial in range(60):
-        rows, vocab = 16, (7, 50, 4096)[trial % 3]
-        logits = (rng.standard_normal((rows, vocab)) * rng.choice([0.1, 1.0, 5.0, 30.0])).astype(np.float32)
+    for trial in range(64):
+        rows, vocab = 16, (7, 50, 4096, 32000)[trial % 4]
+        scale = rng.choice([1e-3, 0.1, 1.0, 5.0, 30.0, 1e30])
+        logits = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
         if trial % 2:
-            logits = np.round(logits)  # ties
-        top_k, top_p = rng.choice([0, 1, 2, 5, 40, vocab + 3], rows), rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0], rows)
+            logits = np.round(logits * rng.choice([1.0, 64.0])) if scale < 1e30 else logits + np.float32(3e37)  # ties
+        top_k = rng.choice([0, 1, 2, 5, 40, 256, 300, 2000, vocab + 3], rows)
+        top_p = rng.choice([1e-6, 0.3, 0.9, 0.95, 0.99, 1.0], rows)
         np.testing.assert_array_equal(ours_kept(logits, tensors(rows, top_k=top_k, top_p=top_p), kernels=kernels),
                                       sorted_kept(logits, top_k, top_p.astype(np.float32)), err_msg=f"trial {trial}")
 

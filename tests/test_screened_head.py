@@ -243,7 +243,8 @@ def test_steps_with_outlier_rows_take_the_bfloat16_head():
 
 def test_only_steps_without_logits_or_cuts_take_it():
     assert screened_head.serves(SamplerFlags()) and screened_head.serves(SamplerFlags(all_greedy=False))
-    for flags in (SamplerFlags(all_greedy=False, needs_cut=True), SamplerFlags(logprobs=True),
+    for flags in (SamplerFlags(all_greedy=False, needs_cut=True), SamplerFlags(all_greedy=False, min_p=True),
+                  SamplerFlags(logprobs=True),
                   SamplerFlags(penalties=True), SamplerFlags(bias=True)):
         assert not screened_head.serves(flags)
 

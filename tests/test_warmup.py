@@ -179,13 +179,14 @@ def test_requests_with_penalties_or_logit_bias_wait_for_their_variant_while_the_
 def test_a_variant_serves_batches_that_need_less_of_the_sampler():
     flags = lambda **kw: SamplerFlags(**{"all_greedy": True, "needs_cut": False, "penalties": False,  # noqa: E731
                                          "bias": False, "num_logprobs": 0, "logprobs": False, **kw})
-    full = flags(all_greedy=False, needs_cut=True, logprobs=True, num_logprobs=20)
-    for needed in (flags(), flags(all_greedy=False), flags(needs_cut=True), flags(logprobs=True),
-                   flags(logprobs=True, num_logprobs=20), full):
+    full = flags(all_greedy=False, needs_cut=True, min_p=True, logprobs=True, num_logprobs=20)
+    for needed in (flags(), flags(all_greedy=False), flags(needs_cut=True), flags(all_greedy=False, min_p=True),
+                   flags(logprobs=True), flags(logprobs=True, num_logprobs=20), full):
         assert serves(full, needed), needed
     assert serves(flags(all_greedy=False), flags())  # greedy rows take the argmax in a sampling variant
     assert not serves(flags(), flags(all_greedy=False))
     assert not serves(flags(all_greedy=False), flags(all_greedy=False, needs_cut=True))
+    assert not serves(flags(all_greedy=False, needs_cut=True), flags(all_greedy=False, min_p=True))
     assert not serves(flags(logprobs=True), flags(logprobs=True, num_logprobs=20))
     # penalty and bias arrays are sized by the batch: only the same flags
     assert not serves(flags(all_greedy=False, penalties=True, needs_cut=True), flags(all_greedy=False, penalties=True))

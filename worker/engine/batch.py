@@ -357,7 +357,8 @@ def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
     want_top = any((p.logprobs or 0) > 0 or (p.prompt_logprobs or 0) > 0 for p in params)
     return SamplerFlags(
         all_greedy=greedy,
-        needs_cut=not greedy and any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params),
+        needs_cut=not greedy and any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        min_p=not greedy and any(p.min_p > 0.0 for p in params),
         penalties=any(has_penalties(p) for p in params),
         bias=any(p.logit_bias for p in params),
         num_logprobs=max_logprobs if want_top else 0,

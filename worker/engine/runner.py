@@ -294,11 +294,12 @@ class ModelRunner:
 def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
     """Whether a variant compiled with `compiled` flags gives a batch that needs `needed` the same
     tokens: sampling handles greedy rows (temperature 0 takes the argmax), the top-k/top-p filter
-    keeps every token of rows with top_k 0 and top_p 1, and logprobs computed but not asked for are
+    keeps every token of rows with top_k 0 and top_p 1 and min-p's of rows with min_p 0, and logprobs computed but not asked for are
     not read back. Penalties and logit bias size the batch's arrays, so those match exactly."""
     if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
         return compiled == needed
     return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut
+            and compiled.min_p >= needed.min_p
             and compiled.logprobs >= needed.logprobs and compiled.num_logprobs >= needed.num_logprobs)
 
 
@@ -314,7 +315,7 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
     out_ids, prompt_ids, bias = flags.widths
-    parts = {"top-k/top-p/min-p": flags.needs_cut, f"logprobs {flags.num_logprobs}": flags.logprobs,
+    parts = {"top-k/top-p": flags.needs_cut, "min-p": flags.min_p, f"logprobs {flags.num_logprobs}": flags.logprobs,
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,

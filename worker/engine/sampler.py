@@ -41,7 +41,8 @@ class SamplerFlags:
     """Static switches: each combination is one compiled variant; all off is the cheap path."""
 
     all_greedy: bool = True
-    needs_cut: bool = False  # some row uses top-k, top-p (top_k_top_p_cut's passes) or min-p
+    needs_cut: bool = False  # some row uses top-k or top-p (the cutoffs kernel, or top_k_top_p_cut's passes)
+    min_p: bool = False  # some row uses min-p (a softmax over the kept logits)
     penalties: bool = False
     bias: bool = False
     num_logprobs: int = 0  # top-N alternatives to return (0: sampled token's logprob only when logprobs)
@@ -77,7 +78,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     if flags.all_greedy:
         tokens = kernels.argmax(logits) if kernels is not None else first_argmax(logits)
     else:  # (greedy rows among them: the draw's argmax at T = 0, which a cut never changes: it keeps the largest)
-        if flags.needs_cut:  # the cut on the temperature-scaled logits; the draw scales its noise instead
+        if flags.needs_cut or flags.min_p:  # the cut on the temperature-scaled logits; the draw scales its noise instead
             cut = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, kernels)
             logits = jnp.where(cut == -jnp.inf, -jnp.inf, logits)
         draw = kernels.draw if kernels is not None else gumbel_draw
@@ -106,15 +107,16 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def filter_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags,
                   kernels: SamplingKernels | None = None) -> jax.Array:
-    """Mask (to -inf) what top-k, top-p and min-p exclude (with `flags.needs_cut`; else nothing);
-    logits already temperature-scaled.
+    """Mask (to -inf) what top-k and top-p (with `flags.needs_cut`) and min-p (with `flags.min_p`)
+    exclude; logits already temperature-scaled.
 
     Each row's top-k/top-p cut comes from `kernels.cutoffs` (a selection in C++) or
     `top_k_top_p_cut` (bisections in jnp): the same rules, and neither sorts the vocabulary."""
-    if not flags.needs_cut:
+    if flags.needs_cut:
+        cutoffs = kernels.cutoffs if kernels is not None else top_k_top_p_cut
+        logits = jnp.where(logits < cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
+    if not flags.min_p:  # (its softmax over [R, V] cost 1-2 ms a llama-100m step whether a row asked or not)
         return logits
-    cutoffs = kernels.cutoffs if kernels is not None else top_k_top_p_cut
-    logits = jnp.where(logits < cutoffs(logits, t.top_k, t.top_p)[:, None], -jnp.inf, logits)
     probs = jax.nn.softmax(logits, axis=-1)
     floor = t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(probs < floor, -jnp.inf, logits)

@@ -231,4 +231,4 @@ def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
 def serves(flags: SamplerFlags) -> bool:
     """Whether a step of these sampler flags takes its tokens from the screened head: nothing that
     needs the logits themselves (logprobs, penalties, logit bias, a top-k/top-p/min-p cut)."""
-    return not (flags.logprobs or flags.penalties or flags.bias or flags.needs_cut)
+    return not (flags.logprobs or flags.penalties or flags.bias or flags.needs_cut or flags.min_p)

@@ -48,6 +48,8 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "gumbel_noise.h"
 #include "pool_work.h"
 #include "vectors.h"
@@ -57,46 +59,175 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kFirstBlock = 32;  // values sorted first; each further block doubles the sorted prefix
+constexpr int64_t kBufferedTopK = 256;  // top_k up to this: the k largest kept in a sorted buffer, one pass
+constexpr int32_t kBuckets = 4096;  // top-p: value buckets between the largest value and the floor
+
+using redjax::f32xN, redjax::i32xN, redjax::is_nan, redjax::kLanes, redjax::load, redjax::u32xN;
+constexpr float kNone = -std::numeric_limits<float>::infinity();
 
 // -inf by its bits: the kernels build with -ffast-math, under which a compiler may assume no
 // operand is infinite and fold a comparison with -inf away
 inline bool masked(float x) { return std::bit_cast<uint32_t>(x) == 0xff800000u; }
 
-float row_cut(const float* logits, int64_t v, int32_t top_k, float top_p, std::vector<float>& a) {
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
+void row_top_n(const float* x, int64_t v, int64_t n, float* vals, int32_t* ids);
+
+// A row's working memory, kept by each pool thread across calls
+struct CutScratch {
+  std::vector<float> a;  // the row's values, reordered (top_k past kBufferedTopK)
+  std::vector<float> top;  // the top-k buffer's values, descending
+  std::vector<int32_t> ids;  // and their tokens
+  std::vector<int32_t> bucket;  // bucket_cut: the values at or above the floor: each one's bucket,
+  std::vector<float> value, weight;  // value and probability
+  std::vector<double> mass;  // each bucket's
+  std::vector<std::pair<float, float>> inside;  // the crossing bucket's (value, probability), sorted
+};
+
+// 16 values from p[0, n) (n < 16 padded with -inf)
+inline f32xN load_part(const float* p, int64_t n) {
+  if (n >= kLanes) return load(p);
+  f32xN v = f32xN{} + kNone;
+  for (int64_t l = 0; l < n; ++l) v[l] = p[l];
+  return v;
+}
+
+// The lanes of b, x and w where `mask` is true, in order, at bo, xo and wo (each with room for 16);
+// -> how many. Without branches where the CPU compresses a register.
+inline int64_t keep_lanes(i32xN mask, i32xN b, f32xN x, f32xN w, int32_t* bo, float* xo, float* wo) {
+#ifdef __AVX512F__
+  const __mmask16 bits = _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask);
+  _mm512_storeu_si512(bo, _mm512_maskz_compress_epi32(bits, (__m512i)b));
+  _mm512_storeu_ps(xo, _mm512_maskz_compress_ps(bits, (__m512)x));
+  _mm512_storeu_ps(wo, _mm512_maskz_compress_ps(bits, (__m512)w));
+  return __builtin_popcount(bits);
+#else
+  int64_t n = 0;
+  for (int l = 0; l < kLanes; ++l)
+    if (mask[l]) bo[n] = b[l], xo[n] = x[l], wo[n++] = w[l];
+  return n;
+#endif
+}
+
+// The top-p cut over n values a[0, n) (the top-k set, or the whole row), `top` the largest, finite,
+// and `kth` the top-k cut (-inf: none). In descending order the first value whose running mass
+// reaches top_p is the cut; the values at or below it are kept while the mass strictly before them
+// is under top_p.
+//
+// Sorting costs n log n, and a flat row keeps most of a large vocabulary (64 rows of 32000 values:
+// 80 ms by sorting ever larger blocks). Instead:
+// - the softmax denominator z in one vector pass;
+// - values under `floor` cannot be kept: together they hold less than 1 - top_p of the mass (at most
+//   n of them, each under (1 - top_p) / n, with 1 % to spare for rounding);
+// - every value at or above it gets a bucket by its distance below `top`, kBuckets of them down to
+//   the floor, and its probability, in one vector pass (the empty asm stops -ffast-math contracting
+//   or reordering the arithmetic, so one instruction sequence serves every value: equal values
+//   share a bucket and a larger value never lands in a later one); those values leave it compressed;
+// - the buckets' masses in order find the one where the running mass passes top_p, and only that
+//   bucket's values are sorted.
+float bucket_cut(const float* a, int64_t n, float top, float kth, float top_p, CutScratch& s) {
+  f32xN sums = {};
+  const f32xN top_v = f32xN{} + top;
+  for (int64_t t = 0; t < n; t += kLanes) sums += redjax::exp_lanes(load_part(a + t, n - t) - top_v);
+  float z = 0.0f;
+  for (int l = 0; l < kLanes; ++l) z += sums[l];
+  const float floor = top + std::log(0.99f * (1.0f - top_p) * z / float(n));
+  if (!(top - floor > 0.0f) || redjax::not_finite(floor)) {  // magnitudes past float's resolution: sort
+    s.a.assign(a, a + n);
+    std::sort(s.a.begin(), s.a.end(), std::greater<float>());
+    double before = 0.0;
+    for (float value : s.a)
+      if ((before += std::exp(value - top) / z) >= top_p) return value;
+    return kth;
+  }
+  const f32xN scale = f32xN{} + float(kBuckets) / (top - floor), floor_v = f32xN{} + floor;
+  const i32xN lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, last = i32xN{} + (kBuckets - 1);
+  s.bucket.resize(n + kLanes), s.value.resize(n + kLanes), s.weight.resize(n + kLanes);
+  int64_t kept = 0;  // values at or above the floor
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const f32xN x = load_part(a + t, n - t);
+    f32xN below = top_v - x;
+    asm("" : "+v"(below));
+    f32xN q = below * scale;
+    asm("" : "+v"(q));
+    i32xN b = __builtin_convertvector(q, i32xN);  // truncated: q >= 0, at most kBuckets and a rounding
+    b = b > last || b < 0 ? last : b;
+    const i32xN in = (lane + int32_t(t) < int32_t(n)) && x >= floor_v;
+    kept += keep_lanes(in, b, x, redjax::exp_lanes(x - top_v) / z, s.bucket.data() + kept, s.value.data() + kept,
+                       s.weight.data() + kept);
+  }
+  const int32_t* bucket = s.bucket.data();
+  const float* value = s.value.data();
+  s.mass.assign(kBuckets, 0.0);
+  for (int64_t i = 0; i < kept; ++i) s.mass[bucket[i]] += s.weight[i];
+  double before = 0.0;  // the mass of the buckets before b
+  int32_t b = 0;
+  for (; b < kBuckets && before + s.mass[b] < top_p; ++b) before += s.mass[b];
+  // the cut where the running mass never reaches top_p: the least value kept, or kth if none is dropped
+  const auto all = [&] { return kept < n ? *std::min_element(value, value + kept) : kth; };
+  if (b == kBuckets) return all();
+  s.inside.clear();
+  f32xN next_v = f32xN{} + kNone;  // the largest value after bucket b (above the floor)
+  const i32xN b_v = i32xN{} + b;
+  int64_t i = 0;
+  for (; i + kLanes <= kept; i += kLanes) {
+    i32xN bi;
+    std::memcpy(&bi, bucket + i, sizeof bi);
+    const f32xN x = load(value + i);
+    next_v = bi > b_v && x > next_v ? x : next_v;
+    const i32xN here = bi == b_v;
+    bool any = false;
+    for (int l = 0; l < kLanes; ++l) any |= here[l] != 0;
+    for (int l = 0; any && l < kLanes; ++l)
+      if (here[l]) s.inside.emplace_back(value[i + l], s.weight[i + l]);
+  }
+  float next = kNone;
+  bool has_next = false;
+  for (int l = 0; l < kLanes && i > 0; ++l) {  // (a lane holds -inf if it never saw a later value)
+    const bool seen = !masked(next_v[l]);
+    next = seen && (!has_next || next_v[l] > next) ? next_v[l] : next, has_next |= seen;
+  }
+  for (; i < kept; ++i) {
+    if (bucket[i] == b) s.inside.emplace_back(value[i], s.weight[i]);
+    else if (bucket[i] > b) next = has_next ? std::max(next, value[i]) : value[i], has_next = true;
+  }
+  std::sort(s.inside.begin(), s.inside.end(), [](const auto& l, const auto& r) { return l.first > r.first; });
+  for (const auto& [x, weight] : s.inside)
+    if ((before += weight) >= top_p) return x;
+  // the bucket's mass, summed in another order, reached top_p and its running sum did not: the
+  // next value does
+  return has_next ? next : all();
+}
+
+// A row's cut: the larger of the k-th largest value (top_k > 0) and the top-p cut within the top-k
+// set (bucket_cut); -inf with neither.
+float row_cut(const float* logits, int64_t v, int32_t top_k, float top_p, CutScratch& s) {
   const int64_t k = top_k > 0 ? std::min<int64_t>(top_k, v) : v;
   const bool by_p = top_p < 1.0f;
   if (k == v && !by_p) return kNone;
-  a.assign(logits, logits + v);
-  auto desc = std::greater<float>();
-  if (k < v) std::nth_element(a.begin(), a.begin() + (k - 1), a.end(), desc);  // a[0, k): the top-k set
-  float kth = kNone;
-  if (k < v) kth = a[k - 1];
-  if (!by_p) return kth;
-  const float top = *std::max_element(a.begin(), a.begin() + k);
-  if (masked(top)) return kth;  // nothing finite to renormalize
-  float z = 0.0f;  // the softmax denominator over the top-k set (a vectorized pass)
-  const float* set = a.data();
-#pragma omp simd reduction(+ : z)
-  for (int64_t i = 0; i < k; ++i) z += std::exp(set[i] - top);
-  // Values under `floor` cannot be kept: together they hold less than 1 - top_p of the mass
-  // (at most k of them, each under (1 - top_p) / k, with 1 % to spare for rounding), so the cut
-  // falls before any of them. Set aside in one pass, they are never selected or sorted.
-  const float floor = top + std::log(0.99f * (1.0f - top_p) * z / float(k));
-  const int64_t n = std::partition(a.begin(), a.begin() + k, [floor](float x) { return x >= floor; }) - a.begin();
-  double before = 0.0;  // mass strictly above the value at position i of the descending order
-  for (int64_t sorted = 0; sorted < n;) {
-    const int64_t end = std::min(n, sorted == 0 ? kFirstBlock : 2 * sorted);
-    std::nth_element(a.begin() + sorted, a.begin() + (end - 1), a.begin() + n, desc);
-    std::sort(a.begin() + sorted, a.begin() + end, desc);
-    for (int64_t i = sorted; i < end; ++i) {
-      if (i > 0 && before >= top_p) return std::max(kth, a[i - 1]);  // a[i] is the first value dropped
-      before += std::exp(a[i] - top) / z;
-    }
-    sorted = end;
+  if (k < v && k <= kBufferedTopK) {  // the k largest, descending, in one pass
+    s.top.resize(k), s.ids.resize(k);
+    row_top_n(logits, v, k, s.top.data(), s.ids.data());
+    const float kth = s.top[k - 1], top = s.top[0];
+    if (!by_p || masked(top)) return kth;
+    if (redjax::not_finite(top)) return top;  // +inf: all the mass where the row is +inf
+    float z = 0.0f;
+    for (float value : s.top) z += std::exp(value - top);
+    double before = 0.0;
+    for (float value : s.top)
+      if ((before += std::exp(value - top) / z) >= top_p) return value;
+    return kth;
   }
-  return n < k ? std::max(kth, a[n - 1]) : kth;  // the values set aside are dropped; else all are kept
+  const float* set = logits;  // the top-k set
+  float kth = kNone;
+  if (k < v) {
+    s.a.assign(logits, logits + v);
+    std::nth_element(s.a.begin(), s.a.begin() + (k - 1), s.a.end(), std::greater<float>());
+    kth = s.a[k - 1], set = s.a.data();
+    if (!by_p) return kth;
+  }
+  const float top = redjax::max_of(set, k, kNone);
+  if (masked(top)) return kth;  // nothing finite to renormalize
+  if (redjax::not_finite(top)) return top;  // +inf: all the mass where the row is +inf (NaN: nothing kept)
+  return bucket_cut(set, k, top, kth, top_p, s);
 }
 
 ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> top_k,
@@ -115,13 +246,11 @@ ffi::Error SamplingCutoffsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logit
     return ffi::Error::Success();
   }
   redjax::run_on_pool(pool, rows, [=](int64_t r) {
-    thread_local std::vector<float> a;  // the row's values, reordered; reused across calls
-    out[r] = row_cut(x + r * v, v, ks[r], ps[r], a);
+    thread_local CutScratch scratch;
+    out[r] = row_cut(x + r * v, v, ks[r], ps[r], scratch);
   });
   return ffi::Error::Success();
 }
-
-using redjax::f32xN, redjax::i32xN, redjax::is_nan, redjax::kLanes, redjax::load, redjax::u32xN;
 
 int32_t row_argmax(const float* x, int64_t v) {
   // One pass over 16 values at a time (the `omp simd` form stayed scalar): each lane keeps its
