@@ -143,8 +143,8 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
         assert runner._compile_next is None
     # a batch whose sampling needs less than a compiled variant does runs in it at once, even at its
     # exact shape, and asks for its own variant (no extra sampler work) the third time
-    full = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_cut": True})
-    top_p = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_cut": True})
+    full = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_cut": True, "top_p": True})
+    top_p = SamplerFlags(**{**vars(flags), "all_greedy": False, "needs_cut": True, "top_p": True})
     sampled = SamplerFlags(**{**vars(flags), "all_greedy": False})
     runner.compiled.add((near, full))
     assert ModelRunner._choose_shape(runner, near, top_p, 5, lengths, 4) == (near, full)  # the same flags

@@ -15,7 +15,7 @@ import pytest
 
 from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_matmul, cpu_sampling, runner, screened_head
+from worker.engine import cpu_matmul, cpu_sampling, runner, sampler, screened_head
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampler import SamplerFlags
@@ -151,9 +151,15 @@ def sampling_rows(rng, r: int):
     return jnp.asarray(temperature), jnp.asarray(rng.integers(0, 2**32, (r, 2), dtype=np.uint32))
 
 
-def float32_draw(x: np.ndarray, rows: np.ndarray, sampling) -> np.ndarray:
-    """The sampler's tokens over the float32 head's logits (the CPU draw kernel: Gumbel-max)."""
-    return np.asarray(cpu_sampling.draw(jnp.asarray(float32_head(x, rows)), *sampling))
+def float32_draw(x: np.ndarray, rows: np.ndarray, sampling, top_k=None) -> np.ndarray:
+    """The sampler's tokens over the float32 head's logits (the CPU kernels: the top-k cut on the
+    scaled logits, as sampler.sample makes it, then the Gumbel-max draw)."""
+    logits = jnp.asarray(float32_head(x, rows))
+    if top_k is not None:
+        scaled = sampler.scale(logits, sampling[0])
+        cut = cpu_sampling.cutoffs(scaled, jnp.asarray(top_k), jnp.ones(len(x)))
+        logits = jnp.where(scaled < cut[:, None], -jnp.inf, logits)
+    return np.asarray(cpu_sampling.draw(logits, *sampling))
 
 
 @pytest.mark.parametrize("r,k,v", [(7, 33, 1000), (64, 256, 4096), (13, 768, 3001)])
@@ -184,6 +190,49 @@ def test_sampled_rows_take_the_samplers_draw_over_the_float32_logits(r, k, v):
                                       float32_draw(spiky, rows, sampling))
     for head in heads:
         np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x), *sampling)), want)
+
+
+@pytest.mark.parametrize("r,k,v", [(7, 33, 1000), (64, 256, 4096), (13, 768, 3001)])
+def test_top_k_rows_take_the_samplers_cut_and_draw_over_the_float32_logits(r, k, v):
+    """A sampled row with a top-k cut takes the token the sampler draws from the float32 logits cut
+    to their k largest (scaled, ties at the k-th kept): through both screens and each jitted head,
+    with k from 1 past the vocabulary, and tokens whose weights are equal (exact ties at the cut)."""
+    rng = np.random.default_rng(k + v + 2)
+    rows = rng.standard_normal((v, k)).astype(np.float32) * 0.05
+    rows[v // 2:v // 2 + 40] = rows[:40]  # 40 tokens with another's logit, bit for bit
+    x = rng.standard_normal((r, k)).astype(np.float32)
+    sampling = sampling_rows(rng, r)
+    top_k = jnp.asarray(rng.choice([0, 1, 2, 5, 40, 50, 256, 300, v + 3], r).astype(np.int32))
+    want = float32_draw(x, rows, sampling, top_k)
+    assert (want != float32_draw(x, rows, sampling)).sum() > r // 4  # the cut changes many rows' draws
+    tokens, values, candidates = screened(x, rows, sampling=(*sampling, top_k))
+    np.testing.assert_array_equal(tokens, want)
+    full = float32_head(x, rows)
+    np.testing.assert_array_equal(values.view(np.int32), full[np.arange(r), want].view(np.int32))
+    cut = (np.asarray(sampling[0]) > 0) & (np.asarray(top_k) > 0) & (np.asarray(top_k) < v)
+    assert (candidates[cut] <= 2 * np.asarray(top_k)[cut] + 64).all()  # about k, not the vocabulary
+    heads = [screened_head.ScreenedHead(jnp.asarray(rows))] if screened_head.load() else []
+    if int8_runs():
+        tokens, _, candidates = int8_screened(x, rows, (*sampling, top_k))
+        np.testing.assert_array_equal(tokens, want)
+        heads.append(screened_head.Int8Head(jnp.asarray(rows)))
+        spiky = x.copy()
+        spiky[1, :4] *= 20.0  # with k >= 256, a step the int8 head leaves to its fallback
+        np.testing.assert_array_equal(np.asarray(jax.jit(heads[-1])(jnp.asarray(spiky), *sampling, top_k)),
+                                      float32_draw(spiky, rows, sampling, top_k))
+    packed = cpu_matmul.pack(jnp.asarray(rows).T)  # the float32 head as the model's, with the sampler's cut
+    heads.append(screened_head.FullHead(lambda h: cpu_matmul.matmul(h, packed, v)))
+    for head in heads:
+        np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x), *sampling, top_k)), want)
+    # the 64 largest logits all equal: a cut inside them keeps all 64, and the draw picks among them
+    rows[1:64] = rows[0]
+    x += 8.0 * rows[0] / np.linalg.norm(rows[0]) ** 2
+    want = float32_draw(x, rows, sampling, top_k)
+    hot = np.asarray(sampling[0]) > 0.5
+    assert len(set(want[hot & (np.asarray(top_k) < 64)].tolist())) > 1  # drawn from the tie, not its first k
+    np.testing.assert_array_equal(screened(x, rows, sampling=(*sampling, top_k))[0], want)
+    if int8_runs():
+        np.testing.assert_array_equal(int8_screened(x, rows, (*sampling, top_k))[0], want)
 
 
 def test_the_weights_quantization_and_its_error_norms():
@@ -241,9 +290,10 @@ def test_steps_with_outlier_rows_take_the_bfloat16_head():
             np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x), *greedy(len(x)))), want)
 
 
-def test_only_steps_without_logits_or_cuts_take_it():
+def test_only_steps_without_logits_or_cuts_but_top_k_take_it():
     assert screened_head.serves(SamplerFlags()) and screened_head.serves(SamplerFlags(all_greedy=False))
-    for flags in (SamplerFlags(all_greedy=False, needs_cut=True), SamplerFlags(all_greedy=False, min_p=True),
+    assert screened_head.serves(SamplerFlags(all_greedy=False, needs_cut=True))  # top-k alone
+    for flags in (SamplerFlags(all_greedy=False, needs_cut=True, top_p=True), SamplerFlags(all_greedy=False, min_p=True),
                   SamplerFlags(logprobs=True),
                   SamplerFlags(penalties=True), SamplerFlags(bias=True)):
         assert not screened_head.serves(flags)
@@ -287,9 +337,10 @@ def test_an_engine_on_it_gives_transformers_greedy_tokens(llama, tokenizer):
 
 
 def test_an_engines_seeded_samples_are_the_float32_heads(llama, tokenizer, monkeypatch):
-    """Sampled requests with nothing cut take their tokens from the screened head (the step traces
-    its noise keys), and they are the float32 head's seeded draws: the same tokens as an engine
-    without the screened head; with top-p (a cut: the float32 head in both) as well."""
+    """Sampled requests with nothing cut but by top-k take their tokens from the screened head (the
+    step traces its noise keys), and they are the float32 head's seeded draws: the same tokens as
+    an engine without the screened head; with top-p or a top-k past LARGEST_TOP_K (the sampler over
+    the float32 head in both) as well."""
     model, _ = llama
     traced = []
     real = runner.noise_keys
@@ -301,9 +352,11 @@ def test_an_engines_seeded_samples_are_the_float32_heads(llama, tokenizer, monke
         assert not (BF16_CPU or VNNI_CPU)
         return
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (1, 5, 12, 30)]
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (1, 5, 12, 30, 9)]
+    wide = dict(top_k=screened_head.LARGEST_TOP_K + 1)
     params = [SamplingParams(temperature=t, seed=i, max_tokens=12, ignore_eos=True, n=2, **cut)
-              for i, (t, cut) in enumerate([(0.8, {}), (1.5, {}), (0.5, {}), (1.0, dict(top_p=0.9))])]
+              for i, (t, cut) in enumerate([(0.8, {}), (1.5, dict(top_k=5)), (0.5, {}), (1.0, dict(top_p=0.9)),
+                                            (1.2, wide)])]
     results = []
     for e in engines:
         for i, (p, sp) in enumerate(zip(prompts[:3], params)):
@@ -311,9 +364,10 @@ def test_an_engines_seeded_samples_are_the_float32_heads(llama, tokenizer, monke
         results.append(drain(e))
         if e is engines[0]:
             assert traced, "no step took sampled tokens from the screened head"
-        e.add_request("s3", prompts[3], params[3])  # alone: a batch with a cut takes the float32 head
-        drain(e, results=results[-1])
-    assert results[0].keys() == results[1].keys() and len(results[0]) == 8
+        for i in (3, 4):  # alone: a batch with these cuts takes the sampler
+            e.add_request(f"s{i}", prompts[i], params[i])
+            drain(e, results=results[-1])
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 10
     for key, got in results[0].items():
         assert got.token_ids == results[1][key].token_ids, key
     assert results[0][("s0", 0)].token_ids != results[0][("s0", 1)].token_ids  # two choices, two streams

@@ -358,6 +358,7 @@ def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
     return SamplerFlags(
         all_greedy=greedy,
         needs_cut=not greedy and any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        top_p=not greedy and any(p.top_p < 1.0 for p in params),
         min_p=not greedy and any(p.min_p > 0.0 for p in params),
         penalties=any(has_penalties(p) for p in params),
         bias=any(p.logit_bias for p in params),

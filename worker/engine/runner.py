@@ -294,12 +294,12 @@ class ModelRunner:
 def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
     """Whether a variant compiled with `compiled` flags gives a batch that needs `needed` the same
     tokens: sampling handles greedy rows (temperature 0 takes the argmax), the top-k/top-p filter
-    keeps every token of rows with top_k 0 and top_p 1 and min-p's of rows with min_p 0, and logprobs computed but not asked for are
-    not read back. Penalties and logit bias size the batch's arrays, so those match exactly."""
+    keeps every token of rows with top_k 0 and top_p 1 and min-p's of rows with min_p 0, and
+    logprobs computed but not asked for are not read back. Penalties and logit bias size the batch's arrays, so those match exactly."""
     if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
         return compiled == needed
     return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut
-            and compiled.min_p >= needed.min_p
+            and compiled.top_p >= needed.top_p and compiled.min_p >= needed.min_p
             and compiled.logprobs >= needed.logprobs and compiled.num_logprobs >= needed.num_logprobs)
 
 
@@ -315,7 +315,8 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
     out_ids, prompt_ids, bias = flags.widths
-    parts = {"top-k/top-p": flags.needs_cut, "min-p": flags.min_p, f"logprobs {flags.num_logprobs}": flags.logprobs,
+    parts = {"top-k/top-p": flags.needs_cut, "top-p": flags.top_p, "min-p": flags.min_p,
+             f"logprobs {flags.num_logprobs}": flags.logprobs,
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
@@ -381,8 +382,8 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         full = model.logits(hidden) if prompt_lp else None  # f32[T, V]
         return KVCache(keys, values), rows, full
 
-    # greedy and plain sampled rows that need no logits: tokens from the screened head (screened_head.py),
-    # else the sampler
+    # greedy and sampled rows that need no logits (nothing cut but by top-k): tokens from the screened
+    # head (screened_head.py), else the sampler
     greedy_head = getattr(model, "greedy_head", None) if screened_head.serves(flags) else None
 
     def next_tokens(rows, st: SamplingTensors):
@@ -391,7 +392,12 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         r = rows.shape[0]
         keys = (jnp.zeros((r, 2), jnp.uint32) if flags.all_greedy  # (no row takes noise)
                 else noise_keys(st.seed, st.choice, st.out_pos))
-        tokens = greedy_head(rows, st.temperature, keys)
+        if not flags.needs_cut:
+            tokens = greedy_head(rows, st.temperature, keys)
+        else:  # a top-k cut: the screen computes about k logits a row, so a large k takes the sampler
+            narrow = jnp.all((st.temperature == 0) | (st.top_k <= screened_head.LARGEST_TOP_K))
+            tokens = jax.lax.cond(narrow, lambda: greedy_head(rows, st.temperature, keys, st.top_k),
+                                  lambda: sample(model.logits(rows), st, flags, sampling_kernels)[0])
         return tokens, jnp.zeros((r,)), jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0))
 
     kv, rows, full = forward(kv, tokens, db.positions, db.slots, db.context_lens, shape.prompt_logprobs)

@@ -42,6 +42,7 @@ class SamplerFlags:
 
     all_greedy: bool = True
     needs_cut: bool = False  # some row uses top-k or top-p (the cutoffs kernel, or top_k_top_p_cut's passes)
+    top_p: bool = False  # some row uses top-p (its mass needs every logit: the screened head serves top-k alone)
     min_p: bool = False  # some row uses min-p (a softmax over the kept logits)
     penalties: bool = False
     bias: bool = False
@@ -79,7 +80,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
         tokens = kernels.argmax(logits) if kernels is not None else first_argmax(logits)
     else:  # (greedy rows among them: the draw's argmax at T = 0, which a cut never changes: it keeps the largest)
         if flags.needs_cut or flags.min_p:  # the cut on the temperature-scaled logits; the draw scales its noise instead
-            cut = filter_logits(logits / jnp.maximum(t.temperature, 1e-5)[:, None], t, flags, kernels)
+            cut = filter_logits(scale(logits, t.temperature), t, flags, kernels)
             logits = jnp.where(cut == -jnp.inf, -jnp.inf, logits)
         draw = kernels.draw if kernels is not None else gumbel_draw
         tokens = draw(logits, t.temperature, noise_keys(t.seed, t.choice, t.out_pos))
@@ -91,6 +92,14 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     top = kernels.top_n if kernels is not None else jax.lax.top_k
     top_lp, top_ids = top(raw, n) if n else (jnp.zeros((r, 0)), jnp.zeros((r, 0), jnp.int32))
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def scale(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """logits f32[R, V] / temperature f32[R] (at least 1e-5), as XLA computes a division by a
+    broadcast value anyway: times the float32 reciprocal. Written out, so the screened head
+    (cpu_kernels/screened_argmax.cc), which scales the logits of a top-k row's candidates alike,
+    does not depend on that rewrite."""
+    return logits * (1.0 / jnp.maximum(temperature, 1e-5))[:, None]
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:

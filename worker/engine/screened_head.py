@@ -3,7 +3,10 @@ as float32 picks them.
 
 A greedy step without logprobs, penalties or logit bias needs each row's first largest logit and
 nothing else; a sampled row with nothing cut (no top-k, top-p or min-p) the first largest of its
-logits plus its Gumbel noise (`sampler.gumbel_draw`), which the screen bounds alike. On a CPU
+logits plus its Gumbel noise (`sampler.gumbel_draw`), which the screen bounds alike; and a row cut
+to its top k (up to LARGEST_TOP_K) the same among the tokens whose logits reach the k-th largest,
+which the screen computes for the tokens whose bound can reach it (about 12k a row with random
+weights through the int8 bound; fewer where the logits spread). On a CPU
 with AVX512-BF16 the bfloat16 panel product runs at about twice the float32 one's speed (64 rows
 x 768 x 32000, Zen 4: 8.4-8.7 against 15.8-16.6 ms), and its logits differ from the float32 ones
 by at most c(K) |x| |W_j| (`cpu_kernels/screened_argmax.cc` derives it). With
@@ -32,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from worker.engine import cpu_build, cpu_matmul, cpu_sampling
-from worker.engine.sampler import SamplerFlags, gumbel_draw
+from worker.engine.sampler import SamplerFlags, gumbel_draw, scale, top_k_top_p_cut
 from worker.models.llama import LlamaForCausalLM
 
 TARGET = "redjax_screened_argmax"
@@ -42,6 +45,12 @@ KINDS = ("screened-int8", "screened-bf16")  # the approximations, fastest first
 # the int8 screen serves a step where each row's bound is at most this many times the bfloat16 one:
 # 1.9x for Gaussian rows (int8 1.55x faster than bfloat16 at llama-100m's shape), about even at 4.4x
 WIDEST_INT8 = 3.0
+# a step whose sampled rows cut to at most this many tokens (top_k) takes the screened head, which
+# reads the float32 rows of the tokens whose bound can reach the k-th largest logit: about 12k a row
+# for llama-100m's random weights through the int8 bound (93 at k = 5, 595 at 50). 64 rows, the head
+# alone: 7.6-8.6, 10.6-11.0, 12.5-13.7 and 14.7-17.2 ms at k = 5, 20, 32 and 50, against 17-19 for
+# the float32 head and the sampler's cut; in the engine k = 50 was no faster. A larger k takes the sampler.
+LARGEST_TOP_K = 32
 
 
 def load() -> bool:
@@ -67,19 +76,22 @@ def load_int8() -> bool:
 
 
 def screen(approx: jax.Array, x: jax.Array, rows: jax.Array, norms: jax.Array, temperature: jax.Array,
-           keys: jax.Array):
+           keys: jax.Array, top_k: jax.Array | None = None):
     """approx f32[R, V] (a bfloat16 product of x and the head), x f32[R, K], rows f32[V, K] (the
     head's weight, a row per token), norms f32[V] (each row's 2-norm, rounded up), temperature
-    f32[R] (0: greedy), keys u32[R, 2] (sampled rows' noise) -> (tokens i32[R], their float32 logits
-    f32[R], tokens whose exact logit was computed i32[R])."""
+    f32[R] (0: greedy), keys u32[R, 2] (sampled rows' noise), top_k i32[R] (sampled rows' cut; None
+    or 0: none) -> (tokens i32[R], their float32 logits f32[R], tokens whose exact logit was
+    computed i32[R])."""
     r = approx.shape[0]
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
                                      jax.ShapeDtypeStruct((r,), jnp.int32)))
-    return call(approx, x.astype(jnp.float32), rows, norms, *_sampling(temperature, keys))
+    return call(approx, x.astype(jnp.float32), rows, norms, *_sampling(temperature, keys, top_k))
 
 
-def _sampling(temperature: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return temperature.astype(jnp.float32), keys.astype(jnp.uint32)
+def _sampling(temperature: jax.Array, keys: jax.Array, top_k: jax.Array | None):
+    """The screens' sampling arguments: temperature f32[R], keys u32[R, 2], top_k i32[R]."""
+    top_k = jnp.zeros(temperature.shape, jnp.int32) if top_k is None else top_k.astype(jnp.int32)
+    return temperature.astype(jnp.float32), keys.astype(jnp.uint32), top_k
 
 
 def row_norms(rows: jax.Array) -> jax.Array:
@@ -118,15 +130,22 @@ def pack_int8(q: np.ndarray) -> np.ndarray:
 
 
 class FullHead(nnx.Module):
-    """The float32 head and the sampler's draw (`sampler.gumbel_draw`: the first argmax for greedy
-    rows): the int8 head's fallback on a CPU without AVX512-BF16."""
+    """The float32 head, the sampler's top-k cut and its draw (`sampler.gumbel_draw`: the first
+    argmax for greedy rows): the int8 head's fallback on a CPU without AVX512-BF16."""
 
     def __init__(self, head: cpu_matmul.PanelLinear):  # the model's own (shared, not copied)
         self.head = head
 
-    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:  # -> i32[R]
-        draw = cpu_sampling.draw if cpu_sampling.load() else gumbel_draw
-        return draw(self.head(x), *_sampling(temperature, keys))
+    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array,
+                 top_k: jax.Array | None = None) -> jax.Array:  # -> i32[R]
+        kernels = cpu_sampling.KERNELS if cpu_sampling.load() else None
+        logits = self.head(x)  # f32[R, V]
+        if top_k is not None:  # as sampler.sample cuts: on the scaled logits, the draw over the rest
+            cutoffs = kernels.cutoffs if kernels is not None else top_k_top_p_cut
+            scaled = scale(logits, temperature)
+            logits = jnp.where(scaled < cutoffs(scaled, top_k, jnp.ones_like(temperature))[:, None], -jnp.inf, logits)
+        draw = kernels.draw if kernels is not None else gumbel_draw
+        return draw(logits, temperature.astype(jnp.float32), keys.astype(jnp.uint32))
 
 
 class Int8Head(nnx.Module):
@@ -147,8 +166,10 @@ class Int8Head(nnx.Module):
         self.weight_loss = float(np.mean(lost / np.where(norms > 0, norms, 1.0)))
         self.vocab = rows.shape[0]
 
-    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:  # -> i32[R]
-        return jax.lax.cond(self.takes_int8(x), lambda *a: self.screen(*a)[0], self.fallback, x, temperature, keys)
+    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array,
+                 top_k: jax.Array | None = None) -> jax.Array:  # -> i32[R]
+        return jax.lax.cond(self.takes_int8(x), lambda *a: self.screen(*a)[0], self.fallback, x, temperature, keys,
+                            top_k)
 
     def takes_int8(self, x: jax.Array) -> jax.Array:
         """Whether the int8 screen serves this step's rows x f32[R, K] (a bool on the device): the
@@ -162,9 +183,9 @@ class Int8Head(nnx.Module):
         int8 = jnp.max(jnp.abs(x), axis=1) / 127 * (x.shape[1] / 12) ** 0.5 + self.weight_loss * norm
         return jnp.all(int8 <= WIDEST_INT8 * 2.0**-7 * norm)
 
-    def screen(self, x: jax.Array, temperature: jax.Array, keys: jax.Array):
-        """x f32[R, K], temperature f32[R], keys u32[R, 2] -> (tokens i32[R], their float32 logits
-        f32[R], exact logits computed i32[R])."""
+    def screen(self, x: jax.Array, temperature: jax.Array, keys: jax.Array, top_k: jax.Array | None = None):
+        """x f32[R, K], temperature f32[R], keys u32[R, 2], top_k i32[R] (None: no cut) -> (tokens
+        i32[R], their float32 logits f32[R], exact logits computed i32[R])."""
         r, x = x.shape[0], x.astype(jnp.float32)
         product = jax.ffi.ffi_call(I8_MATMUL, (jax.ShapeDtypeStruct((r, self.vocab), jnp.float32),
                                                jax.ShapeDtypeStruct((r, 3), jnp.float32)))
@@ -172,7 +193,7 @@ class Int8Head(nnx.Module):
         call = jax.ffi.ffi_call(I8_TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
                                             jax.ShapeDtypeStruct((r,), jnp.int32)))
         return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...],
-                    *_sampling(temperature, keys))
+                    *_sampling(temperature, keys, top_k))
 
 
 class ScreenedHead(nnx.Module):
@@ -184,9 +205,10 @@ class ScreenedHead(nnx.Module):
         self.norms = nnx.Param(row_norms(rows) if norms is None else norms)  # f32[V] (`row_norms`)
         self.vocab = rows.shape[0]
 
-    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array) -> jax.Array:  # -> i32[R]
+    def __call__(self, x: jax.Array, temperature: jax.Array, keys: jax.Array,
+                 top_k: jax.Array | None = None) -> jax.Array:  # -> i32[R]
         approx = cpu_matmul.matmul(x, self.panels[...], self.vocab)  # f32[R, V]
-        return screen(approx, x, self.rows[...], self.norms[...], temperature, keys)[0]
+        return screen(approx, x, self.rows[...], self.norms[...], temperature, keys, top_k)[0]
 
 
 def choose(mode: str, matmul: str, model: LlamaForCausalLM) -> str:
@@ -230,5 +252,6 @@ def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
 
 def serves(flags: SamplerFlags) -> bool:
     """Whether a step of these sampler flags takes its tokens from the screened head: nothing that
-    needs the logits themselves (logprobs, penalties, logit bias, a top-k/top-p/min-p cut)."""
-    return not (flags.logprobs or flags.penalties or flags.bias or flags.needs_cut or flags.min_p)
+    needs the logits themselves (logprobs, penalties, logit bias, a top-p or min-p cut); a top-k
+    cut needs only the few logits that can reach the k-th largest."""
+    return not (flags.logprobs or flags.penalties or flags.bias or flags.top_p or flags.min_p)

@@ -1,13 +1,16 @@
 // The costly parts of sampling on XLA's CPU backend, called from JAX through the XLA FFI: top-k and
 // top-p cutoffs, the draw itself, the greedy argmax and the N largest logprobs.
 //
-// Cutoffs. The jnp sampler finds both by sorting every row of the vocabulary, and XLA's CPU sort is
-// a generic comparison sort: 470 ms for 64 rows of 32000 logits, ten times a llama-100m decode
-// step. A row only needs its largest values in order until the mass the top-p cutoff asks for is
-// reached, so this kernel selects before it sorts: std::nth_element takes the top-k set (O(V)),
-// values too small to matter are set aside in one pass (a bound from the softmax denominator), and
-// ever larger leading blocks of the rest (32, 64, 128, ... values) are selected and sorted until
-// the cumulative probability passes top_p. A peaked distribution is done after one block.
+// Cutoffs. Sorting every row of the vocabulary, the jnp sampler's way until session 51, took XLA's
+// CPU sort 470 ms for 64 rows of 32000 logits, ten times a llama-100m decode step. A row needs no
+// order beyond its cut:
+// - top_k up to 256: the k largest kept in a sorted buffer in one pass (largest_values, vectors.h); a larger
+//   top_k: std::nth_element (O(V));
+// - top_p: values too small to matter set aside (a bound from the softmax denominator), the rest
+//   bucketed by value in one vector pass, and only the bucket where the running mass passes top_p
+//   sorted (bucket_cut). Until session 58 ever larger leading blocks were sorted until the mass
+//   passed top_p: fast for a peaked row, but a flat one (random weights, a high temperature) keeps
+//   most of the vocabulary, and 64 such rows of 32000 took 79 ms (2.8 ms now).
 //
 // The result per row is one value, `cut`: the sampler masks every logit below it. It is the larger
 // of the k-th largest logit (top_k > 0) and the smallest logit the top-p rule keeps, where, in
@@ -69,13 +72,10 @@ constexpr float kNone = -std::numeric_limits<float>::infinity();
 // operand is infinite and fold a comparison with -inf away
 inline bool masked(float x) { return std::bit_cast<uint32_t>(x) == 0xff800000u; }
 
-void row_top_n(const float* x, int64_t v, int64_t n, float* vals, int32_t* ids);
-
 // A row's working memory, kept by each pool thread across calls
 struct CutScratch {
   std::vector<float> a;  // the row's values, reordered (top_k past kBufferedTopK)
   std::vector<float> top;  // the top-k buffer's values, descending
-  std::vector<int32_t> ids;  // and their tokens
   std::vector<int32_t> bucket;  // bucket_cut: the values at or above the floor: each one's bucket,
   std::vector<float> value, weight;  // value and probability
   std::vector<double> mass;  // each bucket's
@@ -204,8 +204,8 @@ float row_cut(const float* logits, int64_t v, int32_t top_k, float top_p, CutScr
   const bool by_p = top_p < 1.0f;
   if (k == v && !by_p) return kNone;
   if (k < v && k <= kBufferedTopK) {  // the k largest, descending, in one pass
-    s.top.resize(k), s.ids.resize(k);
-    row_top_n(logits, v, k, s.top.data(), s.ids.data());
+    s.top.resize(k);
+    redjax::largest_values(logits, v, k, s.top.data());
     const float kth = s.top[k - 1], top = s.top[0];
     if (!by_p || masked(top)) return kth;
     if (redjax::not_finite(top)) return top;  // +inf: all the mass where the row is +inf

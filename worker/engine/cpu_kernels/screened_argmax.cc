@@ -31,9 +31,14 @@
 // wins. The noise spreads the row's values (a Gumbel's scale is T), so a sampled row keeps about
 // as few candidates as a greedy one.
 //
+// Sampled rows with a top-k cut take the sampler's token too: the tokens whose upper bound reaches
+// the k-th largest lower bound get their exact logits, which give the k-th largest logit, and the
+// draw runs over those that reach it (screen_top_k).
+//
 // Shapes: approx f32[R, V] (the bfloat16 or int8 product), x f32[R, K] (the head's input), rows
 // f32[V, K] (the head's weight, a row per token: W transposed), norms f32[V] (|W_j|_2, rounded up),
-// temperature f32[R] (0: greedy), keys u32[R, 2] (the noise's, for sampled rows) -> tokens s32[R],
+// temperature f32[R] (0: greedy), keys u32[R, 2] (the noise's, for sampled rows), top_k s32[R]
+// (sampled rows' cut, 0: none) -> tokens s32[R],
 // their exact logits f32[R] (without noise), candidates s32[R] (exact logits computed per row).
 
 #include <cmath>
@@ -72,6 +77,17 @@ void exact_logits(const float* x, const float* rows, int64_t k, const int32_t* t
 
 constexpr double kWiden = 1.0 + 0x1p-6;  // every bound widened by 2^-6 for the float32 arithmetic that applies it
 
+// exact_logits of tokens t[0..n), four chains at a time and the last 1-3 together
+void exact_chains(const float* x, const float* rows, int64_t k, const int32_t* t, int64_t n, float* out) {
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) exact_logits<4>(x, rows, k, t + c, out + c);
+  switch (n - c) {
+    case 3: exact_logits<3>(x, rows, k, t + c, out + c); break;
+    case 2: exact_logits<2>(x, rows, k, t + c, out + c); break;
+    case 1: exact_logits<1>(x, rows, k, t + c, out + c); break;
+  }
+}
+
 // gamma_K: K float32 additions (a K + 2 margin), in any order, are within gamma_K sum |terms|
 double gamma(int64_t k) { return (k + 2) * 0x1p-24 / (1.0 - (k + 2) * 0x1p-24); }
 
@@ -101,6 +117,7 @@ struct Problem {
   int32_t* candidates;
   const float* temperature;  // [R]: 0 for a greedy row
   const uint32_t* keys;      // [R, 2]: a sampled row's noise key
+  const int32_t* top_k;      // [R]: a sampled row's top-k cut (0: none)
   const float* lost = nullptr;  // [V], the int8 screen's: |W_j - q(W_j)|_2, rounded up
 };
 
@@ -158,6 +175,14 @@ void refine(const Problem& pb, const float* x, float s2, float t, const float* n
   for (size_t c = 0; c < picked.size(); ++c)
     if (ups[c] >= lower) picked[kept++] = picked[c];
   picked.resize(kept);
+}
+
+// Row r's result where one of its logits is NaN: V - 1, as the argmax and the draw of sampling.cc give
+void no_number(const Problem& pb, int64_t r, const float* x, int64_t candidates) {
+  const int32_t last = static_cast<int32_t>(pb.v - 1);
+  pb.tokens[r] = last;
+  exact_logits<1>(x, pb.rows, pb.k, &last, &pb.values[r]);
+  pb.candidates[r] = static_cast<int32_t>(candidates);
 }
 
 // Row r's token and exact logit, from approximate logits a f32[V] within e_j = s * norms[j] + t of
@@ -257,14 +282,8 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
   if (ok && picked.size() > 2) refine(pb, x, s2, t, noise, picked);
   const int64_t n = static_cast<int64_t>(picked.size());
   exact.resize(n + 4);
-  int64_t c = 0;
-  for (; c + 4 <= n; c += 4) exact_logits<4>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c);
-  switch (n - c) {  // the last 1-3 together too
-    case 3: exact_logits<3>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c); break;
-    case 2: exact_logits<2>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c); break;
-    case 1: exact_logits<1>(x, pb.rows, pb.k, picked.data() + c, exact.data() + c); break;
-  }
-  int64_t best = 0;  // the first largest (n >= 1: the largest lower bound's token is always kept)
+  exact_chains(x, pb.rows, pb.k, picked.data(), n, exact.data());
+  int64_t best = 0, c;  // the first largest (n >= 1: the largest lower bound's token is always kept)
   bool nan = false;
   for (c = 0; c < n; ++c) nan |= is_nan(exact[c]);
   if constexpr (kNoise) {  // as the sampler's draw: the exact logit plus the token's noise
@@ -277,30 +296,100 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
     for (c = 0; c < n; ++c)
       if (exact[c] > exact[best]) best = c;
   }
-  if (nan) {  // a logit that is NaN: V - 1, as the argmax of sampling.cc gives
-    const int32_t last = static_cast<int32_t>(pb.v - 1);
-    pb.tokens[r] = last;
-    exact_logits<1>(x, pb.rows, pb.k, &last, &pb.values[r]);
-  } else {
-    pb.tokens[r] = n ? picked[best] : 0;
-    pb.values[r] = n ? exact[best] : 0.0f;
-  }
+  if (nan) return no_number(pb, r, x, n);
+  pb.tokens[r] = n ? picked[best] : 0;
+  pb.values[r] = n ? exact[best] : 0.0f;
   pb.candidates[r] = static_cast<int32_t>(n);
+}
+
+// A sampled row with a top-k cut (0 < top_k < V): the sampler masks every logit whose scaled value
+// fl(l_j / T) is under the k-th largest's, then draws the first largest of l_j + n_j from the rest.
+// The k-th largest logit is at least L, the k-th largest lower bound a_j - e_j; a token whose upper
+// bound stays under L, less 2^-20 of it (so its scaled value stays under the k-th's even after
+// rounding), can be neither in the top-k set nor tied with it there. The rest (about 12k a row
+// through the int8 bound, with random weights) are narrowed alike by float32 dot products (as
+// `refine` narrows), and the few more than k left get their exact logits; their k-th largest is
+// the row's, and the draw runs over those whose
+// scaled value reaches its scaled value, scaled as the sampler scales (times the float32 reciprocal
+// of T: sampler.filter_logits).
+template <bool kLost>
+void screen_top_k(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t, const RowNoise& rn,
+                  int64_t top_k) {
+  const auto margin = [&](int64_t j) { return kLost ? s * pb.norms[j] + b * pb.lost[j] : s * pb.norms[j]; };
+  const float* x = pb.x + r * pb.k;
+  // a bound under v by 2^-20 of it: a logit under it stays under v's scaled value after rounding
+  const auto below = [](float v) { return v - (std::fabs(v) * 0x1p-20f + 0x1p-100f); };
+  thread_local std::vector<float> lows, ups, exact, noise, largest;
+  thread_local std::vector<int32_t> picked;
+  lows.resize(pb.v), ups.resize(pb.v + kLanes);
+  bool ok = !not_finite(s) && !not_finite(b);
+  for (int64_t j = 0; j < pb.v; ++j) {
+    lows[j] = a[j] - margin(j) - t, ups[j] = a[j] + margin(j) + t;
+    ok &= !not_finite(a[j]);  // else every token is a candidate, as in screen_row
+  }
+  largest.resize(top_k);
+  picked.clear();
+  if (ok) {
+    redjax::largest_values(lows.data(), pb.v, top_k, largest.data());
+    const float reach = below(largest[top_k - 1]);
+    picked.resize(pb.v + kLanes);
+    int64_t wide = 0, j = 0;
+    for (; j + kLanes <= pb.v; j += kLanes) wide += redjax::put_lanes(load(ups.data() + j) >= reach, j, picked.data() + wide);
+    for (; j < pb.v; ++j)
+      if (ups[j] >= reach) picked[wide++] = static_cast<int32_t>(j);
+    picked.resize(wide);
+    // narrowed as `refine` narrows: float32 dot products within s2 |W_j| + t of the chains
+    for (int64_t c = 0; c < wide; ++c) {
+      if (c + 1 < wide)  // the next candidate's row, while this one's is summed
+        for (int64_t i = 0; i < pb.k; i += 16) __builtin_prefetch(pb.rows + picked[c + 1] * pb.k + i, 0, 3);
+      const float d = dot(x, pb.rows + picked[c] * pb.k, pb.k), e = s2 * pb.norms[picked[c]] + t;
+      lows[c] = d - e, ups[c] = d + e;
+    }
+    redjax::largest_values(lows.data(), wide, top_k, largest.data());
+    const float narrow = below(largest[top_k - 1]);
+    int64_t kept = 0;
+    for (int64_t c = 0; c < wide; ++c)
+      if (ups[c] >= narrow) picked[kept++] = picked[c];
+    picked.resize(kept);
+  } else {
+    for (int64_t j = 0; j < pb.v; ++j) picked.push_back(static_cast<int32_t>(j));
+  }
+  const int64_t n = static_cast<int64_t>(picked.size());
+  exact.resize(n + 4);
+  exact_chains(x, pb.rows, pb.k, picked.data(), n, exact.data());
+  bool nan = false;
+  for (int64_t c = 0; c < n; ++c) nan |= is_nan(exact[c]);
+  if (nan) return no_number(pb, r, x, n);
+  redjax::largest_values(exact.data(), n, top_k, largest.data());
+  float inverse = 1.0f / std::max(rn.temperature, 1e-5f);  // the sampler's scaling: times 1 / max(T, 1e-5)
+  asm("" : "+x"(inverse));
+  const auto scaled = [=](float logit) { return logit * inverse; };
+  const float cut = scaled(largest[top_k - 1]);
+  int64_t kept = 0;
+  for (int64_t c = 0; c < n; ++c)
+    if (scaled(exact[c]) >= cut) picked[kept] = picked[c], exact[kept++] = exact[c];
+  noise.resize(kept + kLanes);
+  redjax::noise_of(rn.k0, rn.k1, rn.temperature, picked.data(), kept, noise.data());
+  int64_t best = 0;  // the first largest noisy logit, in token order
+  for (int64_t c = 1; c < kept; ++c)
+    if (moved(exact[c], noise[c]) > moved(exact[best], noise[best])) best = c;
+  pb.tokens[r] = picked[best], pb.values[r] = exact[best], pb.candidates[r] = static_cast<int32_t>(n);
 }
 
 // checks: x [R, K], rows [V, K], norms [V] and the three results [R] (R and V as the logits give them)
 ffi::Error check(int64_t r, int64_t v, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                 ffi::Span<const int64_t> nd, int64_t results, int64_t temperatures, int64_t keys) {
+                 ffi::Span<const int64_t> nd, int64_t results, int64_t temperatures, int64_t keys, int64_t top_k) {
   if (xd.size() != 2 || wd.size() != 2 || nd.size() != 1 || xd[0] != r || wd[0] != v || wd[1] != xd[1] ||
-      nd[0] != v || results != 3 * r || temperatures != r || keys != 2 * r)
+      nd[0] != v || results != 3 * r || temperatures != r || keys != 2 * r || top_k != r)
     return ffi::Error::InvalidArgument("screened_argmax: expected logits [R,V], x [R,K], rows [V,K], norms [V], "
-                                       "temperature [R], keys [R,2]");
+                                       "temperature [R], keys [R,2], top_k [R]");
   if (v == 0 || v > std::numeric_limits<int32_t>::max())
     return ffi::Error::InvalidArgument("screened_argmax: the vocabulary must hold 1 to 2^31 - 1 tokens");
   return ffi::Error::Success();
 }
 
-// Screens row r by `screen_row`, with its noise where its temperature is above zero
+// Screens row r by `screen_row`, with its noise where its temperature is above zero, and by
+// `screen_top_k` where it also has a top-k cut
 template <bool kLost>
 void screen_noisy(const Problem& pb, int64_t r, const float* a, float s, float b, float s2, float t) {
   const float temperature = pb.temperature[r];
@@ -308,6 +397,7 @@ void screen_noisy(const Problem& pb, int64_t r, const float* a, float s, float b
   thread_local std::vector<float> by_token;
   by_token.resize(pb.v);
   const RowNoise rn{pb.keys[2 * r], pb.keys[2 * r + 1], temperature, by_token.data()};
+  if (pb.top_k[r] > 0 && pb.top_k[r] < pb.v) return screen_top_k<kLost>(pb, r, a, s, b, s2, t, rn, pb.top_k[r]);
   screen_row<kLost, true>(pb, r, a, s, b, s2, t, &rn);
 }
 
@@ -323,19 +413,19 @@ void screen_rows(ffi::ThreadPool& pool, int64_t count, int64_t v, Row row) {
 ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
                               ffi::Buffer<ffi::F32> temperature, ffi::Buffer<ffi::U32> keys,
-                              ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> values,
+                              ffi::Buffer<ffi::S32> top_k, ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> values,
                               ffi::ResultBuffer<ffi::S32> candidates) {
   const auto ad = approx.dimensions();
   if (ad.size() != 2) return ffi::Error::InvalidArgument("screened_argmax: approx must be [R, V]");
   const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
   if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results,
-                     temperature.element_count(), keys.element_count());
+                     temperature.element_count(), keys.element_count(), top_k.element_count());
       e.failure())
     return e;
   const int64_t k = x.dimensions()[1];
   const Problem pb{x.typed_data(),         rows.typed_data(),     norms.typed_data(),      ad[1],
                    k,                      tokens->typed_data(),  values->typed_data(),    candidates->typed_data(),
-                   temperature.typed_data(), keys.typed_data()};
+                   temperature.typed_data(), keys.typed_data(),   top_k.typed_data()};
   const double factor = bound_factor(k);
   const float* a = approx.typed_data();
   screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
@@ -361,13 +451,14 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx
 ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> stats,
                                 ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
                                 ffi::Buffer<ffi::F32> lost, ffi::Buffer<ffi::F32> temperature,
-                                ffi::Buffer<ffi::U32> keys, ffi::ResultBuffer<ffi::S32> tokens,
+                                ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> top_k,
+                                ffi::ResultBuffer<ffi::S32> tokens,
                                 ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> candidates) {
   const auto ad = approx.dimensions();
   if (ad.size() != 2) return ffi::Error::InvalidArgument("screened_argmax_i8: approx must be [R, V]");
   const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
   if (auto e = check(ad[0], ad[1], x.dimensions(), rows.dimensions(), norms.dimensions(), results,
-                     temperature.element_count(), keys.element_count());
+                     temperature.element_count(), keys.element_count(), top_k.element_count());
       e.failure())
     return e;
   if (stats.element_count() != 3 * ad[0] || lost.element_count() != ad[1])
@@ -375,7 +466,7 @@ ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> appr
   const int64_t k = x.dimensions()[1];
   const Problem pb{x.typed_data(),         rows.typed_data(),     norms.typed_data(),      ad[1],
                    k,                      tokens->typed_data(),  values->typed_data(),    candidates->typed_data(),
-                   temperature.typed_data(), keys.typed_data(),  lost.typed_data()};
+                   temperature.typed_data(), keys.typed_data(),   top_k.typed_data(), lost.typed_data()};
   const double gk = gamma(k), u3 = 3.01 * 0x1p-24;
   const float *a = approx.typed_data(), *st = stats.typed_data();
   screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
@@ -400,6 +491,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmax, ScreenedArgmaxImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
@@ -415,6 +507,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxI8, ScreenedArgmaxI8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());

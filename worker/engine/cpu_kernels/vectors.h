@@ -43,6 +43,29 @@ inline float max_of(const float* p, int64_t n, float floor) {
   return mx;
 }
 
+// The n largest of p[0, v) (0 < n <= v), descending, at out: a sorted buffer of n, 16 values at a
+// time compared with its smallest and skipped together when none is larger (almost every block
+// once the buffer holds typical values), so about one pass for n small beside v
+inline void largest_values(const float* p, int64_t v, int64_t n, float* out) {
+  int64_t count = 0;
+  const auto insert = [&](float x) {  // x beats the buffer's smallest, or the buffer is not full
+    int64_t at = count < n ? count++ : n - 1;
+    for (; at > 0 && out[at - 1] < x; --at) out[at] = out[at - 1];
+    out[at] = x;
+  };
+  int64_t i = 0;
+  for (; i < v && count < n; ++i) insert(p[i]);
+  for (; i + kLanes <= v; i += kLanes) {
+    const auto larger = load(p + i) > out[n - 1];
+    bool any = false;
+    for (int l = 0; l < kLanes; ++l) any |= larger[l] != 0;
+    for (int l = 0; any && l < kLanes; ++l)  // in order; the buffer's smallest rises as values go in
+      if (p[i + l] > out[n - 1]) insert(p[i + l]);
+  }
+  for (; i < v; ++i)
+    if (p[i] > out[n - 1]) insert(p[i]);
+}
+
 // e^x lane by lane for x <= 88 (from -87.3 down it gives e^-87.3, about 1e-38): x = n ln 2 + r with
 // |r| <= ln 2 / 2 (n rounded half away from zero), e^r by Cephes' degree-6 polynomial for expf
 // (about 1 ulp), times 2^n built in the exponent bits. Plain vector arithmetic: any x86 target.
