@@ -6,8 +6,10 @@ The jnp sampler (accelerators, tensor-parallel workers) finds the same top-k/top
 bisection (`sampler.top_k_top_p_cut`, 64 masked passes over each row) and draws by the same rule
 (`sampler.gumbel_draw`) with the same noise from the row's (seed, choice, position) key. On XLA's
 CPU backend those passes cost more than the kernels' one or two (64 rows, top_k 50, top_p 0.95:
-cut 1.9 / 25 / 172 ms against 0.85 / 6.4 / 24 ms at V = 4096 / 32000 / 128256; a sort, the jnp
-cut until session 51, took 35 / 335 / 1568 ms). Tests hold both paths to a descending sort's cut
+cut 1.9 / 25 / 172 ms against 0.56 / 1.1 / 2.9 ms at V = 4096 / 32000 / 128256, 0.85 / 6.4 / 24
+before session 58's buffered top-k; top_p 0.95 alone 0.47 / 2.1 / 8.2 ms, and a flat row, which
+keeps most of the vocabulary, no slower; a sort, the jnp cut until session 51, took 35 / 335 /
+1568 ms). Tests hold both paths to a descending sort's cut
 and to transformers' warpers, so a seed gives the same tokens on either, up to noise within
 rounding of a tie between two tokens.
 """
