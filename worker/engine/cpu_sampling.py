@@ -9,9 +9,8 @@ CPU backend those passes cost more than the kernels' one or two (64 rows, top_k 
 cut 1.9 / 25 / 172 ms against 0.56 / 1.1 / 2.9 ms at V = 4096 / 32000 / 128256, 0.85 / 6.4 / 24
 before session 58's buffered top-k; top_p 0.95 alone 0.47 / 2.1 / 8.2 ms, and a flat row, which
 keeps most of the vocabulary, no slower; a sort, the jnp cut until session 51, took 35 / 335 /
-1568 ms). Tests hold both paths to a descending sort's cut
-and to transformers' warpers, so a seed gives the same tokens on either, up to noise within
-rounding of a tie between two tokens.
+1568 ms). Tests hold both paths to a descending sort's cut and to transformers' warpers, so a seed
+gives the same tokens on either, up to noise within rounding of a tie between two tokens.
 """
 
 from __future__ import annotations

@@ -295,7 +295,8 @@ def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
     """Whether a variant compiled with `compiled` flags gives a batch that needs `needed` the same
     tokens: sampling handles greedy rows (temperature 0 takes the argmax), the top-k/top-p filter
     keeps every token of rows with top_k 0 and top_p 1 and min-p's of rows with min_p 0, and
-    logprobs computed but not asked for are not read back. Penalties and logit bias size the batch's arrays, so those match exactly."""
+    logprobs computed but not asked for are not read back. Penalties and logit bias size the
+    batch's arrays, so those match exactly."""
     if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
         return compiled == needed
     return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut

@@ -334,7 +334,8 @@ void screen_top_k(const Problem& pb, int64_t r, const float* a, float s, float b
     const float reach = below(largest[top_k - 1]);
     picked.resize(pb.v + kLanes);
     int64_t wide = 0, j = 0;
-    for (; j + kLanes <= pb.v; j += kLanes) wide += redjax::put_lanes(load(ups.data() + j) >= reach, j, picked.data() + wide);
+    for (; j + kLanes <= pb.v; j += kLanes)
+      wide += redjax::put_lanes(load(ups.data() + j) >= reach, j, picked.data() + wide);
     for (; j < pb.v; ++j)
       if (ups[j] >= reach) picked[wide++] = static_cast<int32_t>(j);
     picked.resize(wide);
@@ -413,8 +414,8 @@ void screen_rows(ffi::ThreadPool& pool, int64_t count, int64_t v, Row row) {
 ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> norms,
                               ffi::Buffer<ffi::F32> temperature, ffi::Buffer<ffi::U32> keys,
-                              ffi::Buffer<ffi::S32> top_k, ffi::ResultBuffer<ffi::S32> tokens, ffi::ResultBuffer<ffi::F32> values,
-                              ffi::ResultBuffer<ffi::S32> candidates) {
+                              ffi::Buffer<ffi::S32> top_k, ffi::ResultBuffer<ffi::S32> tokens,
+                              ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> candidates) {
   const auto ad = approx.dimensions();
   if (ad.size() != 2) return ffi::Error::InvalidArgument("screened_argmax: approx must be [R, V]");
   const int64_t results = tokens->element_count() + values->element_count() + candidates->element_count();
