@@ -74,6 +74,15 @@ __attribute__((noinline, noclone)) inline f32xN noise_lanes(u32xN b, float t) {
   return -log_lanes(-log_lanes(u)) * t;
 }
 
+// fl(x + n): a logit, or a bound of one, moved by noise n, as rounded whatever the compiler would
+// fold (the empty asm keeps x as it is, so n cannot join the arithmetic that made it). Rounding is
+// monotone: a logit in [lo, up] moves into [moved(lo, n), moved(up, n)], and below moved(up, m)
+// for any noise n <= m. The draw kernel and the screens compare these values, so both use this.
+inline float moved(float x, float n) {
+  asm("" : "+x"(x));
+  return x + n;
+}
+
 // out[i] = t g of token ids[i] for i < n (out holds n rounded up to 16)
 inline void noise_of(uint32_t k0, uint32_t k1, float t, const int32_t* ids, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i += kLanes) {

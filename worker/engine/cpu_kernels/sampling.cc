@@ -308,11 +308,7 @@ int32_t row_draw(const float* x, int64_t v, float t, uint32_t k0, uint32_t k1) {
   thread_local std::vector<float> noise;
   if (static_cast<int64_t>(ids.size()) < 3 * (v + kLanes)) ids.resize(3 * (v + kLanes)), noise.resize(2 * (v + kLanes));
   int32_t *loud = ids.data(), *quiet = loud + v + kLanes, *picked = quiet + v + kLanes;
-  const auto noisy = [&](int32_t j, float n) {  // fl(x_j + n) as rounded, whatever the compiler would fold
-    float sum = x[j] + n;
-    asm("" : "+x"(sum));
-    return sum;
-  };
+  const auto noisy = [&](int32_t j, float n) { return redjax::moved(x[j], n); };  // fl(x_j + n)
   const int64_t nl = redjax::loud_tokens(k0, k1, v, loud);
   redjax::noise_of(k0, k1, t, loud, nl, noise.data());
   // the bound: the loud tokens' noisy logits, and the largest logit with the least noise any token has

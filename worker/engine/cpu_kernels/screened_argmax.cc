@@ -56,8 +56,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using redjax::f32xN, redjax::is_nan, redjax::kExponentBits, redjax::kLanes, redjax::load, redjax::not_finite,
-    redjax::u32xN;
+using redjax::f32xN, redjax::is_nan, redjax::kExponentBits, redjax::kLanes, redjax::load, redjax::moved,
+    redjax::not_finite, redjax::u32xN;
 
 // The float32 panel kernel's logits of tokens t[0..N): for each, acc = fma(x[k], w[k], acc) for k = 0
 // .. K - 1 from zero. N chains at once (independent, so their latencies overlap); the empty asm keeps
@@ -138,14 +138,6 @@ float dot(const float* x, const float* w, int64_t k) {
   for (int l = 0; l < kLanes; ++l) sum += lanes[l];
   for (; i < k; ++i) sum += x[i] * w[i];
   return sum;
-}
-
-// A bound of a logit moved by noise n: x = fl(logit + n) lies in [fl(lo + n), fl(up + n)] since
-// rounding is monotone (and below fl(up + m) for any noise n <= m). The empty asm keeps the bound
-// as it is, so the compiler cannot fold n into the arithmetic that made it.
-inline float moved(float bound, float n) {
-  asm("" : "+x"(bound));
-  return bound + n;
 }
 
 // A sampled row's noise: its key and temperature, and the noise computed so far (by token)
