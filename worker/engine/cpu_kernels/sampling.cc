@@ -4,8 +4,8 @@
 // Cutoffs. Sorting every row of the vocabulary, the jnp sampler's way until session 51, took XLA's
 // CPU sort 470 ms for 64 rows of 32000 logits, ten times a llama-100m decode step. A row needs no
 // order beyond its cut:
-// - top_k up to 256: the k largest kept in a sorted buffer in one pass (largest_values, vectors.h); a larger
-//   top_k: std::nth_element (O(V));
+// - top_k up to 256: the k largest kept in a sorted buffer in one pass (vectors.h largest_values);
+//   a larger top_k: std::nth_element (O(V));
 // - top_p: values too small to matter set aside (a bound from the softmax denominator), the rest
 //   bucketed by value in one vector pass, and only the bucket where the running mass passes top_p
 //   sorted (bucket_cut). Until session 58 ever larger leading blocks were sorted until the mass
@@ -50,8 +50,6 @@
 #include <functional>
 #include <limits>
 #include <vector>
-
-#include <immintrin.h>
 
 #include "gumbel_noise.h"
 #include "pool_work.h"
@@ -145,9 +143,9 @@ float bucket_cut(const float* a, int64_t n, float top, float kth, float top_p, C
   for (int64_t t = 0; t < n; t += kLanes) {
     const f32xN x = load_part(a + t, n - t);
     f32xN below = top_v - x;
-    asm("" : "+v"(below));
+    redjax::keep_as_is(below);
     f32xN q = below * scale;
-    asm("" : "+v"(q));
+    redjax::keep_as_is(q);
     i32xN b = __builtin_convertvector(q, i32xN);  // truncated: q >= 0, at most kBuckets and a rounding
     b = b > last || b < 0 ? last : b;
     const i32xN in = (lane + int32_t(t) < int32_t(n)) && x >= floor_v;
@@ -323,7 +321,7 @@ int32_t row_draw(const float* x, int64_t v, float t, uint32_t k0, uint32_t k1) {
     const f32xN xv = load(x + j);
     nan_lanes |= ((u32xN)xv & 0x7fffffffu) > 0x7f800000u;
     f32xN sum = xv + most_v;
-    asm("" : "+v"(sum));
+    redjax::keep_as_is(sum);
     nq += redjax::put_lanes(sum >= lower, j, quiet + nq);
   }
   bool nan = false;

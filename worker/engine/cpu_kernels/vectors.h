@@ -24,6 +24,17 @@ inline f32xN load(const float* p) {
 }
 inline void store(float* p, f32xN v) { std::memcpy(p, &v, sizeof v); }
 
+// An empty asm that takes v as it is: -ffast-math cannot fold the arithmetic that made v into what
+// follows (contract it into a fused multiply-add, reorder it). In a register where one holds 16
+// floats (AVX-512); else through memory, as no register could
+inline void keep_as_is(f32xN& v) {
+#ifdef __AVX512F__
+  asm("" : "+v"(v));
+#else
+  asm("" : "+m"(v));
+#endif
+}
+
 // Non-finite floats and NaN by their bits (-ffast-math lets a compiler assume there are none)
 constexpr uint32_t kExponentBits = 0x7f800000u;
 inline bool not_finite(float x) { return (std::bit_cast<uint32_t>(x) & kExponentBits) == kExponentBits; }
