@@ -189,7 +189,8 @@ def test_workers_size_their_kv_caches_from_their_share_of_the_memory_fraction(mo
     try:
         def workers() -> list[list[bytes]]:
             cmds = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in _children(serve.pid)]
-            return [c for c in cmds if b"worker.cli" in c]
+            # a worker's own command line: a child still between fork and exec shows serve's
+            return [c for c in cmds if c[1:4] == [b"-m", b"worker.cli", b"worker"]]
         wait_until(lambda: len(workers()) == 2, 60)
         for argv in workers():
             assert argv[argv.index(b"--kv-cache-memory-fraction") + 1] == b"0.15"  # 0.3 shared by two
