@@ -15,7 +15,7 @@ import pytest
 
 from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_matmul, cpu_sampling, runner, sampler, screened_head
+from worker.engine import cpu_matmul, cpu_sampling, head_choice, sampler, screened_head
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampler import SamplerFlags
@@ -290,12 +290,12 @@ def test_steps_with_outlier_rows_take_the_bfloat16_head():
             np.testing.assert_array_equal(np.asarray(jax.jit(head)(jnp.asarray(x), *greedy(len(x)))), want)
 
 
-def test_only_steps_without_logits_or_cuts_but_top_k_take_it():
+def test_only_steps_without_logprobs_penalties_or_bias_take_it():
     assert screened_head.serves(SamplerFlags()) and screened_head.serves(SamplerFlags(all_greedy=False))
-    assert screened_head.serves(SamplerFlags(all_greedy=False, needs_cut=True))  # top-k alone
-    for flags in (SamplerFlags(all_greedy=False, needs_cut=True, top_p=True), SamplerFlags(all_greedy=False, min_p=True),
-                  SamplerFlags(logprobs=True),
-                  SamplerFlags(penalties=True), SamplerFlags(bias=True)):
+    for flags in (SamplerFlags(all_greedy=False, needs_cut=True), SamplerFlags(all_greedy=False, needs_cut=True, top_p=True),
+                  SamplerFlags(all_greedy=False, min_p=True)):  # cut rows: the screened head, or the float32 one apart
+        assert screened_head.serves(flags)
+    for flags in (SamplerFlags(logprobs=True), SamplerFlags(penalties=True), SamplerFlags(bias=True)):
         assert not screened_head.serves(flags)
 
 
@@ -343,8 +343,8 @@ def test_an_engines_seeded_samples_are_the_float32_heads(llama, tokenizer, monke
     the float32 head in both) as well."""
     model, _ = llama
     traced = []
-    real = runner.noise_keys
-    monkeypatch.setattr(runner, "noise_keys", lambda *a: traced.append(1) or real(*a))
+    real = head_choice.noise_keys
+    monkeypatch.setattr(head_choice, "noise_keys", lambda *a: traced.append(1) or real(*a))
     sizes = dict(max_num_seqs=8, page_size=4, num_pages=64, max_num_batched_tokens=32, decode_steps=4)
     engines = [LLMEngine(model, tokenizer, EngineConfig(**sizes)),
                LLMEngine(model, tokenizer, EngineConfig(**sizes, greedy_head="full"))]

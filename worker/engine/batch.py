@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 
-from worker.engine.sampler import SamplerFlags, SamplingTensors
+from worker.engine.sampler import SPLIT_SHARE, SamplerFlags, SamplingTensors, needs_logits
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 from worker.engine.sequence import IN_FLIGHT
 
@@ -223,7 +223,8 @@ def unpack(buf, shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
 
 
 def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int,
-                fused_steps: int = 1, fixed_pages: int | None = None, packed: bool = False, choose=None):
+                fused_steps: int = 1, fixed_pages: int | None = None, packed: bool = False, split: bool = False,
+                choose=None):
     """-> (DeviceBatch, StepShape, SamplerFlags, rows, starts).
 
     `rows[r]` is the chunk whose sampled token row r holds (None for padding and for the leading
@@ -234,7 +235,9 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     count), so fusion adds one compiled variant per shape, not one per step count. With
     `fixed_pages` (attention that reads only each row's own context), every batch uses that
     page-table width: variants no longer multiply with context lengths. `packed` (ragged
-    attention): prefill chunks are packed back to back, one row each (`StepShape.packed`).
+    attention): prefill chunks are packed back to back, one row each (`StepShape.packed`). `split`
+    (a model with a screened head): a batch whose rows needing every logit are at most 1 /
+    SPLIT_SHARE of its rows gets `SamplerFlags.apart`.
     `choose(exact_shape, flags, decode_rows, prefill_lengths, pages, plain)` may return another
     (shape, flags) variant the batch fits in (an already compiled one) to run instead; `plain`:
     chunks whose requests have neither penalties nor logit bias.
@@ -256,6 +259,9 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs))
+    if split:
+        logit_rows = sum(needs_logits(c.seq.params) for c in batch.chunks)
+        flags = replace(flags, apart=0 < logit_rows <= shape.num_rows // SPLIT_SHARE)
     if choose is not None:
         plain = sum(not needs_arrays(c.seq.params) for c in batch.chunks)
         shape, flags = choose(shape, flags, len(decode), lengths, pages, plain)

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from worker.engine import screened_head
+from worker.engine import head_choice
 from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batch, fits, needs_arrays, pack,
                                  step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
-from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, noise_keys, sample
+from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class ModelRunner:
         leaves, self.param_def = jax.tree_util.tree_flatten(state)
         self.params = tuple(leaves)
         self.cfg = model.cfg
+        self.split = getattr(model, "greedy_head", None) is not None  # rows needing logits drawn apart (head_choice.py)
         self.kv = kv
         self.page_size = page_size
         self.max_rows = max_rows  # sampled rows of any step fit here (fixed: no recompiles)
@@ -132,7 +133,7 @@ class ModelRunner:
         batch's prompt chunks must wait for their variant, which is compiling in the background
         (`PromptsWait`); dispatch its decode chunks alone."""
         args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
-                self.fixed_pages, self.attention.ragged is not None)
+                self.fixed_pages, self.attention.ragged is not None, self.split)
         try:
             db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
         except PromptsWait as wait:
@@ -299,6 +300,8 @@ def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
     batch's arrays, so those match exactly."""
     if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
         return compiled == needed
+    if compiled.apart and not needed.apart:  # (its float32 head draws a few rows apart: too few for more)
+        return False
     return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut
             and compiled.top_p >= needed.top_p and compiled.min_p >= needed.min_p
             and compiled.logprobs >= needed.logprobs and compiled.num_logprobs >= needed.num_logprobs)
@@ -316,7 +319,7 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
     out_ids, prompt_ids, bias = flags.widths
-    parts = {"top-k/top-p": flags.needs_cut, "top-p": flags.top_p, "min-p": flags.min_p,
+    parts = {"top-k/top-p": flags.needs_cut, "top-p": flags.top_p, "min-p": flags.min_p, "rows apart": flags.apart,
              f"logprobs {flags.num_logprobs}": flags.logprobs,
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
@@ -383,23 +386,8 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         full = model.logits(hidden) if prompt_lp else None  # f32[T, V]
         return KVCache(keys, values), rows, full
 
-    # greedy and sampled rows that need no logits (nothing cut but by top-k): tokens from the screened
-    # head (screened_head.py), else the sampler
-    greedy_head = getattr(model, "greedy_head", None) if screened_head.serves(flags) else None
-
-    def next_tokens(rows, st: SamplingTensors):
-        if greedy_head is None:
-            return sample(model.logits(rows), st, flags, sampling_kernels)
-        r = rows.shape[0]
-        keys = (jnp.zeros((r, 2), jnp.uint32) if flags.all_greedy  # (no row takes noise)
-                else noise_keys(st.seed, st.choice, st.out_pos))
-        if not flags.needs_cut:
-            tokens = greedy_head(rows, st.temperature, keys)
-        else:  # a top-k cut: the screen computes about k logits a row, so a large k takes the sampler
-            narrow = jnp.all((st.temperature == 0) | (st.top_k <= screened_head.LARGEST_TOP_K))
-            tokens = jax.lax.cond(narrow, lambda: greedy_head(rows, st.temperature, keys, st.top_k),
-                                  lambda: sample(model.logits(rows), st, flags, sampling_kernels)[0])
-        return tokens, jnp.zeros((r,)), jnp.zeros((r, 0), jnp.int32), jnp.zeros((r, 0))
+    def next_tokens(rows, st: SamplingTensors):  # each row's from the screened head or the float32 one
+        return head_choice.next_tokens(model, rows, st, flags, sampling_kernels)
 
     kv, rows, full = forward(kv, tokens, db.positions, db.slots, db.context_lens, shape.prompt_logprobs)
     if flags.penalties:  # the newest generated token may still be on device only

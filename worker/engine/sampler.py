@@ -14,6 +14,18 @@ import jax
 import jax.numpy as jnp
 
 
+# the largest top-k the screened head draws (screened_head.py: it reads the float32 rows of the
+# tokens whose bound can reach the k-th largest logit, ~12k a row at k = 32 for random weights)
+SCREENED_TOP_K = 32
+SPLIT_SHARE = 4  # a step draws rows apart from the screened head for at most 1 / SPLIT_SHARE of its rows
+
+
+def needs_logits(p) -> bool:
+    """Whether a request's sampled rows need every logit of the float32 head: a top-p or min-p cut,
+    or a top-k past SCREENED_TOP_K (SamplingParams `p`)."""
+    return p.temperature > 0.0 and (p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > SCREENED_TOP_K)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplingTensors:
@@ -44,6 +56,9 @@ class SamplerFlags:
     needs_cut: bool = False  # some row uses top-k or top-p (the cutoffs kernel, or top_k_top_p_cut's passes)
     top_p: bool = False  # some row uses top-p (its mass needs every logit: the screened head serves top-k alone)
     min_p: bool = False  # some row uses min-p (a softmax over the kept logits)
+    # some sampled rows need every logit (top-p, min-p, a top-k past SCREENED_TOP_K), at most 1 /
+    # SPLIT_SHARE of the step's rows: with a screened head, the float32 head draws those apart (head_choice.py)
+    apart: bool = False
     penalties: bool = False
     bias: bool = False
     num_logprobs: int = 0  # top-N alternatives to return (0: sampled token's logprob only when logprobs)

@@ -20,8 +20,8 @@ llama-100m.
 
 `attach` gives a packed float32 model a `greedy_head`: `ScreenedHead` (bfloat16 panels of the head,
 its rows in float32, and their norms) or `Int8Head` (int8 panels beside those, for the steps whose
-rows have no outliers); the step (engine/runner.py) uses it for the variants it can serve
-(`serves`), the full head and the sampler for the rest. Each takes (x f32[R, K], temperature f32[R],
+rows have no outliers); the step takes tokens from it for the rows it can serve (`serves`,
+head_choice.py), from the full head and the sampler for the rest. Each takes (x f32[R, K], temperature f32[R],
 noise keys u32[R, 2]) -> tokens i32[R].
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from worker.engine import cpu_build, cpu_matmul, cpu_sampling
-from worker.engine.sampler import SamplerFlags, gumbel_draw, scale, top_k_top_p_cut
+from worker.engine.sampler import SCREENED_TOP_K, SamplerFlags, gumbel_draw, scale, top_k_top_p_cut
 from worker.models.llama import LlamaForCausalLM
 
 TARGET = "redjax_screened_argmax"
@@ -50,7 +50,7 @@ WIDEST_INT8 = 3.0
 # for llama-100m's random weights through the int8 bound (93 at k = 5, 595 at 50). 64 rows, the head
 # alone: 7.6-8.6, 10.6-11.0, 12.5-13.7 and 14.7-17.2 ms at k = 5, 20, 32 and 50, against 17-19 for
 # the float32 head and the sampler's cut; in the engine k = 50 was no faster. A larger k takes the sampler.
-LARGEST_TOP_K = 32
+LARGEST_TOP_K = SCREENED_TOP_K
 
 
 def load() -> bool:
@@ -251,7 +251,8 @@ def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
 
 
 def serves(flags: SamplerFlags) -> bool:
-    """Whether a step of these sampler flags takes its tokens from the screened head: nothing that
-    needs the logits themselves (logprobs, penalties, logit bias, a top-p or min-p cut); a top-k
-    cut needs only the few logits that can reach the k-th largest."""
-    return not (flags.logprobs or flags.penalties or flags.bias or flags.top_p or flags.min_p)
+    """Whether a step of these sampler flags may take tokens from the screened head: nothing that
+    needs every row's logits (logprobs, penalties, logit bias). A top-k cut needs only the few
+    logits that can reach the k-th largest; rows with a top-p or min-p cut (or a larger top-k)
+    take the float32 head apart where they are few (head_choice.py)."""
+    return not (flags.logprobs or flags.penalties or flags.bias)
