@@ -11,9 +11,10 @@ import pytest
 
 from tests.engine_support import drain, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_matmul, head_choice, screened_head
+from worker.engine import cpu_matmul, head_choice
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampler import SCREENED_TOP_K
 from worker.engine.sampling_params import SamplingParams
 from worker.models.loader import load_model
 
@@ -33,9 +34,9 @@ def test_rows_that_need_their_logits():
     st.temperature = np.array([0.0, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.0], np.float32)
     st.top_p = np.array([0.5, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0], np.float32)
     st.min_p = np.array([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0], np.float32)
-    top = screened_head.LARGEST_TOP_K
+    top = SCREENED_TOP_K
     st.top_k = np.array([0, 0, 0, 0, top, top + 1, v, top + 1], np.int32)
-    # greedy rows never (a cut keeps the largest logit); top-p, min-p and a top-k past LARGEST_TOP_K
+    # greedy rows never (a cut keeps the largest logit); top-p, min-p and a top-k past SCREENED_TOP_K
     # short of the vocabulary do
     np.testing.assert_array_equal(np.asarray(head_choice.needs_logits(st, v)),
                                   [False, False, True, True, False, True, False, False])
@@ -67,7 +68,7 @@ def test_few_cut_rows_are_drawn_apart_and_all_rows_draw_the_float32_heads_tokens
     plain = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.2, top_k=5), dict(temperature=0.0),
              dict(temperature=0.8), dict(temperature=1.0, top_k=3)]
     cut = [dict(temperature=1.0, top_p=0.8), dict(temperature=0.7, min_p=0.05),
-           dict(temperature=1.1, top_k=screened_head.LARGEST_TOP_K + 1), dict(temperature=0.9, top_p=0.5, top_k=8),
+           dict(temperature=1.1, top_k=SCREENED_TOP_K + 1), dict(temperature=0.9, top_p=0.5, top_k=8),
            dict(temperature=0.6, top_p=0.95)]
     # 8 rows a step (in 8 or 16 padded rows): two cut rows among six others, drawn apart (2 or 4
     # rows gathered), then five (the float32 head for all)
@@ -108,8 +109,8 @@ def test_the_hosts_count_of_rows_apart_is_the_devices():
 
     v = 1000
     params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
-              for t in (0.0, 0.8) for p in (1.0, 0.9) for k in (0, 5, screened_head.LARGEST_TOP_K,
-                                                               screened_head.LARGEST_TOP_K + 1, v - 1) for m in (0.0, 0.2)]
+              for t in (0.0, 0.8) for p in (1.0, 0.9) for k in (0, 5, SCREENED_TOP_K,
+                                                               SCREENED_TOP_K + 1, v - 1) for m in (0.0, 0.2)]
     st = type("St", (), {})()
     st.temperature = np.array([p.temperature for p in params], np.float32)
     st.top_p = np.array([p.top_p for p in params], np.float32)

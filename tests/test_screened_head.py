@@ -339,7 +339,7 @@ def test_an_engine_on_it_gives_transformers_greedy_tokens(llama, tokenizer):
 def test_an_engines_seeded_samples_are_the_float32_heads(llama, tokenizer, monkeypatch):
     """Sampled requests with nothing cut but by top-k take their tokens from the screened head (the
     step traces its noise keys), and they are the float32 head's seeded draws: the same tokens as
-    an engine without the screened head; with top-p or a top-k past LARGEST_TOP_K (the sampler over
+    an engine without the screened head; with top-p or a top-k past SCREENED_TOP_K (the sampler over
     the float32 head in both) as well."""
     model, _ = llama
     traced = []
@@ -353,7 +353,7 @@ def test_an_engines_seeded_samples_are_the_float32_heads(llama, tokenizer, monke
         return
     rng = np.random.default_rng(4)
     prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (1, 5, 12, 30, 9)]
-    wide = dict(top_k=screened_head.LARGEST_TOP_K + 1)
+    wide = dict(top_k=sampler.SCREENED_TOP_K + 1)
     params = [SamplingParams(temperature=t, seed=i, max_tokens=12, ignore_eos=True, n=2, **cut)
               for i, (t, cut) in enumerate([(0.8, {}), (1.5, dict(top_k=5)), (0.5, {}), (1.0, dict(top_p=0.9)),
                                             (1.2, wide)])]

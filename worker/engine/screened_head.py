@@ -4,7 +4,7 @@ as float32 picks them.
 A greedy step without logprobs, penalties or logit bias needs each row's first largest logit and
 nothing else; a sampled row with nothing cut (no top-k, top-p or min-p) the first largest of its
 logits plus its Gumbel noise (`sampler.gumbel_draw`), which the screen bounds alike; and a row cut
-to its top k (up to LARGEST_TOP_K) the same among the tokens whose logits reach the k-th largest,
+to its top k (up to sampler.SCREENED_TOP_K) the same among the tokens whose logits reach the k-th largest,
 which the screen computes for the tokens whose bound can reach it (about 12k a row with random
 weights through the int8 bound; fewer where the logits spread). On a CPU
 with AVX512-BF16 the bfloat16 panel product runs at about twice the float32 one's speed (64 rows
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from worker.engine import cpu_build, cpu_matmul, cpu_sampling
-from worker.engine.sampler import SCREENED_TOP_K, SamplerFlags, gumbel_draw, scale, top_k_top_p_cut
+from worker.engine.sampler import SamplerFlags, gumbel_draw, scale, top_k_top_p_cut
 from worker.models.llama import LlamaForCausalLM
 
 TARGET = "redjax_screened_argmax"
@@ -45,12 +45,6 @@ KINDS = ("screened-int8", "screened-bf16")  # the approximations, fastest first
 # the int8 screen serves a step where each row's bound is at most this many times the bfloat16 one:
 # 1.9x for Gaussian rows (int8 1.55x faster than bfloat16 at llama-100m's shape), about even at 4.4x
 WIDEST_INT8 = 3.0
-# a step whose sampled rows cut to at most this many tokens (top_k) takes the screened head, which
-# reads the float32 rows of the tokens whose bound can reach the k-th largest logit: about 12k a row
-# for llama-100m's random weights through the int8 bound (93 at k = 5, 595 at 50). 64 rows, the head
-# alone: 7.6-8.6, 10.6-11.0, 12.5-13.7 and 14.7-17.2 ms at k = 5, 20, 32 and 50, against 17-19 for
-# the float32 head and the sampler's cut; in the engine k = 50 was no faster. A larger k takes the sampler.
-LARGEST_TOP_K = SCREENED_TOP_K
 
 
 def load() -> bool:
