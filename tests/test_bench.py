@@ -174,18 +174,20 @@ def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_mode
     assert all(f["output_tokens"] == 4 * 8 and f["greedy_match_fraction"] == 1.0 for f in report["per_round"])
 
 
-def test_offline_top_p_on_every_nth_request_mixes_the_traffic(tiny_model, capsys):
-    """--top-p-every N: the cut on requests 0, N, 2N, ... only (mixed traffic: the screened head
-    draws the rest, head_choice.py); not with --compare, whose transformers batches sample alike."""
-    work = Workload(8, 4, 4, temperature=0.7, top_p=0.9, top_p_every=4)
+def test_offline_options_on_every_nth_request_mix_the_traffic(tiny_model, capsys):
+    """--options-every N: top-p and logprobs on requests 0, N, 2N, ... only (mixed traffic: the
+    screened head draws the rest, head_choice.py); not with --compare, whose transformers batches
+    sample alike."""
+    work = Workload(8, 4, 4, temperature=0.7, top_p=0.9, logprobs=2, options_every=4)
     assert [work.params(4, seed=i).top_p for i in range(6)] == [0.9, 1.0, 1.0, 1.0, 0.9, 1.0]
+    assert [work.params(4, seed=i).logprobs for i in range(6)] == [2, None, None, None, 2, None]
     code, out = run_bench("offline", "--model", str(tiny_model), *TINY, "--temperature", "0.7", "--top-p", "0.9",
-                          "--top-p-every", "3")
-    assert code == 0 and json.loads(out)["sampling"]["top_p_every"] == 3
-    for bad in (["--top-p-every", "0"], ["--top-p-every", "2", "--compare", "hf"]):
+                          "--logprobs", "1", "--options-every", "3")
+    assert code == 0 and json.loads(out)["sampling"]["options_every"] == 3
+    for bad in (["--options-every", "0"], ["--options-every", "2", "--compare", "hf"]):
         with pytest.raises(SystemExit) as exit_:
             run_bench("offline", "--model", str(tiny_model), *TINY, "--top-p", "0.9", *bad)
-        assert exit_.value.code == 2 and "--top-p-every" in capsys.readouterr().err
+        assert exit_.value.code == 2 and "--options-every" in capsys.readouterr().err
 
 
 def test_offline_logprobs_asks_both_engines_for_them(tiny_model, capsys):

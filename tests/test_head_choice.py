@@ -11,7 +11,7 @@ import pytest
 
 from tests.engine_support import drain, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_matmul, head_choice
+from worker.engine import cpu_matmul, head_choice, sampler
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampler import SCREENED_TOP_K
@@ -29,17 +29,19 @@ def model(tokenizer, tmp_path_factory):
 
 
 def test_rows_that_need_their_logits():
-    v = 100
-    st = type("St", (), {})()
-    st.temperature = np.array([0.0, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.0], np.float32)
-    st.top_p = np.array([0.5, 1.0, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0], np.float32)
-    st.min_p = np.array([0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.0], np.float32)
+    """sampler.needs_logits: the rows the float32 head draws (apart where they are few). Greedy
+    rows never for a cut (a cut keeps the largest logit); top-p, min-p and a top-k past
+    SCREENED_TOP_K do when sampled; logprobs of the sampled token, penalties and a logit bias always.
+    Prompt logprobs come from the prompt's own logits."""
     top = SCREENED_TOP_K
-    st.top_k = np.array([0, 0, 0, 0, top, top + 1, v, top + 1], np.int32)
-    # greedy rows never (a cut keeps the largest logit); top-p, min-p and a top-k past SCREENED_TOP_K
-    # short of the vocabulary do
-    np.testing.assert_array_equal(np.asarray(head_choice.needs_logits(st, v)),
-                                  [False, False, True, True, False, True, False, False])
+    need = [dict(temperature=0.7, top_p=0.9), dict(temperature=0.7, min_p=0.1), dict(temperature=0.7, top_k=top + 1),
+            dict(logprobs=0), dict(temperature=0.7, logprobs=3), dict(presence_penalty=0.5),
+            dict(temperature=0.7, frequency_penalty=-0.1), dict(repetition_penalty=1.2), dict(logit_bias=((5, 2.0),))]
+    plain = [dict(), dict(temperature=0.0, top_p=0.5), dict(temperature=0.0, min_p=0.1),
+             dict(temperature=0.0, top_k=top + 1), dict(temperature=0.7),
+             dict(temperature=0.7, top_k=top), dict(prompt_logprobs=2), dict(temperature=0.7, repetition_penalty=1.0)]
+    assert [sampler.needs_logits(SamplingParams(**kw)) for kw in need] == [True] * len(need)
+    assert [sampler.needs_logits(SamplingParams(**kw)) for kw in plain] == [False] * len(plain)
 
 
 def drawn_apart(monkeypatch) -> list[int]:
@@ -56,7 +58,8 @@ def drawn_apart(monkeypatch) -> list[int]:
     return seen
 
 
-def test_few_cut_rows_are_drawn_apart_and_all_rows_draw_the_float32_heads_tokens(model, tokenizer, monkeypatch):
+def test_few_rows_needing_logits_are_drawn_apart_and_every_row_gets_the_float32_heads_tokens(
+        model, tokenizer, monkeypatch):
     screened = LLMEngine(model, tokenizer, EngineConfig(**SIZES))
     if screened.greedy_head == "full":  # nothing to split on a CPU without AVX512-BF16 or VNNI
         assert not (cpu_matmul.has_cpu_flag("avx512_bf16") or cpu_matmul.has_cpu_flag("avx512_vnni"))
@@ -70,9 +73,13 @@ def test_few_cut_rows_are_drawn_apart_and_all_rows_draw_the_float32_heads_tokens
     cut = [dict(temperature=1.0, top_p=0.8), dict(temperature=0.7, min_p=0.05),
            dict(temperature=1.1, top_k=SCREENED_TOP_K + 1), dict(temperature=0.9, top_p=0.5, top_k=8),
            dict(temperature=0.6, top_p=0.95)]
+    moved = [dict(temperature=0.0, logprobs=2), dict(temperature=0.0, presence_penalty=2.0, frequency_penalty=0.5),
+             dict(temperature=0.0, logit_bias=((7, 3.0), (9, -2.0))),
+             dict(temperature=0.9, top_k=4, repetition_penalty=1.3, logprobs=0)]
     # 8 rows a step (in 8 or 16 padded rows): two cut rows among six others, drawn apart (2 or 4
-    # rows gathered), then five (the float32 head for all)
-    batches = [plain + cut[:2], plain[:3] + cut]
+    # rows gathered), then five (the float32 head for all); then two rows with logprobs, penalties
+    # or a logit bias among six plain ones, drawn apart
+    batches = [plain + cut[:2], plain[:3] + cut, plain + moved[:2], plain + moved[2:]]
     results = []
     for engine in (screened, full):
         got = {}
@@ -80,13 +87,19 @@ def test_few_cut_rows_are_drawn_apart_and_all_rows_draw_the_float32_heads_tokens
             for i, (prompt, kw) in enumerate(zip(prompts, batch)):
                 engine.add_request(f"b{b}r{i}", prompt, SamplingParams(seed=100 * b + i, max_tokens=6, ignore_eos=True, **kw))
             drain(engine, results=got)
-            if engine is screened:  # the first batch's steps drew its two cut rows apart, the second's none
-                assert (len(seen) >= 5 and set(seen) <= {2, 4}) if b == 0 else not seen, (b, seen)
+            if engine is screened:  # the second batch's steps drew none apart, the others' their two rows
+                assert (len(seen) >= 5 and set(seen) <= {2, 4}) if b != 1 else not seen, (b, seen)
             seen.clear()
         results.append(got)
-    assert results[0].keys() == results[1].keys() and len(results[0]) == 16
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 32
     for key, out in results[0].items():
         assert out.token_ids == results[1][key].token_ids, key
+        theirs = results[1][key].logprobs
+        assert len(out.logprobs) == len(theirs) == (6 if key[0] in ("b2r6", "b3r7") else 0), key
+        for ours, ref in zip(out.logprobs, theirs):  # the same row's logits from a gathered product
+            assert ours["token_id"] == ref["token_id"] and [t[0] for t in ours["top"]] == [t[0] for t in ref["top"]]
+            np.testing.assert_allclose([ours["logprob"]] + [t[1] for t in ours["top"]],
+                                       [ref["logprob"]] + [t[1] for t in ref["top"]], rtol=1e-5, atol=1e-5)
 
 
 def test_an_apart_variant_serves_only_steps_with_few_rows_apart():
@@ -100,20 +113,3 @@ def test_an_apart_variant_serves_only_steps_with_few_rows_apart():
     everyone = SamplerFlags(all_greedy=False, needs_cut=True, top_p=True)
     apart = replace(everyone, apart=True)
     assert serves(everyone, apart) and serves(apart, apart) and not serves(apart, everyone)
-
-
-def test_the_hosts_count_of_rows_apart_is_the_devices():
-    """sampler.needs_logits (the host's, which sets SamplerFlags.apart) and head_choice.needs_logits
-    (the device's, which picks the rows) agree on every kind of row."""
-    from worker.engine import sampler
-
-    v = 1000
-    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m)
-              for t in (0.0, 0.8) for p in (1.0, 0.9) for k in (0, 5, SCREENED_TOP_K,
-                                                               SCREENED_TOP_K + 1, v - 1) for m in (0.0, 0.2)]
-    st = type("St", (), {})()
-    st.temperature = np.array([p.temperature for p in params], np.float32)
-    st.top_p = np.array([p.top_p for p in params], np.float32)
-    st.top_k = np.array([p.top_k for p in params], np.int32)
-    st.min_p = np.array([p.min_p for p in params], np.float32)
-    np.testing.assert_array_equal(np.asarray(head_choice.needs_logits(st, v)), [sampler.needs_logits(p) for p in params])

@@ -48,6 +48,7 @@ def tensors(rows: int, **fields) -> SamplingTensors:
         repetition=np.ones(rows, np.float32), bias_ids=np.zeros((rows, 1), np.int32),
         bias_vals=np.zeros((rows, 1), np.float32), output_ids=np.full((rows, 1), -1, np.int32),
         prompt_ids=np.full((rows, 1), -1, np.int32), pending=np.full(rows, -1, np.int32),
+        full_head=np.zeros(rows, np.int32),
     )
     for name, value in fields.items():
         base[name] = np.asarray(value, base[name].dtype)

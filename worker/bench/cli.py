@@ -46,8 +46,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampled, by both engines")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-p-every", type=int, default=1, metavar="N", help="--top-p on every N-th request only, the "
-                   "rest sampled without it: mixed traffic (default 1: every request)")
+    p.add_argument("--options-every", type=int, default=1, metavar="N", help="--top-p and --logprobs on every N-th "
+                   "request only, the rest without them: mixed traffic (default 1: every request)")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--logprobs", type=int, metavar="N", help="every request also asks for its tokens' logprobs and "
                    "the N most likely alternatives (0-20; default: none)")
@@ -128,14 +128,14 @@ def offline(argv: list[str]) -> int:
     _check_prompt_source(parser, args)
     if args.barrier and args.compare:
         parser.error("--barrier times the engine alone: not with --compare")
-    if args.top_p_every < 1 or (args.top_p_every > 1 and args.compare):
-        parser.error("--top-p-every must be at least 1, and 1 with --compare (transformers samples a batch alike)")
+    if args.options_every < 1 or (args.options_every > 1 and args.compare):
+        parser.error("--options-every must be at least 1, and 1 with --compare (transformers samples a batch alike)")
     overrides = _checked_overrides(parser, args)
 
     model = resolve_model(args.model) if args.model else None
     work = Workload(args.num_prompts, args.input_len or 128, args.output_len, args.seed, args.temperature, args.top_p,
                     args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file,
-                    args.prefix_len, args.logprobs, args.top_p_every)
+                    args.prefix_len, args.logprobs, args.options_every)
     try:
         report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf", args.hf_batch_size,
                                args.rounds, (args.profile, args.profile_calls) if args.profile else None, args.barrier)
@@ -146,10 +146,10 @@ def offline(argv: list[str]) -> int:
         return 0
     r = report
     s = r["sampling"]
-    every = "" if s["top_p_every"] == 1 else f" on every {s['top_p_every']}th request"
+    every = "" if s["options_every"] == 1 else f" on every {s['options_every']}th request"
     sampling = (f"sampled (temperature {s['temperature']:g}, top-p {s['top_p']:g}{every}, top-k {s['top_k']}, "
                 f"{r['sampler']} sampler)" if s["temperature"] else "greedy")
-    sampling += "" if s["logprobs"] is None else f", logprobs {s['logprobs']}"
+    sampling += "" if s["logprobs"] is None else f", logprobs {s['logprobs']}{every}"
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
           f"attention, {r['matmul']} matmul, {r['greedy_head']} greedy head, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "

@@ -56,13 +56,13 @@ class Workload:
     prompts_file: str | None = None  # where `requests` came from (the report's label)
     prefix_len: int = 0  # random prompts: ids shared by all of a round, before each one's input_len
     logprobs: int | None = None  # every request's logprobs (the sampled token's and this many alternatives)
-    top_p_every: int = 1  # top_p on every N-th request only, the rest uncut: mixed traffic
+    options_every: int = 1  # top_p and logprobs on every N-th request only, the rest without: mixed traffic
 
     def params(self, max_tokens: int, seed: int) -> SamplingParams:
         """Request number `seed`'s sampling."""
-        top_p = self.top_p if seed % self.top_p_every == 0 else 1.0
-        return SamplingParams(temperature=self.temperature, top_p=top_p, top_k=self.top_k,
-                              max_tokens=max_tokens, ignore_eos=True, seed=seed, logprobs=self.logprobs)
+        chosen = seed % self.options_every == 0
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p if chosen else 1.0, top_k=self.top_k,
+                              max_tokens=max_tokens, ignore_eos=True, seed=seed, logprobs=self.logprobs if chosen else None)
 
     @cached_property
     def sizes(self) -> list[tuple[int, int]]:
@@ -290,7 +290,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "prompt_tokens": sum(i for i, _ in work.sizes),
         "mean_input_len": float(np.mean([i for i, _ in work.sizes])), "mean_output_len": float(np.mean(work.output_lens)),
         "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k,
-                     "logprobs": work.logprobs, "top_p_every": work.top_p_every},
+                     "logprobs": work.logprobs, "options_every": work.options_every},
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
         "pallas_prefill_kernel": engine.runner.attention.prefill is gpu_prefill.pallas_prefill_attention,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 
-from worker.engine.sampler import SPLIT_SHARE, SamplerFlags, SamplingTensors, needs_logits
+from worker.engine.sampler import SPLIT_SHARE, SamplerFlags, SamplingTensors, has_penalties, needs_logits
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 from worker.engine.sequence import IN_FLIGHT
 
@@ -347,10 +347,6 @@ def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], p
                 targets[i] = seq.prompt_token_ids[c.start + 1]
 
 
-def has_penalties(p) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
-
-
 def needs_arrays(p) -> bool:
     """Whether a request's sampling needs arrays sized by the batch (penalties, logit bias): only a
     variant with the same flags and widths serves it (`SamplerFlags.widths`)."""
@@ -398,6 +394,7 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
     bias_ids, bias_vals = np.zeros((r, b), np.int32), np.zeros((r, b), np.float32)
     out_ids, prompt_ids = np.full((r, out_len), -1, np.int32), np.full((r, prompt_len), -1, np.int32)
     pending = np.full(r, -1, np.int32)
+    full_head = np.zeros(r, np.int32)  # (a bool array could not be packed with the rest)
     for i, c in enumerate(rows):
         if c is None:
             continue
@@ -407,6 +404,7 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         i32["top_k"][i], i32["choice"][i] = max(p.top_k, 0), seq.index
         i32["out_pos"][i] = seq.num_output_tokens
         seeds[i] = (p.seed or 0) & 0xFFFFFFFF
+        full_head[i] = needs_logits(p)
         for j, (tok, val) in enumerate(p.logit_bias):
             bias_ids[i, j], bias_vals[i, j] = tok, val
         if penalties:
@@ -419,6 +417,6 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         temperature=f["temperature"], top_k=i32["top_k"], top_p=f["top_p"], min_p=f["min_p"], seed=seeds,
         choice=i32["choice"], out_pos=i32["out_pos"], presence=f["presence"], frequency=f["frequency"],
         repetition=rep, bias_ids=bias_ids, bias_vals=bias_vals, output_ids=out_ids, prompt_ids=prompt_ids,
-        pending=pending,
+        pending=pending, full_head=full_head,
     )
     return tensors

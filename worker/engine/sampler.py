@@ -23,10 +23,18 @@ SCREENED_TOP_K = 32
 SPLIT_SHARE = 4  # a step draws rows apart from the screened head for at most 1 / SPLIT_SHARE of its rows
 
 
+def has_penalties(p) -> bool:
+    """Whether SamplingParams `p` ask for a presence, frequency or repetition penalty."""
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
 def needs_logits(p) -> bool:
-    """Whether a request's sampled rows need every logit of the float32 head: a top-p or min-p cut,
-    or a top-k past SCREENED_TOP_K (SamplingParams `p`)."""
-    return p.temperature > 0.0 and (p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > SCREENED_TOP_K)
+    """Whether a request's sampled rows need every logit of the float32 head (SamplingParams `p`):
+    logprobs of the sampled token (a log-softmax over the row), penalties or a logit bias (they
+    move logits the screened head does not see), or, sampled, a top-p or min-p cut (its mass) or a
+    top-k past SCREENED_TOP_K. Prompt logprobs come from the prompt's own logits, not these."""
+    cut = p.temperature > 0.0 and (p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > SCREENED_TOP_K)
+    return cut or p.logprobs is not None or has_penalties(p) or bool(p.logit_bias)
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +57,7 @@ class SamplingTensors:
     output_ids: jax.Array  # i32[R, L]: generated tokens so far (-1 padding), for penalties
     prompt_ids: jax.Array  # i32[R, Lp]: prompt tokens (-1 padding), for the repetition penalty
     pending: jax.Array  # i32[R]: row of the previous step holding a generated token not yet on the host, or -1
+    full_head: jax.Array  # i32[R]: 1 where the row needs every logit of the float32 head (needs_logits; head_choice.py)
 
 
 @dataclass(frozen=True)
@@ -59,8 +68,9 @@ class SamplerFlags:
     needs_cut: bool = False  # some row uses top-k or top-p (the cutoffs kernel, or top_k_top_p_cut's passes)
     top_p: bool = False  # some row uses top-p (its mass needs every logit: the float32 head's, head_choice.py)
     min_p: bool = False  # some row uses min-p (a softmax over the kept logits)
-    # some sampled rows need every logit (top-p, min-p, a top-k past SCREENED_TOP_K), at most 1 /
-    # SPLIT_SHARE of the step's rows: with a screened head, the float32 head draws those apart (head_choice.py)
+    # some rows need every logit (needs_logits: logprobs, penalties, logit bias, top-p, min-p, a top-k
+    # past SCREENED_TOP_K), at most 1 / SPLIT_SHARE of the step's rows: with a screened head, the
+    # float32 head and the sampler draw those apart (head_choice.py)
     apart: bool = False
     penalties: bool = False
     bias: bool = False

@@ -245,8 +245,8 @@ def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
 
 
 def serves(flags: SamplerFlags) -> bool:
-    """Whether a step of these sampler flags may take tokens from the screened head: nothing that
-    needs every row's logits (logprobs, penalties, logit bias). A top-k cut needs only the few
-    logits that can reach the k-th largest; rows with a top-p or min-p cut (or a larger top-k)
-    take the float32 head apart where they are few (head_choice.py)."""
+    """Whether a step of these sampler flags may take every row's token from the screened head:
+    nothing that needs every logit of a row (logprobs, penalties, logit bias). A top-k cut needs
+    only the few logits that can reach the k-th largest; rows needing every logit take the float32
+    head apart where they are few (`SamplerFlags.apart`, head_choice.py)."""
     return not (flags.logprobs or flags.penalties or flags.bias)
