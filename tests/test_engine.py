@@ -266,11 +266,26 @@ def test_sampled_token_logprobs_equal_the_plain_forward(model, tokenizer, hf, pr
 
 # ---- 3. penalties and n choices (seeded draws: test_engine_seeds.py) ----
 
-def test_repetition_penalty_matches_generate_even_when_decodes_fuse(model, tokenizer, hf, prompts):
-    """A penalised request admitted as a single decode token must not join a fused (multi-step)
-    decode: penalties need every previous token, which fused steps do not feed back."""
+def record_penalised_fused_calls(engine: LLMEngine) -> list[bool]:
+    """Per dispatched call: whether it was fused and held a request with penalties."""
+    seen, dispatch = [], engine.runner.dispatch
+
+    def recording(batch):
+        flight = dispatch(batch)
+        seen.append(flight is not None and flight.penalised)
+        return flight
+
+    engine.runner.dispatch = recording
+    return seen
+
+
+def test_repetition_penalty_matches_generate_when_decodes_fuse(model, tokenizer, hf, prompts):
+    """A penalised request's fused decode steps count the tokens of the call's own earlier steps
+    (and of the call before, read back first): its tokens are generate's. One admitted as a
+    single decode token while another request's steps fuse joins them."""
     engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
     penalised = SamplingParams(temperature=0.0, repetition_penalty=2.0, max_tokens=12, ignore_eos=True)
+    fused = record_penalised_fused_calls(engine)
 
     def before_step(k):
         if k == 0:
@@ -280,6 +295,24 @@ def test_repetition_penalty_matches_generate_even_when_decodes_fuse(model, token
 
     got = drain(engine, before_step)[("penalised", 0)].token_ids
     assert got == hf_greedy(hf, prompts[0], 12, repetition_penalty=2.0)
+    assert sum(fused) >= 2, fused
+
+
+def test_presence_and_frequency_penalties_give_the_same_tokens_fused_or_not(model, tokenizer, prompts):
+    """Seeded requests with OpenAI's presence and frequency penalties, sampled and greedy, beside
+    plain ones: the same tokens whether 4 decode steps fuse in a call or each runs alone."""
+    kinds = [dict(temperature=0.0, presence_penalty=1.5), dict(temperature=0.9, frequency_penalty=1.0),
+             dict(temperature=0.0), dict(temperature=0.8, presence_penalty=-0.5, frequency_penalty=0.7),
+             dict(temperature=0.7)]
+    results = []
+    for steps in (4, 1):
+        engine = make_engine(model, tokenizer, ROOMY, decode_steps=steps)
+        fused = record_penalised_fused_calls(engine)
+        for i, kw in enumerate(kinds):
+            engine.add_request(f"r{i}", prompts[i], SamplingParams(seed=i, max_tokens=14, ignore_eos=True, **kw))
+        results.append({key: c.token_ids for key, c in drain(engine).items()})
+        assert (sum(fused) >= 2) == (steps == 4), fused
+    assert results[0] == results[1]
 
 
 def test_n_choices_share_prompt_pages_and_differ(model, tokenizer, prompts):

@@ -410,6 +410,8 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         if penalties:
             outs = np.asarray(seq.output_token_ids, np.int32)
             out_ids[i, : len(outs)] = outs  # a trailing in-flight token (-1) is filled on device from `pending`
+            if seq.num_in_flight > 1 and has_penalties(p):  # (the engine reads a fused call with them back first)
+                raise RuntimeError(f"sequence {seq.seq_id}: penalties fill in only the newest in-flight token")
             if seq.num_in_flight:
                 pending[i] = prev_rows.get(seq.seq_id, -1)
             prompt_ids[i, : seq.num_prompt_tokens] = seq.prompt_token_ids

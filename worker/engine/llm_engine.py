@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
-from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, has_penalties, sampler_flags
+from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, screened_head
 from worker.engine.attention_choice import choose_attention
@@ -195,7 +195,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step, then read back the previous one."""
         outputs: list[RequestOutput] = []
-        batch = self.scheduler.schedule(self._decode_steps())
+        if self._inflight is not None and self._inflight.penalised:
+            outputs += self._postprocess(self._inflight)
+            self._inflight = None
+        batch = self.scheduler.schedule(self.decode_steps)
         launched = None
         if batch is not None:
             outputs += [self._finish_output(seq) for seq in batch.finished]
@@ -216,15 +219,6 @@ class LLMEngine:
             else:
                 outputs += self._postprocess(launched)
         return outputs
-
-    def _decode_steps(self) -> int:
-        """Fuse decode steps only when no request needs host-side per-token data on device.
-        Waiting ones count too: one admitted with a single token left joins as a decode."""
-        if self.decode_steps == 1:
-            return 1
-        if any(has_penalties(seq.params) for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting)):
-            return 1
-        return self.decode_steps
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)

@@ -32,7 +32,7 @@ from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batc
                                  step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
-from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors
+from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,12 @@ class InFlight:
     starts: list[int]  # index in T of the first token of each row's chunk
     shape: StepShape
     out: StepOutput | Future  # a Future with a launch thread (`landed` waits for its call to return)
+
+    @property
+    def penalised(self) -> bool:
+        """A fused call holding a request with penalties: read back before the next batch is built,
+        whose penalties count each earlier token (only the newest comes from the device: `pending`)."""
+        return self.shape.decode_steps > 1 and any(c is not None and has_penalties(c.seq.params) for c in self.rows)
 
 
 class ModelRunner:
@@ -390,24 +396,29 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         return head_choice.next_tokens(model, rows, st, flags, sampling_kernels)
 
     kv, rows, full = forward(kv, tokens, db.positions, db.slots, db.context_lens, shape.prompt_logprobs)
-    if flags.penalties:  # the newest generated token may still be on device only
+    known = db.sampling.output_ids.shape[1] + 1  # (penalties) this call's first token's column in output_ids
+    if flags.penalties:  # the newest generated token may still be on device only; columns after it for this call's
         pending = jnp.where(db.sampling.pending >= 0, prev_tokens[jnp.maximum(db.sampling.pending, 0)], -1)
+        later = jnp.full((pending.shape[0], shape.decode_steps - 1), -1, jnp.int32)  # fused steps' own tokens
         db = replace(db, sampling=replace(db.sampling, output_ids=jnp.concatenate(
-            [db.sampling.output_ids, pending[:, None]], axis=1)))
+            [db.sampling.output_ids, pending[:, None], later], axis=1)))
     sampled = [next_tokens(rows, db.sampling)]
     if shape.decode_steps > 1:  # fused decode: every row is a decode row
         def body(carry, i):
-            kv, last = carry
+            kv, last, ids = carry
             positions = db.positions + i
             column = jnp.minimum(positions // shape.page_size, shape.pages - 1)
             page = jnp.take_along_axis(db.page_tables, column[:, None], axis=1)[:, 0]
             live = i < db.row_steps  # a row past its own step count writes to the reserved page 0
             slots = jnp.where(live, page * shape.page_size + positions % shape.page_size, 0)
             kv, rows, _ = forward(kv, last, positions, slots, db.context_lens + i, False)
-            out = next_tokens(rows, replace(db.sampling, out_pos=db.sampling.out_pos + i))
-            return (kv, jnp.where(live, out[0], last)), out  # a row past its steps keeps its last token
+            if flags.penalties:  # step i - 1's token counts from step i on (a row past its steps: never read)
+                ids = jax.lax.dynamic_update_slice_in_dim(ids, last[:, None], known + i - 1, axis=1)
+            out = next_tokens(rows, replace(db.sampling, out_pos=db.sampling.out_pos + i, output_ids=ids))
+            return (kv, jnp.where(live, out[0], last), ids), out  # a row past its steps keeps its last token
 
-        (kv, newest), rest = jax.lax.scan(body, (kv, sampled[0][0]), jnp.arange(1, shape.decode_steps))
+        (kv, newest, _), rest = jax.lax.scan(body, (kv, sampled[0][0], db.sampling.output_ids),
+                                             jnp.arange(1, shape.decode_steps))
         stacked = [jnp.concatenate([a[None], b]) for a, b in zip(sampled[0], rest)]
     else:
         newest = sampled[0][0]
