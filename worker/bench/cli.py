@@ -153,7 +153,7 @@ def offline(argv: list[str]) -> int:
     r = report
     s = r["sampling"]
     every = "" if s["options_every"] == 1 else f" on every {s['options_every']}th request"
-    sampling = (f"sampled (temperature {s['temperature']:g}, top-p {s['top_p']:g}{every}, top-k {s['top_k']}, "
+    sampling = (f"sampled (temperature {s['temperature']:g}, top-p {s['top_p']:g}{every if s['top_p'] < 1 else ''}, top-k {s['top_k']}, "
                 f"{r['sampler']} sampler)" if s["temperature"] else "greedy")
     sampling += "" if s["logprobs"] is None else f", logprobs {s['logprobs']}{every}"
     if s["frequency_penalty"] or s["presence_penalty"]:
