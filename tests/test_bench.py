@@ -175,23 +175,29 @@ def test_offline_rounds_alternate_with_the_baseline_and_report_medians(tiny_mode
 
 
 def test_offline_options_on_every_nth_request_mix_the_traffic(tiny_model, capsys):
-    """--options-every N: top-p, logprobs and the penalties on requests 0, N, 2N, ... only (mixed
-    traffic: the screened head draws the rest, head_choice.py); not with --compare, whose
-    transformers batches sample alike and have no presence or frequency penalty."""
+    """--options-every N: top-p, logprobs, prompt logprobs and the penalties on requests 0, N, 2N,
+    ... only (mixed traffic: the screened head draws the rest, head_choice.py); not with --compare,
+    whose transformers batches sample alike and have no presence or frequency penalty and no prompt
+    logprobs."""
     work = Workload(8, 4, 4, temperature=0.7, top_p=0.9, logprobs=2, options_every=4, frequency_penalty=0.5,
-                    presence_penalty=-0.25)
+                    presence_penalty=-0.25, prompt_logprobs=0)
+    assert [work.params(4, seed=i).prompt_logprobs for i in range(6)] == [0, None, None, None, 0, None]
     assert [work.params(4, seed=i).top_p for i in range(6)] == [0.9, 1.0, 1.0, 1.0, 0.9, 1.0]
     assert [work.params(4, seed=i).logprobs for i in range(6)] == [2, None, None, None, 2, None]
     assert [work.params(4, seed=i).frequency_penalty for i in range(6)] == [0.5, 0.0, 0.0, 0.0, 0.5, 0.0]
     assert [work.params(4, seed=i).presence_penalty for i in range(6)] == [-0.25, 0.0, 0.0, 0.0, -0.25, 0.0]
     code, out = run_bench("offline", "--model", str(tiny_model), *TINY, "--temperature", "0.7", "--top-p", "0.9",
-                          "--logprobs", "1", "--options-every", "3", "--frequency-penalty", "0.5")
+                          "--logprobs", "1", "--options-every", "3", "--frequency-penalty", "0.5",
+                          "--prompt-logprobs", "2")
     sampling = json.loads(out)["sampling"]
     assert code == 0 and sampling["options_every"] == 3 and sampling["frequency_penalty"] == 0.5
+    assert sampling["prompt_logprobs"] == 2
     for bad, flag in ((["--options-every", "0"], "--options-every"),
                       (["--options-every", "2", "--compare", "hf"], "--options-every"),
                       (["--presence-penalty", "2.5"], "--presence-penalty"),
-                      (["--frequency-penalty", "0.5", "--compare", "hf"], "--frequency-penalty")):
+                      (["--frequency-penalty", "0.5", "--compare", "hf"], "--frequency-penalty"),
+                      (["--prompt-logprobs", "21"], "--prompt-logprobs"),
+                      (["--prompt-logprobs", "0", "--compare", "hf"], "--prompt-logprobs")):
         with pytest.raises(SystemExit) as exit_:
             run_bench("offline", "--model", str(tiny_model), *TINY, "--top-p", "0.9", *bad)
         assert exit_.value.code == 2 and flag in capsys.readouterr().err

@@ -113,3 +113,59 @@ def test_an_apart_variant_serves_only_steps_with_few_rows_apart():
     everyone = SamplerFlags(all_greedy=False, needs_cut=True, top_p=True)
     apart = replace(everyone, apart=True)
     assert serves(everyone, apart) and serves(apart, apart) and not serves(apart, everyone)
+
+
+def test_rows_asking_only_for_prompt_logprobs_stay_on_the_screened_head(model, tokenizer, monkeypatch):
+    """Prompt logprobs come from every prompt token's logits, not from the sampled rows', so a
+    request asking only for those leaves its steps wholly on the screened head, and its decode
+    steps compute no prompt logits at all. Its tokens and prompt logprobs are the float32 head's."""
+    screened = LLMEngine(model, tokenizer, EngineConfig(**SIZES))
+    if screened.greedy_head == "full":  # nothing to screen on a CPU without AVX512-BF16 or VNNI
+        return
+    full = LLMEngine(model, tokenizer, EngineConfig(**SIZES, greedy_head="full"))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (6, 9, 1, 7, 11, 5)]
+    kinds = [dict(temperature=0.0, prompt_logprobs=2), dict(temperature=0.9, prompt_logprobs=0),
+             dict(temperature=0.0, prompt_logprobs=3), dict(temperature=0.0), dict(temperature=0.8), dict()]
+    results, steps, real_sample = [], [], head_choice.sample
+    for engine in (screened, full):
+        float32_head: list[int] = []
+
+        def sample(logits, st, flags, kernels, seen=float32_head):
+            jax.debug.callback(lambda n: seen.append(int(n)), logits.shape[0])
+            return real_sample(logits, st, flags, kernels)
+
+        monkeypatch.setattr(head_choice, "sample", sample)
+        real_post = engine._postprocess
+
+        def postprocess(flight, real_post=real_post):  # which steps computed every token's logits, for whom
+            past = all(c is None or c.start >= c.seq.num_prompt_tokens for c in flight.rows)
+            steps.append((flight.shape.prompt_logprobs, past))
+            return real_post(flight)
+
+        monkeypatch.setattr(engine, "_postprocess", postprocess)
+        for i, (prompt, kw) in enumerate(zip(prompts, kinds)):
+            engine.add_request(f"r{i}", prompt, SamplingParams(seed=i, max_tokens=6, ignore_eos=True, **kw))
+        results.append(drain(engine))
+        if engine is screened:
+            assert not float32_head, float32_head
+        else:
+            assert float32_head
+    assert any(prompt for prompt, _ in steps) and any(past for _, past in steps)
+    assert not any(prompt and past for prompt, past in steps), "a decode step computed prompt logits"
+    for key, out in results[0].items():
+        ref = results[1][key]
+        assert out.token_ids == ref.token_ids, key
+        if kinds[int(key[0][1:])].get("prompt_logprobs") is None:
+            assert out.prompt_logprobs is None, key
+            continue
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == len(prompts[int(key[0][1:])]), key
+        assert out.prompt_logprobs[0] is None and ref.prompt_logprobs[0] is None
+        for ours, theirs in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert ours["token_id"] == theirs["token_id"] and [t[0] for t in ours["top"]] == [t[0] for t in theirs["top"]]
+            np.testing.assert_allclose([ours["logprob"]] + [t[1] for t in ours["top"]],
+                                       [theirs["logprob"]] + [t[1] for t in theirs["top"]], rtol=1e-5, atol=1e-5)
+    # a one-token prompt alone: nothing to predict, so no step computes prompt logits; the answer
+    # still holds the first token's None
+    screened.add_request("one", prompts[2], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert drain(screened)[("one", 0)].prompt_logprobs == [None]

@@ -46,14 +46,17 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampled, by both engines")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--options-every", type=int, default=1, metavar="N", help="--top-p, --logprobs and the penalties "
-                   "on every N-th request only, the rest without them: mixed traffic (default 1: every request)")
+    p.add_argument("--options-every", type=int, default=1, metavar="N", help="--top-p, --logprobs, --prompt-logprobs and "
+                   "the penalties on every N-th request only, the rest without them: mixed traffic (default 1: every request)")
     for name in ("frequency", "presence"):
         p.add_argument(f"--{name}-penalty", type=float, default=0.0, metavar="F", help=f"OpenAI's {name} penalty, in "
                        "[-2, 2] (default 0: none); not with --compare (transformers has no such penalty)")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--logprobs", type=int, metavar="N", help="every request also asks for its tokens' logprobs and "
                    "the N most likely alternatives (0-20; default: none)")
+    p.add_argument("--prompt-logprobs", type=int, metavar="N", help="every request also asks for its prompt tokens' "
+                   "logprobs and the N most likely alternatives (0-20; default: none), as an echo request does; not "
+                   "with --compare")
     p.add_argument("--compare", choices=["hf"], help="also run transformers generate on the same weights and prompts")
     p.add_argument("--hf-batch-size", type=_batch_size, default=None, metavar="N|auto",
                    help="transformers batch size, or auto (default): the fastest of 16/32/64 (up to the number of "
@@ -136,12 +139,14 @@ def offline(argv: list[str]) -> int:
     penalties = (args.frequency_penalty, args.presence_penalty)
     if not all(-2 <= x <= 2 for x in penalties) or (any(penalties) and args.compare):
         parser.error("--frequency-penalty and --presence-penalty must be in [-2, 2], and 0 with --compare")
+    if args.prompt_logprobs is not None and (not 0 <= args.prompt_logprobs <= MAX_LOGPROBS or args.compare):
+        parser.error(f"--prompt-logprobs must be in [0, {MAX_LOGPROBS}], and not with --compare")
     overrides = _checked_overrides(parser, args)
 
     model = resolve_model(args.model) if args.model else None
     work = Workload(args.num_prompts, args.input_len or 128, args.output_len, args.seed, args.temperature, args.top_p,
                     args.top_k, args.range_ratio, _offline_requests(parser, args, model), args.prompts_file,
-                    args.prefix_len, args.logprobs, args.options_every, *penalties)
+                    args.prefix_len, args.logprobs, args.options_every, *penalties, args.prompt_logprobs)
     try:
         report = bench_offline(model, args.dummy, overrides, work, args.compare == "hf", args.hf_batch_size,
                                args.rounds, (args.profile, args.profile_calls) if args.profile else None, args.barrier)
@@ -158,6 +163,7 @@ def offline(argv: list[str]) -> int:
     sampling += "" if s["logprobs"] is None else f", logprobs {s['logprobs']}{every}"
     if s["frequency_penalty"] or s["presence_penalty"]:
         sampling += f", frequency penalty {s['frequency_penalty']:g}, presence {s['presence_penalty']:g}{every}"
+    sampling += "" if s["prompt_logprobs"] is None else f", prompt logprobs {s['prompt_logprobs']}{every}"
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
           f"attention, {r['matmul']} matmul, {r['greedy_head']} greedy head, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "

@@ -56,9 +56,10 @@ class Workload:
     prompts_file: str | None = None  # where `requests` came from (the report's label)
     prefix_len: int = 0  # random prompts: ids shared by all of a round, before each one's input_len
     logprobs: int | None = None  # every request's logprobs (the sampled token's and this many alternatives)
-    options_every: int = 1  # top_p, logprobs and penalties on every N-th request only, the rest without: mixed traffic
+    options_every: int = 1  # top_p, logprobs, prompt logprobs and penalties on every N-th request only, the rest without: mixed traffic
     frequency_penalty: float = 0.0  # OpenAI's (0: none)
     presence_penalty: float = 0.0
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs and this many alternatives (echo, as lm-eval asks)
 
     def params(self, max_tokens: int, seed: int) -> SamplingParams:
         """Request number `seed`'s sampling."""
@@ -66,7 +67,8 @@ class Workload:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p if chosen else 1.0, top_k=self.top_k,
                               max_tokens=max_tokens, ignore_eos=True, seed=seed, logprobs=self.logprobs if chosen else None,
                               frequency_penalty=self.frequency_penalty if chosen else 0.0,
-                              presence_penalty=self.presence_penalty if chosen else 0.0)
+                              presence_penalty=self.presence_penalty if chosen else 0.0,
+                              prompt_logprobs=self.prompt_logprobs if chosen else None)
 
     @cached_property
     def sizes(self) -> list[tuple[int, int]]:
@@ -295,7 +297,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "mean_input_len": float(np.mean([i for i, _ in work.sizes])), "mean_output_len": float(np.mean(work.output_lens)),
         "sampling": {"temperature": work.temperature, "top_p": work.top_p, "top_k": work.top_k,
                      "logprobs": work.logprobs, "options_every": work.options_every,
-                     "frequency_penalty": work.frequency_penalty, "presence_penalty": work.presence_penalty},
+                     "frequency_penalty": work.frequency_penalty, "presence_penalty": work.presence_penalty,
+                     "prompt_logprobs": work.prompt_logprobs},
         "sampler": engine.sampler,
         "engine": {k: v for k, v in vars(engine.config).items()}, "attention": engine.attention,
         "pallas_prefill_kernel": engine.runner.attention.prefill is gpu_prefill.pallas_prefill_attention,

@@ -254,11 +254,12 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     elif prefill:
         qp, sp = plan_prefill(lengths, max_rows - sd, needed * page_size)
     steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
-    want_prompt = any(c.seq.params.prompt_logprobs is not None for c in prefill + decode)
+    want_prompt = any(map(predicts_prompt, batch.chunks))
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp)
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
-    flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs))
+    prompt_top = any((c.seq.params.prompt_logprobs or 0) > 0 and predicts_prompt(c) for c in batch.chunks)
+    flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs, prompt_top))
     if split:
         logit_rows = sum(needs_logits(c.seq.params) for c in batch.chunks)
         flags = replace(flags, apart=0 < logit_rows <= shape.num_rows // SPLIT_SHARE)
@@ -303,7 +304,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
             q_lens[row] = min(piece, n - (row - row0) * piece)
             sample_rows[row] = q_starts[row] + q_lens[row] - 1
             row_steps[row] = chunk.num_steps
-        if want_prompt and seq.params.prompt_logprobs is not None:
+        if want_prompt and predicts_prompt(chunk):
             nxt = pos + 1
             inside = nxt < seq.num_prompt_tokens
             targets[off : off + n][inside] = np.asarray(seq.prompt_token_ids, np.int32)[nxt[inside]]
@@ -343,8 +344,16 @@ def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], p
     if want_prompt:  # a one-token chunk inside the prompt predicts the next prompt token
         for i, c in enumerate(decode):
             seq = c.seq
-            if seq.params.prompt_logprobs is not None and c.start + 1 < seq.num_prompt_tokens:
+            if predicts_prompt(c):
                 targets[i] = seq.prompt_token_ids[c.start + 1]
+
+
+def predicts_prompt(chunk: ScheduledChunk) -> bool:
+    """Whether a chunk's request asks for prompt logprobs and the chunk holds a prompt token with a
+    next prompt token to predict: only then does a step compute every token's logits
+    (`StepShape.prompt_logprobs`). A request's decode steps never do."""
+    seq = chunk.seq
+    return seq.params.prompt_logprobs is not None and chunk.start + 1 < seq.num_prompt_tokens
 
 
 def needs_arrays(p) -> bool:
@@ -353,10 +362,11 @@ def needs_arrays(p) -> bool:
     return has_penalties(p) or bool(p.logit_bias)
 
 
-def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
-    """The static sampler switches a batch with these SamplingParams needs."""
+def sampler_flags(params: list, max_logprobs: int, prompt_top: bool = False) -> SamplerFlags:
+    """The static sampler switches a batch with these SamplingParams needs; `prompt_top`: some
+    chunk's prompt logprobs come with top alternatives."""
     greedy = all(p.temperature == 0.0 for p in params)
-    want_top = any((p.logprobs or 0) > 0 or (p.prompt_logprobs or 0) > 0 for p in params)
+    want_top = prompt_top or any((p.logprobs or 0) > 0 for p in params)
     return SamplerFlags(
         all_greedy=greedy,
         needs_cut=not greedy and any(p.top_k > 0 or p.top_p < 1.0 for p in params),
@@ -365,7 +375,9 @@ def sampler_flags(params: list, max_logprobs: int) -> SamplerFlags:
         penalties=any(has_penalties(p) for p in params),
         bias=any(p.logit_bias for p in params),
         num_logprobs=max_logprobs if want_top else 0,
-        logprobs=any(p.logprobs is not None or p.prompt_logprobs is not None for p in params),
+        # the sampled tokens' logprobs only: prompt logprobs come from every token's logits
+        # (StepShape.prompt_logprobs), so a row asking only for those stays on the screened head
+        logprobs=any(p.logprobs is not None for p in params),
     )
 
 

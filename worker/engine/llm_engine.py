@@ -347,6 +347,8 @@ class LLMEngine:
             return
         if not track.prompt_logprobs:
             track.prompt_logprobs.append(None)
+        if chunk.start + 1 >= seq.num_prompt_tokens:  # nothing left to predict: the step computed none
+            return
         n, rows = seq.params.prompt_logprobs, slice(flight.starts[row], flight.starts[row] + chunk.num_tokens)
         # the chunk's numbers as Python ones, one conversion an array
         lps, ids, tops = (out.prompt_logprobs[rows].tolist(), out.prompt_top_ids[rows, :n].tolist(),

@@ -32,7 +32,7 @@ from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batc
                                  step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
-from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties
+from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties, log_probs
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -425,7 +425,8 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         stacked = [a[None] for a in sampled[0]]
     pad = shape.max_rows - stacked[0].shape[1]
     stacked = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in stacked]
-    prompt = _prompt_logprobs(full, db.targets, flags.num_logprobs) if full is not None else _no_prompt(flags)
+    prompt = (_prompt_logprobs(full, db.targets, flags.num_logprobs, sampling_kernels) if full is not None
+              else _no_prompt(flags))
     # each row's newest token again, as its own output: the next step's `prev_tokens` without a
     # host-side slice of `tokens` (an op dispatch of its own, ~0.2 ms per call). In a fused call it
     # is the token of the row's own last step, not of the call's: a row given fewer steps (pages
@@ -453,12 +454,10 @@ def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, sh
     return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
-def _prompt_logprobs(full, targets, n: int):
-    """full f32[T, V], targets i32[T] (-1: none) -> logprob of each target and top-n alternatives."""
-    lp = jax.nn.log_softmax(full, axis=-1)
-    chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(lp, n) if n else (jnp.zeros((lp.shape[0], 0)), jnp.zeros((lp.shape[0], 0), jnp.int32))
-    return chosen, top_ids.astype(jnp.int32), top_lp
+def _prompt_logprobs(full, targets, n: int, kernels: SamplingKernels | None):
+    """full f32[T, V], targets i32[T] (-1: none) -> logprob of each target and top-n alternatives
+    (through the sampler's top-n kernel where there is one)."""
+    return log_probs(full, jnp.maximum(targets, 0), n, kernels)
 
 
 def _no_prompt(flags: SamplerFlags):
