@@ -133,8 +133,18 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     with pytest.raises(PromptsWait):
         ModelRunner._choose_shape(runner, shape(8, 6, 32, pages=8), flags, 5, lengths, 8)
     assert ModelRunner._choose_shape(runner, shape(0, 6, 32, pages=8), flags, 0, lengths, 8) == (shape(0, 6, 32, 8), flags)
+    # a batch scoring some prompts (prompt logprobs): only those chunks wait, unless every chunk does
+    scoring = StepShape(8, 6, 32, 4, 1, True, 16, 128)
+    with pytest.raises(PromptsWait) as wait:
+        ModelRunner._choose_shape(runner, scoring, flags, 0, lengths, 4, plain=4, scored=1)
+    assert wait.value.held == "prompt logprobs" and wait.value.key == (scoring, flags)
+    assert ModelRunner._choose_shape(runner, scoring, flags, 0, lengths, 4, plain=4, scored=4) == (scoring, flags)
+    with pytest.raises(PromptsWait) as wait:  # penalties or logit bias are held back first
+        ModelRunner._choose_shape(runner, scoring, SamplerFlags(penalties=True), 5, lengths, 4, plain=8, scored=1)
+    assert wait.value.held == "sampler"
     runner.prompts_wait = False  # an offline engine: compiled at once, batches independent of compile times
     assert ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4) == (exact, other)
+    assert ModelRunner._choose_shape(runner, scoring, flags, 0, lengths, 4, plain=4, scored=1) == (scoring, flags)
     runner.prompts_wait = True
     near = shape(8, 16, 64)  # big only pads 8 decode rows more: borrowed, never compiled
     runner._compile_next = None
@@ -212,3 +222,49 @@ def test_prompts_wait_for_their_variant_while_decode_rows_go_on(model, tokenizer
     joined = next(i for i, ids in enumerate(after) if "late" in ids)
     assert joined > 0 and all(ids and "late" not in ids for ids in after[:joined])  # decode rows went on meanwhile
     assert not any(s.num_prefill and s.num_decode for s, _ in engine.runner.compiled)  # no mixed compile stopped them
+
+
+def test_prompts_scoring_their_tokens_wait_for_their_variant_while_other_prompts_go_on(model, tokenizer, prompts,
+                                                                                       greedy_refs, hf):
+    """A prompt asking for its prompt logprobs (an echo request) needs a variant computing every
+    token's logits, which warm-up does not compile. In a serving worker it waits while that variant
+    compiles in the background; plain prompts arriving with it run at once instead of waiting with
+    it (or all streams stopping for the compile). Its tokens and prompt logprobs stay
+    transformers'."""
+    from tests.test_engine import hf_logprobs
+
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.runner.prompts_wait = True  # as a serving worker sets it
+    engine.warmup()
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    dispatched: list[set[str]] = []  # request ids of each dispatched step's chunks
+    dispatch = engine.runner.dispatch
+
+    def spy(batch):
+        flight = dispatch(batch)
+        if flight is not None:
+            dispatched.append({c.seq.request_id for c in batch.chunks})
+        return flight
+
+    engine.runner.dispatch = spy
+    arrived: list[int] = []
+
+    def arrive(k):
+        if k == 0:
+            for i in range(3):
+                engine.add_request(f"p{i}", prompts[i], params)
+        elif k == 3:
+            engine.add_request("scored", prompts[3], SamplingParams(**{**vars(params), "prompt_logprobs": 1}))
+            engine.add_request("plain", prompts[4], params)
+            arrived.append(len(dispatched))
+
+    results = drain(engine, arrive)
+    assert [results[(f"p{i}", 0)].token_ids for i in range(3)] == greedy_refs[:3]
+    assert results[("plain", 0)].token_ids == greedy_refs[4] and results[("scored", 0)].token_ids == greedy_refs[3]
+    after = dispatched[arrived[0]:]
+    assert "plain" in after[0] and "scored" not in after[0], after[:3]  # the plain prompt went on at once
+    assert any("scored" in ids for ids in after)
+    got, ref = results[("scored", 0)].prompt_logprobs, hf_logprobs(hf, prompts[3])
+    assert got[0] is None and len(got) == len(prompts[3])
+    for pos, entry in enumerate(got[1:], start=1):
+        assert entry["logprob"] == pytest.approx(ref[pos - 1][prompts[3][pos]], abs=2e-4), pos

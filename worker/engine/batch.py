@@ -238,9 +238,10 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     attention): prefill chunks are packed back to back, one row each (`StepShape.packed`). `split`
     (a model with a screened head): a batch whose rows needing every logit are at most 1 /
     SPLIT_SHARE of its rows gets `SamplerFlags.apart`.
-    `choose(exact_shape, flags, decode_rows, prefill_lengths, pages, plain)` may return another
-    (shape, flags) variant the batch fits in (an already compiled one) to run instead; `plain`:
-    chunks whose requests have neither penalties nor logit bias.
+    `choose(exact_shape, flags, decode_rows, prefill_lengths, pages, plain, scored)` may return
+    another (shape, flags) variant the batch fits in (an already compiled one) to run instead;
+    `plain`: chunks whose requests have neither penalties nor logit bias; `scored`: chunks with
+    prompt tokens to score (`predicts_prompt`).
     """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
@@ -265,7 +266,8 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         flags = replace(flags, apart=0 < logit_rows <= shape.num_rows // SPLIT_SHARE)
     if choose is not None:
         plain = sum(not needs_arrays(c.seq.params) for c in batch.chunks)
-        shape, flags = choose(shape, flags, len(decode), lengths, pages, plain)
+        scored = sum(map(predicts_prompt, batch.chunks))
+        shape, flags = choose(shape, flags, len(decode), lengths, pages, plain, scored)
         sd, qp, pages = shape.num_decode, shape.prefill_len, shape.pages
 
     t, r = shape.num_tokens, shape.num_rows

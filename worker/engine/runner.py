@@ -29,7 +29,7 @@ from flax import nnx
 
 from worker.engine import head_choice
 from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batch, fits, needs_arrays, pack,
-                                 step_cost, unpack)
+                                 predicts_prompt, step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties, log_probs
@@ -50,12 +50,14 @@ COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 class PromptsWait(Exception):
     """Raised through build_batch by _choose_shape: nothing compiled covers this batch, so some of
     its chunks wait while their variant compiles in the background and the others run without them
-    (dispatch returns None; the engine dispatches the chunks `Runner.waits` lets through): a mixed
-    batch's prompt chunks, or (`sampler`) the chunks of requests with penalties or logit bias."""
+    (dispatch returns None; the engine dispatches the chunks `Runner.waits` lets through). `held`
+    says which: "sampler" (the chunks of requests with penalties or logit bias), "prompt logprobs"
+    (chunks with prompt tokens to score, `batch.predicts_prompt`) or "prompts" (a mixed batch's
+    prompt chunks)."""
 
-    def __init__(self, key: tuple, sampler: bool = False):
+    def __init__(self, key: tuple, held: str = "prompts"):
         super().__init__("chunks wait for their step variant")
-        self.key, self.sampler = key, sampler
+        self.key, self.held = key, held
 
 
 @jax.tree_util.register_dataclass
@@ -116,7 +118,7 @@ class ModelRunner:
         # compile in the background while the decode rows go on (PromptsWait). Off, such a batch
         # compiles its variant at once, and batches do not depend on how long compiles take
         self.prompts_wait = False
-        self.wait_sampler = False  # what the last PromptsWait held back (`waits`)
+        self.wait_held = "prompts"  # what the last PromptsWait held back (`waits`)
         self._compile_next: tuple | None = None  # set by _choose_shape: compile this exact variant
         # while planning (LLMEngine.compile_ahead): the variants dispatches and precompiles asked
         # for, each with a batch of its shape; nothing runs on the device meanwhile
@@ -143,10 +145,11 @@ class ModelRunner:
         try:
             db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
         except PromptsWait as wait:
-            self.wait_sampler = wait.sampler
+            self.wait_held = wait.held
             if wait.key not in self.compiling:
                 log.info("%s wait for their step variant, compiling in the background; the others go on",
-                         "penalty and logit-bias requests" if wait.sampler else "prompt chunks")
+                         {"sampler": "penalty and logit-bias requests", "prompt logprobs": "prompt-logprob chunks",
+                          "prompts": "prompt chunks"}[wait.held])
                 self._compile_in_background(wait.key, build_batch(*args)[0])
             return None
         key = (shape, flags)
@@ -164,7 +167,9 @@ class ModelRunner:
 
     def waits(self, chunk: ScheduledChunk) -> bool:
         """Whether `chunk` is one the last `PromptsWait` held back."""
-        return needs_arrays(chunk.seq.params) if self.wait_sampler else chunk.num_tokens > 1
+        if self.wait_held == "sampler":
+            return needs_arrays(chunk.seq.params)
+        return predicts_prompt(chunk) if self.wait_held == "prompt logprobs" else chunk.num_tokens > 1
 
     def _launch(self, key: tuple, db: DeviceBatch) -> StepOutput | Future:
         """The step's call; with a launch thread, its future there: the calls run one after another
@@ -191,7 +196,7 @@ class ModelRunner:
         return out
 
     def _choose_shape(self, exact: StepShape, flags: SamplerFlags, num_decode: int, lengths: list[int],
-                      pages: int, plain: int = 0) -> tuple[StepShape, SamplerFlags]:
+                      pages: int, plain: int = 0, scored: int = 0) -> tuple[StepShape, SamplerFlags]:
         """The exact variant if compiled; else the cheapest compiled one the batch fits in: a shape
         at least as large, with sampler flags that do at least what the batch needs (`serves`: a
         request with top-p or logprobs runs in a variant warm-up compiled with them, instead of
@@ -201,8 +206,9 @@ class ModelRunner:
         the borrowed one pads more than BORROW_TOLERANCE or does sampler work the batch does not
         need; with nothing to borrow, the exact variant is compiled now, unless `prompts_wait` is on
         and some chunks can run without the rest: then requests with penalties or logit bias (only a
-        variant with their flags and array widths serves them), else a mixed batch's prompt chunks,
-        wait for their variant (`PromptsWait`)."""
+        variant with their flags and array widths serves them), else the `scored` chunks with prompt
+        tokens to score (only a variant computing every token's logits serves them), else a mixed
+        batch's prompt chunks, wait for their variant (`PromptsWait`)."""
         key = (exact, flags)
         planned = self.planned or {}
         if key in self.compiled or key in self.ready or key in planned:
@@ -210,12 +216,17 @@ class ModelRunner:
         covering = [(s, f) for s, f in (*self.compiled, *self.ready, *planned) if serves(f, flags)
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
                     and fits(s, num_decode, lengths, pages)]
-        sampler = flags.penalties or flags.bias  # only a variant with the same arrays serves these
-        others = plain if sampler else lengths and num_decode  # chunks that could run without the waiting ones
+        if flags.penalties or flags.bias:  # only a variant with the same arrays serves these
+            held, others = "sampler", plain  # (others: chunks that could run without the waiting ones)
+        elif exact.prompt_logprobs:
+            held, others = "prompt logprobs", num_decode + len(lengths) - scored
+        else:
+            held, others = "prompts", lengths and num_decode
         if not covering and self.prompts_wait and self.planned is None and others:
             # running sequences would stop for the compile (on a GPU 25-60 s for a 32-layer model): the
-            # requests with penalties or logit bias, else the prompt chunks, wait instead, and the rest run
-            raise PromptsWait(key, sampler)
+            # requests with penalties or logit bias, else those scoring their prompt, else the prompt
+            # chunks, wait instead, and the rest run
+            raise PromptsWait(key, held)
         if not covering or self.compile_after <= 1:
             return key
         # the batch's own flags first: padding costs at most the envelope ladder's step, while a
