@@ -185,17 +185,13 @@ def test_row_layout_mixed_steps_take_every_decode_row_and_keep_the_tokens(model,
     assert min(s.num_decode for s in shapes if not s.num_prefill) < 32  # pure decode keeps its ladder
 
 
-def test_prompts_wait_for_their_variant_while_decode_rows_go_on(model, tokenizer, prompts, greedy_refs):
-    """On the row layout (jnp; Pallas on a GPU) a batch mixing running decodes with a prompt of a
-    shape nothing compiled covers used to compile its own variant at once, every running sequence
-    waiting (25-60 s for a 32-layer model on a GPU). Now the prompt chunks wait while their variant
-    compiles in the background, and the decode rows run without them; then the prompt joins.
-    Tokens stay transformers'."""
-    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4, attention="jnp")
-    engine.runner.prompts_wait = True  # as a serving worker sets it
+def serving_engine(model, tokenizer, **overrides):
+    """An engine as a serving worker runs it (`runner.prompts_wait`), warmed up -> (the engine, the
+    request ids of each step it dispatches from then on, in order)."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4, **overrides)
+    engine.runner.prompts_wait = True
     engine.warmup()
-    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    dispatched: list[set[str]] = []  # request ids of each dispatched step's chunks
+    dispatched: list[set[str]] = []
     dispatch = engine.runner.dispatch
 
     def spy(batch):
@@ -205,6 +201,17 @@ def test_prompts_wait_for_their_variant_while_decode_rows_go_on(model, tokenizer
         return flight
 
     engine.runner.dispatch = spy
+    return engine, dispatched
+
+
+def test_prompts_wait_for_their_variant_while_decode_rows_go_on(model, tokenizer, prompts, greedy_refs):
+    """On the row layout (jnp; Pallas on a GPU) a batch mixing running decodes with a prompt of a
+    shape nothing compiled covers used to compile its own variant at once, every running sequence
+    waiting (25-60 s for a 32-layer model on a GPU). Now the prompt chunks wait while their variant
+    compiles in the background, and the decode rows run without them; then the prompt joins.
+    Tokens stay transformers'."""
+    engine, dispatched = serving_engine(model, tokenizer, attention="jnp")
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     arrived: list[int] = []
 
     def arrive(k):
@@ -233,20 +240,8 @@ def test_prompts_scoring_their_tokens_wait_for_their_variant_while_other_prompts
     transformers'."""
     from tests.test_engine import hf_logprobs
 
-    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
-    engine.runner.prompts_wait = True  # as a serving worker sets it
-    engine.warmup()
+    engine, dispatched = serving_engine(model, tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    dispatched: list[set[str]] = []  # request ids of each dispatched step's chunks
-    dispatch = engine.runner.dispatch
-
-    def spy(batch):
-        flight = dispatch(batch)
-        if flight is not None:
-            dispatched.append({c.seq.request_id for c in batch.chunks})
-        return flight
-
-    engine.runner.dispatch = spy
     arrived: list[int] = []
 
     def arrive(k):
