@@ -115,12 +115,16 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     big, bigger = shape(16, 16, 64), shape(64, 32, 64)
     runner = SimpleNamespace(compiled={(big, flags), (shape(8, 4, 8), flags)}, ready={(bigger, flags): None},
                              compiling=set(), wanted={}, compile_after=COMPILE_AFTER, _compile_next=None,
-                             planned=None, prompts_wait=True)
+                             planned=None, prompts_wait=True, background_compiles=1)
     exact = shape(8, 6, 32)
     lengths = [60, 30, 100, 20]  # 1 + 1 + 2 + 1 rows of 64 fit in 16
     for _ in range(COMPILE_AFTER - 1):
         assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == (big, flags)  # cheapest that fits
         assert runner._compile_next is None
+    runner.compiling = {(bigger, flags)}  # as many background compiles as allowed already run: none more
+    assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == (big, flags)
+    assert runner._compile_next is None
+    runner.compiling = set()
     assert ModelRunner._choose_shape(runner, exact, flags, 5, lengths, 4) == (big, flags)
     assert runner._compile_next == (exact, flags)
     other = SamplerFlags(**{**vars(flags), "all_greedy": False})  # no compiled variant with these flags

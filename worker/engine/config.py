@@ -51,8 +51,9 @@ class EngineConfig:
     # (AVX512-BF16), screened for the float32 argmax or Gumbel-max draw (screened_head.py; the same
     # tokens) where the matmul kernel runs, else the float32 head; "screened": that or an error;
     # "screened-int8", "screened-bf16": that approximation or an error; "full": always the float32 head
-    compile_threads: int | None = None  # step variants warm-up compiles at once (LLMEngine.compile_ahead);
-    # None: half the host's cores, at most 8; 1: one after another
+    compile_threads: int | None = None  # step variants warm-up compiles at once (LLMEngine.compile_ahead),
+    # and at most as many compiled in the background while serving; None: half the host's cores, at
+    # most 8; 1: one after another
     sampler: str = "auto"  # sampled rows' top-k/top-p cutoffs and draws: "auto": the compiled CPU kernels
     # on the CPU backend of one device if they build, else jnp (bisections for the cut and hashed Gumbel
     # noise: fast on accelerators, slower on XLA's CPU backend); "kernel": those or an error; "jnp";

@@ -103,6 +103,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
                                   self.decode_steps, attention, widest if attention.reads_own_context else None,
                                   kernels, config.launch_thread)
+        self.runner.background_compiles = config.compile_threads or COMPILE_THREADS
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, _Track] = {}

@@ -112,6 +112,8 @@ class ModelRunner:
         self.compiled: set[tuple] = set()  # (shape, flags) variants run through jit
         self.ready: dict[tuple, Any] = {}  # (shape, flags) -> executable compiled in the background
         self.compiling: set[tuple] = set()  # background compiles under way
+        # at most this many at once (EngineConfig.compile_threads): each takes a core from the steps
+        self.background_compiles = COMPILE_THREADS
         self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
         self.compile_after = COMPILE_AFTER  # 1: always compile the exact shape at once (benchmarks)
         # a serving worker sets this: a prompt whose mixed variant nothing covers waits for it to
@@ -139,14 +141,15 @@ class ModelRunner:
         """Build the device batch and launch the step; returns without waiting for it. While
         planning, only record its variant: the step's outputs are zeros on the host. None: the
         batch's prompt chunks must wait for their variant, which is compiling in the background
-        (`PromptsWait`); dispatch its decode chunks alone."""
+        (`PromptsWait`; its compile starts once fewer than `background_compiles` run); dispatch its
+        other chunks alone."""
         args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
                 self.fixed_pages, self.attention.ragged is not None, self.split)
         try:
             db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
         except PromptsWait as wait:
             self.wait_held = wait.held
-            if wait.key not in self.compiling:
+            if wait.key not in self.compiling and len(self.compiling) < self.background_compiles:
                 log.info("%s wait for their step variant, compiling in the background; the others go on",
                          {"sampler": "penalty and logit-bias requests", "prompt logprobs": "prompt-logprob chunks",
                           "prompts": "prompt chunks"}[wait.held])
@@ -235,7 +238,8 @@ class ModelRunner:
         if best[1] == flags and step_cost(best[0]) <= BORROW_TOLERANCE * step_cost(exact):
             return best
         self.wanted[key] = self.wanted.get(key, 0) + 1
-        if self.wanted[key] >= self.compile_after and key not in self.compiling:
+        if (self.wanted[key] >= self.compile_after and key not in self.compiling
+                and len(self.compiling) < self.background_compiles):
             self._compile_next = key
         return best
 
@@ -340,6 +344,7 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
              f"logprobs {flags.num_logprobs}": flags.logprobs,
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
+    prefill += f", prompt logprobs {flags.num_logprobs}" if shape.prompt_logprobs else ""
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
              shape.num_decode, prefill, shape.pages, shape.decode_steps, ", ".join(sampler), took)
 
