@@ -61,7 +61,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "(AVX512-BF16) product screened for the float32 argmax, the same tokens at about half the "
                         "head's cost (auto), required (screened, or one approximation), or the float32 head (full)")
     g.add_argument("--compile-threads", type=int,
-                   help="step variants warm-up compiles at once (default: half the host's cores, at most 8)")
+                   help="step variants warm-up compiles at once, and the most compiled in the background at once "
+                        "while serving (default: half the host's cores, at most 8)")
     g.add_argument("--sampler", choices=["auto", "kernel", "jnp"],
                    help="sampled rows' top-k/top-p cutoffs and draws: compiled CPU kernels when available (auto), "
                         "required (kernel), or jnp")
