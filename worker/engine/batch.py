@@ -255,19 +255,19 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     elif prefill:
         qp, sp = plan_prefill(lengths, max_rows - sd, needed * page_size)
     steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
-    want_prompt = any(map(predicts_prompt, batch.chunks))
+    scoring = [c for c in batch.chunks if predicts_prompt(c)]  # chunks with prompt tokens to score
+    want_prompt = bool(scoring)
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp)
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
-    prompt_top = any((c.seq.params.prompt_logprobs or 0) > 0 and predicts_prompt(c) for c in batch.chunks)
+    prompt_top = any(c.seq.params.prompt_logprobs > 0 for c in scoring)
     flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs, prompt_top))
     if split:
         logit_rows = sum(needs_logits(c.seq.params) for c in batch.chunks)
         flags = replace(flags, apart=0 < logit_rows <= shape.num_rows // SPLIT_SHARE)
     if choose is not None:
         plain = sum(not needs_arrays(c.seq.params) for c in batch.chunks)
-        scored = sum(map(predicts_prompt, batch.chunks))
-        shape, flags = choose(shape, flags, len(decode), lengths, pages, plain, scored)
+        shape, flags = choose(shape, flags, len(decode), lengths, pages, plain, len(scoring))
         sd, qp, pages = shape.num_decode, shape.prefill_len, shape.pages
 
     t, r = shape.num_tokens, shape.num_rows

@@ -441,8 +441,8 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         stacked = [a[None] for a in sampled[0]]
     pad = shape.max_rows - stacked[0].shape[1]
     stacked = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in stacked]
-    prompt = (_prompt_logprobs(full, db.targets, flags.num_logprobs, sampling_kernels) if full is not None
-              else _no_prompt(flags))
+    prompt = (log_probs(full, jnp.maximum(db.targets, 0), flags.num_logprobs, sampling_kernels) if full is not None
+              else _no_prompt(flags))  # full f32[T, V], targets i32[T] (-1: none)
     # each row's newest token again, as its own output: the next step's `prev_tokens` without a
     # host-side slice of `tokens` (an op dispatch of its own, ~0.2 ms per call). In a fused call it
     # is the token of the row's own last step, not of the call's: a row given fewer steps (pages
@@ -468,12 +468,6 @@ def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, sh
             ).reshape(sp * qp, h, d)
         )
     return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-
-
-def _prompt_logprobs(full, targets, n: int, kernels: SamplingKernels | None):
-    """full f32[T, V], targets i32[T] (-1: none) -> logprob of each target and top-n alternatives
-    (through the sampler's top-n kernel where there is one)."""
-    return log_probs(full, jnp.maximum(targets, 0), n, kernels)
 
 
 def _no_prompt(flags: SamplerFlags):
