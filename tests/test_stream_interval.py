@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.llm_engine import RequestOutput
+from worker.engine.request_output import RequestOutput
 from worker.service.stream_interval import StreamInterval
 
 

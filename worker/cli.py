@@ -49,6 +49,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-launch-thread", dest="launch_thread", action="store_const", const=False,
                    help="launch each step from the engine thread, also on an accelerator")
     g.add_argument("--no-prefix-cache", dest="enable_prefix_cache", action="store_const", const=False)
+    g.add_argument("--speculative-tokens", type=int, metavar="N",
+                   help="prompt-lookup speculation: up to N draft tokens a sequence and step, taken from where its "
+                        "last tokens occurred before in its prompt or output and checked in the same step (the same "
+                        "output, more tokens a step where text repeats; single steps, no async overlap). Default 0: off")
     g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
     g.add_argument("--attention", choices=["auto", "kernel", "pallas", "jnp"],
                    help="paged attention: the backend's kernel where it applies (auto: compiled C++ on CPU, "
@@ -78,7 +82,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
                "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "launch_thread", "enable_prefix_cache", "tensor_parallel",
-               "attention", "matmul", "greedy_head", "sampler", "compile_threads", "pallas_tuning", "pallas_prefill")
+               "attention", "matmul", "greedy_head", "sampler", "compile_threads", "pallas_tuning", "pallas_prefill",
+               "speculative_tokens")
 
 
 def _decode_steps(value: str) -> int | None:

@@ -172,6 +172,11 @@ def offline(argv: list[str]) -> int:
     if r["prefix_cache_hit_tokens"]:
         print(f"  the prefix cache served {r['prefix_cache_hit_tokens']} of the first round's "
               f"{r['prompt_tokens']} prompt tokens ({r['prefix_cache_hit_tokens'] / r['prompt_tokens']:.1%})")
+    if r["engine"]["speculative_tokens"]:
+        stood = r["accepted_tokens"] / r["draft_tokens"] if r["draft_tokens"] else 0.0
+        print(f"  speculation (up to {r['engine']['speculative_tokens']} draft tokens): the first round's steps checked "
+              f"{r['draft_tokens']} drafts, {r['accepted_tokens']} stood ({stood:.1%}), "
+              f"{r['accepted_tokens'] / r['output_tokens']:.1%} of its output tokens")
     kernel = r.get("matmul_gflops_kernel")
     which = (f" (the better of XLA's {r['matmul_gflops_xla']:.1f} and the engine kernel's {kernel:.1f})"
              if kernel else "")

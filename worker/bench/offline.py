@@ -263,6 +263,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         # each round from an empty prefix cache: a file's prompts repeat, and the warm-up ran them before
         engine.allocator.uncache(engine.allocator.cache_entries())
         before, hits = cpu_usage.take({"engine": engines}), engine.scheduler.num_hit_tokens
+        drafted, stood = engine.num_draft_tokens, engine.num_accepted_tokens
         seconds, outputs = run_engine(engine, prompts, work.output_lens, probe, work=work)
         cpu = cpu_usage.between(before, cpu_usage.take({"engine": engines}))
         out_tokens = sum(len(o) for o in outputs)
@@ -270,7 +271,9 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         fig = {"seconds": seconds, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / seconds,
                "total_tokens_per_s": (sum(map(len, prompts)) + out_tokens) / seconds, "cpu": cpu,
                # prompt tokens the prefix cache served (a file's repeated prompts within the round)
-               "prefix_cache_hit_tokens": engine.scheduler.num_hit_tokens - hits}
+               "prefix_cache_hit_tokens": engine.scheduler.num_hit_tokens - hits,
+               # speculation: draft tokens the steps checked, and those the model's draws confirmed
+               "draft_tokens": engine.num_draft_tokens - drafted, "accepted_tokens": engine.num_accepted_tokens - stood}
         if compare_hf:
             sizes = [hf_batch_size] if hf_batch_size else auto_batch_sizes(work.num_prompts)
             hf_seconds, hf_outputs, hf_batch_size, trials = _fastest_baseline(weights_dir, prompts, work, dtype, sizes)
@@ -305,6 +308,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "matmul": engine.matmul, "greedy_head": engine.greedy_head, "decode_steps": engine.decode_steps,
         "rounds": rounds, "seconds": seconds, "output_tokens": per_round[0]["output_tokens"],
         "prefix_cache_hit_tokens": per_round[0]["prefix_cache_hit_tokens"],
+        "draft_tokens": per_round[0]["draft_tokens"], "accepted_tokens": per_round[0]["accepted_tokens"],
         "requests_per_s": work.num_prompts / seconds, "output_tokens_per_s": median("output_tokens_per_s"),
         "total_tokens_per_s": median("total_tokens_per_s"),
         "compiles_during_run": len(engine.runner.compiled) + len(engine.runner.ready) - compiled,

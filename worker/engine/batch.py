@@ -245,6 +245,10 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     """
     decode = [c for c in batch.chunks if c.num_tokens == 1]
     prefill = [c for c in batch.chunks if c.num_tokens > 1]
+    ahead = None  # speculation: each draft a decode row of its own after its chunk's, `ahead` tokens on
+    if any(c.drafts for c in decode):
+        ahead = [j for c in decode for j in range(1 + len(c.drafts))]
+        decode = [c for c in decode for _ in range(1 + len(c.drafts))]
     sd = mixed_decode_rows(max_rows) if decode and prefill and not packed else decode_rows(len(decode), max_rows)
     needed = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
     pages = needed if fixed_pages is None else max(fixed_pages, needed)
@@ -263,7 +267,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     prompt_top = any(c.seq.params.prompt_logprobs > 0 for c in scoring)
     flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs, prompt_top))
     if split:
-        logit_rows = sum(needs_logits(c.seq.params) for c in batch.chunks)
+        logit_rows = sum(needs_logits(c.seq.params) for c in decode + prefill)  # sampled rows (a draft's too)
         flags = replace(flags, apart=0 < logit_rows <= shape.num_rows // SPLIT_SHARE)
     if choose is not None:
         plain = sum(not needs_arrays(c.seq.params) for c in batch.chunks)
@@ -284,7 +288,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         spans.append((first, first + pieces))
         first += pieces
         off += chunk.num_tokens if shape.packed else pieces * qp
-    _fill_decode_rows(decode, prev_rows, page_size, want_prompt, tokens, src, positions, slots, tables, ctx,
+    _fill_decode_rows(decode, ahead, prev_rows, page_size, want_prompt, tokens, src, positions, slots, tables, ctx,
                       sample_rows, row_steps, q_starts, q_lens, targets)
     for chunk, off, (row0, row_end) in zip(prefill, offsets[len(decode):], spans[len(decode):]):
         seq, n = chunk.seq, chunk.num_tokens
@@ -314,27 +318,31 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     starts = [0] * r
     for chunk, off, (_, row_end) in zip(rows, offsets, spans):
         by_row[row_end - 1], starts[row_end - 1] = chunk, off
-    sampling = _sampling(by_row, flags, prev_rows)
+    sampling = _sampling(by_row, flags, prev_rows, ahead)
     db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, q_starts, q_lens,
                      sampling)
     return db, shape, flags, by_row, starts
 
 
-def _fill_decode_rows(decode: list[ScheduledChunk], prev_rows: dict[int, int], page_size: int, want_prompt: bool,
-                      tokens, src, positions, slots, tables, ctx, sample_rows, row_steps, q_starts, q_lens,
-                      targets) -> None:
+def _fill_decode_rows(decode: list[ScheduledChunk], ahead: list[int] | None, prev_rows: dict[int, int],
+                      page_size: int, want_prompt: bool, tokens, src, positions, slots, tables, ctx, sample_rows,
+                      row_steps, q_starts, q_lens, targets) -> None:
     """Rows 0..n-1 (and tokens 0..n-1) for one-token chunks, in a few array operations instead of
-    the prefill loop's dozen per row."""
+    the prefill loop's dozen per row. `ahead[i]`: row i is draft `ahead[i] - 1` of its chunk (0:
+    the chunk's own token), at that many positions after the chunk's token (None: no drafts)."""
     n = len(decode)
     if not n:
         return
-    ids = np.fromiter((c.seq.token_range(c.start, c.end)[0] for c in decode), np.int32, n)
+    ids = np.fromiter((c.drafts[j - 1] if j else c.seq.token_range(c.start, c.end)[0]
+                       for c, j in zip(decode, ahead or [0] * n)), np.int32, n)
     for i in np.flatnonzero(ids == IN_FLIGHT):  # the newest token, sampled by the previous step
         seq_id = decode[i].seq.seq_id
         if seq_id not in prev_rows:
             raise RuntimeError(f"sequence {seq_id}: in-flight token not produced by the previous step")
         src[i], ids[i] = prev_rows[seq_id], 0
     pos = np.fromiter((c.start for c in decode), np.int32, n)
+    if ahead is not None:
+        pos += np.asarray(ahead, np.int32)
     for i, c in enumerate(decode):
         tables[i, : len(c.seq.page_table)] = c.seq.page_table
     tokens[:n], positions[:n] = ids, pos
@@ -396,7 +404,9 @@ def sampler_widths(chunks: list[ScheduledChunk], flags: SamplerFlags) -> Sampler
     return replace(flags, widths=(out_len, prompt_len, b))
 
 
-def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows: dict[int, int]):
+def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows: dict[int, int],
+              ahead: list[int] | None = None):
+    """The rows' sampling arrays; a draft's row (`ahead`, rows first) samples `ahead[i]` outputs on."""
     r = len(rows)
     penalties = flags.penalties
     out_len, prompt_len, b = flags.widths
@@ -416,7 +426,7 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         f["temperature"][i], f["top_p"][i], f["min_p"][i] = p.temperature, p.top_p, p.min_p
         f["presence"][i], f["frequency"][i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         i32["top_k"][i], i32["choice"][i] = max(p.top_k, 0), seq.index
-        i32["out_pos"][i] = seq.num_output_tokens
+        i32["out_pos"][i] = seq.num_output_tokens + (ahead[i] if ahead is not None and i < len(ahead) else 0)
         seeds[i] = (p.seed or 0) & 0xFFFFFFFF
         full_head[i] = needs_logits(p)
         for j, (tok, val) in enumerate(p.logit_bias):

@@ -13,6 +13,7 @@ ACCELERATOR_PAGE_SIZE = 16
 # (LLMEngine.calibrate_decode_steps), and the most auto ever picks.
 DEFAULT_DECODE_STEPS = 8
 MAX_AUTO_DECODE_STEPS = 16
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens per sequence and step at most
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class EngineConfig:
     pallas_prefill: bool | None = None  # prefill rows through the Pallas prefill kernel (gpu_prefill.py) instead
     # of the reference, with the Pallas decode kernel only. None: where it compiles (3.0x the reference's
     # attention on an H200, session 34); True: it or an error; False: the reference
+    speculative_tokens: int = 0  # prompt-lookup speculation: a decode row may carry up to this many draft
+    # tokens, the ones that followed the latest earlier match of its last tokens (speculation.py), all
+    # checked in the same step; the same tokens as without, more of them a step where text repeats. Drafts
+    # use rows the step has spare (a full batch gets none). On: single steps, each read back before the
+    # next (no fused decode, no async overlap). 0: off
 
     def __post_init__(self) -> None:
         checks = {
@@ -78,6 +84,8 @@ class EngineConfig:
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
+            f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]":
+                0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
             "compile_threads must be >= 1": self.compile_threads is None or self.compile_threads >= 1,
             "attention must be auto, kernel, pallas or jnp": self.attention in ("auto", "kernel", "pallas", "jnp"),
             "matmul must be auto, kernel or xla": self.matmul in ("auto", "kernel", "xla"),
@@ -99,7 +107,10 @@ class EngineConfig:
         """This config with the defaults that depend on the JAX backend ("cpu", "gpu", ...) filled in."""
         page_size = self.page_size or DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE)
         launch_thread = backend != "cpu" if self.launch_thread is None else self.launch_thread
-        return replace(self, page_size=page_size, launch_thread=launch_thread)
+        config = replace(self, page_size=page_size, launch_thread=launch_thread)
+        if self.speculative_tokens:  # drafts come from the tokens read back: a step at a time
+            config = replace(config, decode_steps=1, async_overlap=False)
+        return config
 
     def fused_steps_for(self, step_s: float) -> int:
         """Auto decode_steps for a full-batch decode step of `step_s` seconds: as many as fit in the

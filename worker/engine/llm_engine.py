@@ -23,11 +23,12 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
-from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, screened_head
+from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, screened_head, speculation
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import Detokenizer, detokenizers
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
+from worker.engine.request_output import RequestOutput
 from worker.engine.runner import COMPILE_THREADS, InFlight, ModelRunner, to_host
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
@@ -39,24 +40,6 @@ from worker.models.sharding import kv_sharding, make_mesh
 log = logging.getLogger("redjax.engine")
 
 CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_steps)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one choice of one request (deltas, not totals)."""
-
-    request_id: str
-    index: int  # choice
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[str, Any]] | None = None  # per new token: token_id, logprob, top [[id, lp], ...]
-    prompt_logprobs: list[dict[str, Any] | None] | None = None  # once, first entry None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # total so far for this choice
-    num_cached_tokens: int = 0  # the request's prompt tokens the prefix cache served (first admission)
-    request_finished: bool = False  # every choice of the request is done
 
 
 @dataclass
@@ -91,6 +74,8 @@ class LLMEngine:
         kv = KVCache.create(cfg, num_pages, config.page_size, kv_dtype, kv_sharding(mesh) if mesh else None)
         attention = choose_attention(config.attention, config.tensor_parallel, cfg.head_dim, config.page_size,
                                      DTYPES[config.dtype or cfg.dtype], kv_dtype, config.tuning(), config.pallas_prefill)
+        if config.speculative_tokens:  # a draft's row reads the K/V rows before it write: every write first
+            attention = dataclasses.replace(attention, write_decode=None)
         # attention that reads only each row's own context lets every step use one page-table
         # width (the most any sequence can hold) whatever the contexts: fewer compiled variants
         widest = self.widest_pages = bucket(config.pages_for(self.max_model_len))
@@ -113,6 +98,7 @@ class LLMEngine:
         self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_steps = 0
         self.num_step_seqs = 0  # sum of sequences over steps (mean batch size)
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation: drafts checked, drafts that stood
 
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
@@ -227,7 +213,7 @@ class LLMEngine:
         tokens_by_row = out.tokens.T.tolist()  # [R][K]: one conversion instead of one per token
         results: list[RequestOutput] = []
         for row, chunk in enumerate(flight.rows):
-            if chunk is None or chunk.seq.is_finished:
+            if chunk is None or chunk.seq.is_finished or (row and flight.rows[row - 1] is chunk):  # (drafts' rows)
                 continue
             seq, track = chunk.seq, self._tracks[chunk.seq.seq_id]
             if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens:
@@ -238,11 +224,19 @@ class LLMEngine:
                 continue
             if not chunk.samples:
                 continue
-            n, steps = seq.params.logprobs, chunk.num_steps
-            lps = None if n is None else list(zip(
-                out.logprobs[:steps, row].tolist(), out.top_ids[:steps, row, :n].tolist(),
-                out.top_logprobs[:steps, row, :n].tolist()))  # one conversion an array, not one a number
-            results.append(self._take_tokens(seq, track, tokens_by_row[row][:steps], lps))
+            n, steps, rows = seq.params.logprobs, chunk.num_steps, slice(row, row + 1)
+            tokens = tokens_by_row[row][:steps]
+            if chunk.drafts:  # the draws of the chunk's rows up to the first that parts from its draft
+                kept = 1 + speculation.accepted(chunk.drafts, [t[0] for t in tokens_by_row[row : row + 1 + len(chunk.drafts)]])
+                seq.reject_in_flight(1 + len(chunk.drafts) - kept)
+                self.num_draft_tokens += len(chunk.drafts)
+                self.num_accepted_tokens += kept - 1
+                tokens, rows = [t[0] for t in tokens_by_row[row : row + kept]], slice(row, row + kept)
+            m = steps * (rows.stop - rows.start)  # tokens: fused steps of one row, or a row per draft
+            lps = None if n is None else list(zip(  # one conversion an array, not one a number
+                out.logprobs[:steps, rows].reshape(m).tolist(), out.top_ids[:steps, rows, :n].reshape(m, n).tolist(),
+                out.top_logprobs[:steps, rows, :n].reshape(m, n).tolist()))
+            results.append(self._take_tokens(seq, track, tokens, lps))
         return results
 
     def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list | None) -> RequestOutput:
@@ -475,11 +469,14 @@ class LLMEngine:
     @contextlib.contextmanager
     def _uncounted(self):
         """Throwaway requests (warm-up, calibration) leave the throughput counters as they were."""
-        counters = (self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs)
+        names = ("num_generated_tokens", "num_prompt_tokens", "num_steps", "num_step_seqs", "num_draft_tokens",
+                 "num_accepted_tokens")
+        counters = [getattr(self, name) for name in names]
         try:
             yield
         finally:
-            self.num_generated_tokens, self.num_prompt_tokens, self.num_steps, self.num_step_seqs = counters
+            for name, value in zip(names, counters):
+                setattr(self, name, value)
 
     # ---- stats ----
 

@@ -25,7 +25,7 @@ SPLIT_SHARE = 4  # a step draws rows apart from the screened head for at most 1 
 
 def has_penalties(p) -> bool:
     """Whether SamplingParams `p` ask for a presence, frequency or repetition penalty."""
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+    return p.penalised
 
 
 def needs_logits(p) -> bool:

@@ -81,6 +81,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the request must exist in the model's vocabulary."""
         for token_id, _ in self.logit_bias:

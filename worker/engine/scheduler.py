@@ -32,6 +32,7 @@ from worker.contract import FinishReason
 from worker.engine.config import EngineConfig
 from worker.engine.page_allocator import PageAllocator, page_key
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from worker.engine.speculation import propose
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +42,8 @@ class ScheduledChunk:
     `samples`: the chunk reaches the end of the known tokens, so the step samples the next one.
     `num_steps > 1` (single-token sampling chunks only): fused decode; step i computes position
     `start + i` from the token sampled in step i - 1 and samples again, `num_steps` tokens in all.
+    `drafts` (single-token sampling chunks of one step only): guessed next tokens (speculation.py),
+    computed at positions `end`, `end + 1`, ... after the chunk's token, each a row that samples.
     """
 
     seq: Sequence
@@ -48,6 +51,7 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
     num_steps: int = 1
+    drafts: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -66,7 +70,7 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         """Tokens computed in the first (or only) step."""
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + len(c.drafts) for c in self.chunks)
 
     @property
     def num_seqs(self) -> int:
@@ -159,7 +163,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget, stalled = self._schedule_running(chunks, finished, budget)
         if not stalled:
-            self._schedule_waiting(chunks, finished, budget)
+            budget = self._schedule_waiting(chunks, finished, budget)
+        if self.config.speculative_tokens:
+            chunks = self._add_drafts(chunks, budget)
         full = len(self.running) >= self.config.max_num_seqs
         if max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode for c in chunks):
             chunks = [self._fuse(c, max_decode_steps) for c in chunks]
@@ -176,9 +182,9 @@ class Scheduler:
                 continue
             if chunk.start != seq.num_computed_tokens:
                 raise ValueError(f"chunk of sequence {seq.seq_id} is stale (advanced twice?)")
-            seq.num_computed_tokens = chunk.end + chunk.num_steps - 1
-            if chunk.samples:
-                seq.append_in_flight(chunk.num_steps)
+            seq.num_computed_tokens = chunk.end + chunk.num_steps - 1 + len(chunk.drafts)
+            if chunk.samples:  # (drafts: as if all stand; the engine rejects the rest when read back)
+                seq.append_in_flight(chunk.num_steps + len(chunk.drafts))
             self._register_full_pages(seq)
             if seq.group is not None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.group.prefilled = True
@@ -242,8 +248,9 @@ class Scheduler:
             i += 1
         return budget, False
 
-    def _schedule_waiting(self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int) -> None:
-        """Admit waiting sequences in arrival order while seats, tokens, pages and prompt chunks last."""
+    def _schedule_waiting(self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int) -> int:
+        """Admit waiting sequences in arrival order while seats, tokens, pages and prompt chunks last.
+        Returns the token budget left."""
         size, deferred = self.config.page_size, []
         prefills = sum(c.num_tokens > 1 for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -283,6 +290,28 @@ class Scheduler:
             budget -= end - start
             prefills += end - start > 1
         self.waiting.extendleft(reversed(deferred))
+        return budget
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
+        """Speculation: decode chunks get draft tokens (`speculation.propose`), oldest first, from
+        what the step has left once every running and admitted sequence has its chunk: rows (the
+        step's chunks and drafts stay within max_num_seqs), tokens and free pages. Sequences with
+        penalties get none: the penalty of a draft's row would have to count the drafts before it."""
+        spare = min(self.config.max_num_seqs - len(chunks), budget)
+        out, size = [], self.config.page_size
+        for chunk in chunks:
+            seq = chunk.seq
+            limit = min(self.config.speculative_tokens, spare, self.room(seq) - 1)
+            if limit > 0 and chunk.is_decode and chunk.num_steps == 1 and not seq.num_in_flight \
+                    and not seq.params.penalised:
+                capacity = (len(seq.page_table) + self.allocator.num_free_pages) * size
+                drafts = propose(seq.token_ids, min(limit, capacity - chunk.end))
+                if drafts:
+                    self._grow(seq, chunk.end + len(drafts))
+                    chunk = ScheduledChunk(seq, chunk.start, 1, True, 1, tuple(drafts))
+                    spare -= len(drafts)
+            out.append(chunk)
+        return out
 
     def _waits_for_prefill(self, seq: Sequence) -> bool:
         """n > 1: later choices wait for the first one's prompt pages to reach the cache."""

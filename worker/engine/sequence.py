@@ -89,6 +89,16 @@ class Sequence:
         self.output_token_ids[start : start + n] = token_ids
         self.num_in_flight -= n
 
+    def reject_in_flight(self, count: int) -> None:
+        """Forget the newest `count` in-flight tokens and their computed K/V: the rows of drafts the
+        step's draws did not confirm (speculation.py); the next step writes over their pages."""
+        if count > self.num_in_flight:
+            raise ValueError(f"sequence {self.seq_id} has {self.num_in_flight} in-flight tokens, not {count}")
+        if count:
+            del self.output_token_ids[-count:]
+            self.num_in_flight -= count
+            self.num_computed_tokens -= count
+
     def drop_in_flight(self) -> None:
         """Forget tokens still in flight (used when the sequence finishes early)."""
         if self.num_in_flight:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker.engine.llm_engine import RequestOutput
+from worker.engine.request_output import RequestOutput
 
 
 class StreamInterval:

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import redis
 
 from worker.contract import FinishReason, OutputDelta, RequestEvent, WorkerState, WorkerStats
-from worker.engine.llm_engine import LLMEngine, RequestOutput
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.request_output import RequestOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.heap import freeze_startup_heap
 from worker.service.config import WorkerConfig

@@ -1,0 +1,159 @@
+"""Prompt-lookup speculation (`EngineConfig.speculative_tokens`): drafts from a sequence's own
+tokens, checked in the step that computes them. Greedy tokens equal transformers' `generate`;
+seeded sampled tokens, logprobs, stop tokens and length limits equal an engine without drafts;
+pages all come back. On the tiny random Qwen2 checkpoint of test_engine.py (its upper layer's
+sliding window crosses the drafts' rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
+from tests.test_engine import SIZES, assert_pages_returned, hf, make_engine, model, random_ckpt  # noqa: F401 (fixtures)
+from tests.test_engine_seeds import random_requests
+from worker.engine import cpu_attention, paged_attention
+from worker.engine.config import EngineConfig
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import ScheduledChunk
+from worker.engine.speculation import accepted, propose
+
+GEN = 24
+
+
+def test_propose_takes_what_followed_the_latest_longest_match():
+    assert propose([5, 6, 7, 8, 5, 6, 7], 3) == [8, 5, 6]  # the run 5 6 7 occurred before: 8 5 6 followed it
+    assert propose([1, 2, 9, 1, 2, 3, 4, 1, 2], 2) == [3, 4]  # the latest earlier "1 2", not the first
+    assert propose([1, 2, 3, 9, 2, 3, 4, 7, 2, 3], 5, n_max=3) == [4, 7, 2, 3]  # 2 3 is the longest match here
+    assert propose([4, 4, 4, 4], 3) == [4]  # the run overlapping its own end: what followed it up to now
+    assert propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert propose([7, 3, 7], 3) == []  # a single token's match is too weak (NGRAM_MIN)
+    assert propose([5, 6, 5, 6], 0) == []
+
+
+def test_accepted_counts_the_drafts_up_to_the_first_miss():
+    assert accepted((3, 4, 5), [3, 4, 5, 6]) == 3
+    assert accepted((3, 4, 5), [3, 9, 5, 6]) == 1
+    assert accepted((3,), [8, 1]) == 0
+
+
+def repeating_prompts(vocab: int, count: int) -> list[list[int]]:
+    """Prompts holding runs they repeat (drafts to find), random otherwise."""
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(count):
+        run = rng.integers(1, vocab, 5 + i).tolist()
+        out.append(rng.integers(1, vocab, i).tolist() + run + rng.integers(1, vocab, 3).tolist() + run[:3])
+    return out
+
+
+@pytest.mark.parametrize("path", ["kernel", "jnp"])
+def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, tokenizer, hf, path):  # noqa: F811
+    extra = {} if path == "kernel" else dict(attention="jnp", matmul="xla")
+    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4, **extra)
+    assert engine.runner.attention.write_decode is None  # a draft's row reads the rows before it: writes first
+    if path == "jnp":
+        assert engine.runner.attention.name == paged_attention.JNP.name
+    else:
+        assert engine.runner.attention.name == cpu_attention.KERNEL.name
+    assert engine.decode_steps == 1 and not engine.config.async_overlap
+    free = engine.allocator.num_free_pages
+    prompts = repeating_prompts(len(tokenizer), 6)
+    params = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(**params))
+    results = drain(engine)
+    for i, p in enumerate(prompts):
+        assert results[(f"r{i}", 0)].token_ids == hf_greedy(hf, p, GEN), f"prompt {i}"
+        assert results[(f"r{i}", 0)].finish_reason == "length"
+    # drafts both stood and fell, and the steps took fewer than one a token
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+    assert engine.num_steps < GEN + 2
+    assert_pages_returned(engine, free)
+
+
+def run(model, tokenizer, requests, sizes, **overrides):  # noqa: F811
+    engine = make_engine(model, tokenizer, sizes, **overrides)
+    free = engine.allocator.num_free_pages
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"q{i}", prompt, params)
+    results = drain(engine)
+    assert_pages_returned(engine, free)
+    return results, engine
+
+
+@pytest.mark.parametrize("sizes", ["roomy", "tight"])
+def test_sampled_tokens_logprobs_and_stops_equal_an_engine_without_drafts(model, tokenizer, sizes):  # noqa: F811
+    """Seeded draws at each draft's own output index: the same tokens as one step at a time, with
+    top-k, top-p, min-p, n = 2, logprobs, a penalty (no drafts), stop tokens and max_tokens inside
+    a run of kept drafts; in the tight pages too (drafts short of pages, preemption)."""
+    vocab = len(tokenizer)
+    prompts = repeating_prompts(vocab, 5)
+    others = random_requests(np.random.default_rng(7), 5, vocab)
+    # the oldest (first to take spare rows for drafts): a draw between two tokens the bias lifts far above
+    # the rest, so drafts of the repeats it makes often stand, and each stands only if its row drew with
+    # its own output index's key (a wrong key draws another run of the two than one step at a time would)
+    coin = SamplingParams(temperature=3.0, logit_bias=((11, 100.0), (12, 100.0)), max_tokens=40, seed=5,
+                          ignore_eos=True, logprobs=1)
+    requests = [([11, 12, 12, 11, 12], coin)]
+    for i, (prompt, (_, params)) in enumerate(zip(prompts, others)):
+        params = dataclasses.replace(params, max_tokens=8 + 3 * i, logprobs=2 if i % 3 == 0 else None)
+        if i == 4:
+            params = dataclasses.replace(params, presence_penalty=0.5)
+        requests.append((prompt, params))
+    base, _ = run(model, tokenizer, requests, SIZES[sizes], decode_steps=1)
+    # stop tokens where the runs above went: each ends a request partway
+    stops = {i: base[(f"q{i}", 0)].token_ids[4] for i in (1, 2, 5)}
+    requests = [(p, dataclasses.replace(sp, stop_token_ids=(stops[i],)) if i in stops else sp)
+                for i, (p, sp) in enumerate(requests)]
+    base, _ = run(model, tokenizer, requests, SIZES[sizes], decode_steps=1)
+    got, engine = run(model, tokenizer, requests, SIZES[sizes], speculative_tokens=3)
+    assert engine.num_accepted_tokens >= 10
+    assert got.keys() == base.keys()
+    for key, want in base.items():
+        have = got[key]
+        assert (have.token_ids, have.finish_reason, have.stop_reason) == \
+            (want.token_ids, want.finish_reason, want.stop_reason), key
+        assert [e["token_id"] for e in have.logprobs] == [e["token_id"] for e in want.logprobs]
+        for a, b in zip(have.logprobs, want.logprobs):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+    assert any(base[(f"q{i}", 0)].finish_reason == "stop" for i in stops)
+    if sizes == "tight":
+        assert engine.scheduler.num_preemptions > 0
+
+
+def drafts_of_next_step(model, tokenizer, max_num_seqs: int, requests: dict) -> dict:  # noqa: F811
+    """Each request's drafts in the step after its prompt's, its first token set to repeat the prompt."""
+    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4, max_num_seqs=max_num_seqs)
+    for request_id, params in requests.items():
+        engine.add_request(request_id, [9, 8, 7, 6, 9, 8, 7, 6, 9, 8], params)
+    engine.step()  # the prompts, each sampling its first token (read back: no async overlap)
+    for seq in engine.scheduler.running:  # the last four tokens 6 9 8 7 occurred before: 6 9 8 7 followed
+        seq.output_token_ids[-1] = 7
+    return {c.seq.request_id: c.drafts for c in engine.scheduler.schedule().chunks}
+
+
+def test_drafts_take_spare_rows_oldest_first_within_room_and_never_with_penalties(model, tokenizer):  # noqa: F811
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    short = dataclasses.replace(plain, max_tokens=3)  # after its first token, room for 2: 1 draft and its check
+    penalised = dataclasses.replace(plain, repetition_penalty=1.2)
+    assert drafts_of_next_step(model, tokenizer, 8, {"a": plain, "b": short, "c": penalised}) == {
+        "a": (6, 9, 8, 7), "b": (6,), "c": ()}
+    # 4 rows at most: the three chunks leave one, the oldest takes it
+    assert drafts_of_next_step(model, tokenizer, 4, {"a": plain, "b": plain, "c": plain}) == {
+        "a": (6,), "b": (), "c": ()}
+    assert drafts_of_next_step(model, tokenizer, 3, {"a": plain, "b": plain, "c": plain}) == {
+        "a": (), "b": (), "c": ()}  # a full batch: none
+
+
+def test_config_runs_speculation_a_step_at_a_time():
+    config = EngineConfig(speculative_tokens=2, decode_steps=8).for_backend("cpu")
+    assert (config.decode_steps, config.async_overlap) == (1, False)
+    assert EngineConfig().for_backend("cpu").async_overlap
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="speculative_tokens"):
+            EngineConfig(speculative_tokens=bad)
+    assert ScheduledChunk(None, 0, 1, True, 1, (5, 6)).is_decode
