@@ -12,25 +12,51 @@ import numpy as np
 import pytest
 
 from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
-from tests.test_engine import SIZES, assert_pages_returned, hf, make_engine, model, random_ckpt  # noqa: F401 (fixtures)
+from tests.test_engine import (SIZES, assert_pages_returned, hf, make_engine, model, random_ckpt,  # noqa: F401 (fixtures)
+                               record_chunks)
 from tests.test_engine_seeds import random_requests
 from worker.engine import cpu_attention, paged_attention
 from worker.engine.config import EngineConfig
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledChunk
-from worker.engine.speculation import accepted, propose
+from worker.engine.sequence import Sequence
+from worker.engine.speculation import DraftIndex, accepted
 
 GEN = 24
 
 
-def test_propose_takes_what_followed_the_latest_longest_match():
+def propose(tokens: list[int], k: int, **sizes) -> list[int]:
+    seq = Sequence(0, "r", list(tokens), SamplingParams())
+    return DraftIndex(**sizes).propose(seq, k)
+
+
+def test_drafts_are_what_followed_the_latest_longest_earlier_run():
     assert propose([5, 6, 7, 8, 5, 6, 7], 3) == [8, 5, 6]  # the run 5 6 7 occurred before: 8 5 6 followed it
-    assert propose([1, 2, 9, 1, 2, 3, 4, 1, 2], 2) == [3, 4]  # the latest earlier "1 2", not the first
-    assert propose([1, 2, 3, 9, 2, 3, 4, 7, 2, 3], 5, n_max=3) == [4, 7, 2, 3]  # 2 3 is the longest match here
-    assert propose([4, 4, 4, 4], 3) == [4]  # the run overlapping its own end: what followed it up to now
-    assert propose([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert propose([7, 3, 7], 3) == []  # a single token's match is too weak (NGRAM_MIN)
-    assert propose([5, 6, 5, 6], 0) == []
+    assert propose([1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # the latest earlier "1 2 3", not the first
+    assert propose([1, 2, 3, 9, 2, 3, 4, 7, 2, 3], 5, n_max=3, n_min=2) == [4, 7, 2, 3]  # 2 3: the longest match
+    assert propose([4, 4, 4, 4, 4], 3) == [4]  # the run overlapping its own end: what followed it up to now
+    assert propose([1, 2, 3, 4, 5], 3) == []  # nothing repeats
+    assert propose([7, 3, 9, 7, 3], 3) == []  # two tokens match too often to guess well (NGRAM_MIN 3)
+    assert propose([5, 6, 7, 5, 6, 7], 0) == []
+
+
+def test_the_index_follows_a_growing_sequence():
+    """Proposals from the index kept across steps equal a search of the whole sequence each time."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 4, 300).tolist()  # four ids: runs repeat often
+    seq, index = Sequence(0, "r", tokens[:5], SamplingParams()), DraftIndex()
+    for size in range(5, 300):
+        assert index.propose(seq, 4) == search(tokens[:size], 4), size
+        seq.output_token_ids.append(tokens[size])
+
+
+def search(tokens: list[int], k: int) -> list[int]:
+    """The reference: the last n tokens looked for in the whole sequence, latest match first."""
+    for n in (4, 3):
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == tokens[-n:]:
+                return tokens[end + 1 : end + 1 + k]
+    return []
 
 
 def test_accepted_counts_the_drafts_up_to_the_first_miss():
@@ -58,7 +84,8 @@ def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, token
         assert engine.runner.attention.name == paged_attention.JNP.name
     else:
         assert engine.runner.attention.name == cpu_attention.KERNEL.name
-    assert engine.decode_steps == 1 and not engine.config.async_overlap
+    assert not engine.config.async_overlap  # drafts come from the tokens read back
+    chunks = record_chunks(engine)
     free = engine.allocator.num_free_pages
     prompts = repeating_prompts(len(tokenizer), 6)
     params = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True)
@@ -68,9 +95,10 @@ def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, token
     for i, p in enumerate(prompts):
         assert results[(f"r{i}", 0)].token_ids == hf_greedy(hf, p, GEN), f"prompt {i}"
         assert results[(f"r{i}", 0)].finish_reason == "length"
-    # drafts both stood and fell, and the steps took fewer than one a token
+    # drafts both stood and fell; decode steps where no sequence had any were fused as without speculation
     assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
-    assert engine.num_steps < GEN + 2
+    assert any(c["drafts"] for c in chunks) and any(c["steps"] > 1 for c in chunks)
+    assert not any(c["drafts"] and c["steps"] > 1 for c in chunks)
     assert_pages_returned(engine, free)
 
 
@@ -95,7 +123,7 @@ def test_sampled_tokens_logprobs_and_stops_equal_an_engine_without_drafts(model,
     # the oldest (first to take spare rows for drafts): a draw between two tokens the bias lifts far above
     # the rest, so drafts of the repeats it makes often stand, and each stands only if its row drew with
     # its own output index's key (a wrong key draws another run of the two than one step at a time would)
-    coin = SamplingParams(temperature=3.0, logit_bias=((11, 100.0), (12, 100.0)), max_tokens=40, seed=5,
+    coin = SamplingParams(temperature=3.0, logit_bias=((11, 100.0), (12, 100.0)), max_tokens=80, seed=5,
                           ignore_eos=True, logprobs=1)
     requests = [([11, 12, 12, 11, 12], coin)]
     for i, (prompt, (_, params)) in enumerate(zip(prompts, others)):
@@ -110,7 +138,7 @@ def test_sampled_tokens_logprobs_and_stops_equal_an_engine_without_drafts(model,
                 for i, (p, sp) in enumerate(requests)]
     base, _ = run(model, tokenizer, requests, SIZES[sizes], decode_steps=1)
     got, engine = run(model, tokenizer, requests, SIZES[sizes], speculative_tokens=3)
-    assert engine.num_accepted_tokens >= 10
+    assert engine.num_accepted_tokens >= 8, engine.num_accepted_tokens
     assert got.keys() == base.keys()
     for key, want in base.items():
         have = got[key]
@@ -149,9 +177,9 @@ def test_drafts_take_spare_rows_oldest_first_within_room_and_never_with_penaltie
         "a": (), "b": (), "c": ()}  # a full batch: none
 
 
-def test_config_runs_speculation_a_step_at_a_time():
+def test_config_reads_each_step_back_before_the_next_with_speculation():
     config = EngineConfig(speculative_tokens=2, decode_steps=8).for_backend("cpu")
-    assert (config.decode_steps, config.async_overlap) == (1, False)
+    assert (config.decode_steps, config.async_overlap) == (8, False)
     assert EngineConfig().for_backend("cpu").async_overlap
     for bad in (-1, 17):
         with pytest.raises(ValueError, match="speculative_tokens"):

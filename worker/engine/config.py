@@ -68,8 +68,8 @@ class EngineConfig:
     speculative_tokens: int = 0  # prompt-lookup speculation: a decode row may carry up to this many draft
     # tokens, the ones that followed the latest earlier match of its last tokens (speculation.py), all
     # checked in the same step; the same tokens as without, more of them a step where text repeats. Drafts
-    # use rows the step has spare (a full batch gets none). On: single steps, each read back before the
-    # next (no fused decode, no async overlap). 0: off
+    # use rows the step has spare (a full batch gets none); a decode step where no sequence has any fuses
+    # decode_steps as without. On: each step is read back before the next (no async overlap). 0: off
 
     def __post_init__(self) -> None:
         checks = {
@@ -108,8 +108,8 @@ class EngineConfig:
         page_size = self.page_size or DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE)
         launch_thread = backend != "cpu" if self.launch_thread is None else self.launch_thread
         config = replace(self, page_size=page_size, launch_thread=launch_thread)
-        if self.speculative_tokens:  # drafts come from the tokens read back: a step at a time
-            config = replace(config, decode_steps=1, async_overlap=False)
+        if self.speculative_tokens:  # drafts come from the tokens read back: each step's before the next
+            config = replace(config, async_overlap=False)
         return config
 
     def fused_steps_for(self, step_s: float) -> int:

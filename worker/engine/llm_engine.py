@@ -229,6 +229,7 @@ class LLMEngine:
             if chunk.drafts:  # the draws of the chunk's rows up to the first that parts from its draft
                 kept = 1 + speculation.accepted(chunk.drafts, [t[0] for t in tokens_by_row[row : row + 1 + len(chunk.drafts)]])
                 seq.reject_in_flight(1 + len(chunk.drafts) - kept)
+                speculation.back_off(seq, kept - 1)
                 self.num_draft_tokens += len(chunk.drafts)
                 self.num_accepted_tokens += kept - 1
                 tokens, rows = [t[0] for t in tokens_by_row[row : row + kept]], slice(row, row + kept)
@@ -389,6 +390,8 @@ class LLMEngine:
         widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
         steps = sorted({1, self.decode_steps}) if runner.fixed_pages is None else [1]
         long = [StepShape(sizes[-1], 0, 0, widest, k, False, self.config.page_size, runner.max_rows) for k in steps]
+        if self.config.speculative_tokens:  # drafts: single decode steps of more rows than sequences
+            long += [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows) for n in sizes[:-1]]
 
         def drive():
             for k, params in enumerate(sampling):

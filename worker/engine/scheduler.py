@@ -32,7 +32,7 @@ from worker.contract import FinishReason
 from worker.engine.config import EngineConfig
 from worker.engine.page_allocator import PageAllocator, page_key
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from worker.engine.speculation import propose
+from worker.engine.speculation import DraftIndex
 
 
 @dataclass(frozen=True, eq=False)
@@ -157,7 +157,7 @@ class Scheduler:
         batch gets fused steps (`ScheduledChunk.num_steps`) when nobody waits or every sequence
         slot is taken (nobody waiting could join before a running sequence ends, and no fused
         window runs past a sequence's token limit; one that stops early frees its slot at the end
-        of the window, at most max_decode_steps - 1 steps late)."""
+        of the window, at most max_decode_steps - 1 steps late) and no chunk has drafts (speculation)."""
         chunks: list[ScheduledChunk] = []
         finished: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
@@ -167,7 +167,8 @@ class Scheduler:
         if self.config.speculative_tokens:
             chunks = self._add_drafts(chunks, budget)
         full = len(self.running) >= self.config.max_num_seqs
-        if max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode for c in chunks):
+        if max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode and not c.drafts
+                                                                                  for c in chunks):
             chunks = [self._fuse(c, max_decode_steps) for c in chunks]
         if not chunks and not finished:
             return None
@@ -293,19 +294,21 @@ class Scheduler:
         return budget
 
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
-        """Speculation: decode chunks get draft tokens (`speculation.propose`), oldest first, from
+        """Speculation: decode chunks get draft tokens (`speculation.DraftIndex`), oldest first, from
         what the step has left once every running and admitted sequence has its chunk: rows (the
         step's chunks and drafts stay within max_num_seqs), tokens and free pages. Sequences with
-        penalties get none: the penalty of a draft's row would have to count the drafts before it."""
+        penalties get none: the penalty of a draft's row would have to count the drafts before it;
+        nor do those whose last drafts all fell, for a while (`speculation.back_off`)."""
         spare = min(self.config.max_num_seqs - len(chunks), budget)
         out, size = [], self.config.page_size
         for chunk in chunks:
             seq = chunk.seq
             limit = min(self.config.speculative_tokens, spare, self.room(seq) - 1)
             if limit > 0 and chunk.is_decode and chunk.num_steps == 1 and not seq.num_in_flight \
-                    and not seq.params.penalised:
+                    and not seq.params.penalised and seq.num_tokens >= seq.drafts_from:
                 capacity = (len(seq.page_table) + self.allocator.num_free_pages) * size
-                drafts = propose(seq.token_ids, min(limit, capacity - chunk.end))
+                seq.draft_index = seq.draft_index or DraftIndex()
+                drafts = seq.draft_index.propose(seq, min(limit, capacity - chunk.end))
                 if drafts:
                     self._grow(seq, chunk.end + len(drafts))
                     chunk = ScheduledChunk(seq, chunk.start, 1, True, 1, tuple(drafts))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.speculation import DraftIndex
 
 IN_FLIGHT = -1  # output token sampled on device, not read back yet
 
@@ -38,6 +39,9 @@ class Sequence:
     arrival: int = 0  # admission order, stamped by Scheduler.add
     num_in_flight: int = 0  # trailing output tokens still IN_FLIGHT
     num_cached_tokens: int = 0  # tokens the prefix cache served at its last admission
+    draft_misses: int = 0  # speculation: checks in a row where no draft stood (speculation.back_off)
+    drafts_from: int = 0  # no drafts until the sequence holds this many tokens
+    draft_index: DraftIndex | None = None  # speculation: where its runs of tokens last occurred (made when first asked)
     finish_reason: str | None = None  # "stop", "length", "abort" (worker.contract.FinishReason)
     stop_reason: str | int | None = None  # matched stop string or stop token id
 

@@ -9,31 +9,47 @@ sequence's. Those draws use each position's own key (seed, choice, output index)
 the tokens the sequence would sample one step at a time. The engine keeps the draws up to and
 including the first that differs from its draft (`accepted`): one token a step at worst, as
 without drafts, and up to every draft plus one where the guess holds. Greedy or sampled, the
-output is the same; a rejected draft costs its row's compute and nothing else.
+output is the same. A rejected draft costs its row's compute, and its step's: a step with drafts
+is not fused with the next ones (`EngineConfig.decode_steps`). So a sequence whose drafts all fell
+waits before it drafts again, twice as long after each such miss in a row (`back_off`).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 NGRAM_MAX = 4  # the longest run of last tokens looked up first
-NGRAM_MIN = 2  # the shortest: a single token matches too often to guess well
+NGRAM_MIN = 3  # the shortest: one or two tokens match too often to guess well
+MAX_BACK_OFF = 64  # tokens a sequence whose drafts keep missing goes without at most
 
 
-def propose(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
-    `tokens`, for the longest n in [n_min, n_max] that occurs earlier; [] when none does."""
-    if k <= 0 or len(tokens) <= n_min:
+class DraftIndex:
+    """Where each run of NGRAM_MIN..NGRAM_MAX tokens of one sequence last ended, kept up to date as
+    the sequence grows (a sequence's tokens only ever grow: rejected drafts are never its tokens),
+    so a step's lookup costs a few dictionary reads, not a pass over the sequence. Runs are keyed
+    by their hash: a collision only proposes drafts that then fail their check."""
+
+    def __init__(self, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN):
+        self.n_max, self.n_min = n_max, n_min
+        self.ends: dict[int, int] = {}  # hash of a run -> index of its last token, the latest
+        self.indexed = 0  # runs ending before this index are in `ends`
+
+    def propose(self, seq, k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
+        `seq` (a Sequence: its prompt and output tokens), for the longest n in [n_min, n_max] that
+        occurs earlier; [] when none does."""
+        size = seq.num_tokens
+        if k <= 0 or size <= self.n_min:
+            return []
+        lo = max(0, self.indexed - self.n_max + 1)
+        window = seq.token_range(lo, size)  # what the new runs and the last n need, not the whole sequence
+        for end in range(self.indexed, size - 1):  # the runs ending before the last token
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self.ends[hash(tuple(window[end - n + 1 - lo : end + 1 - lo]))] = end
+        self.indexed = max(self.indexed, size - 1)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            end = self.ends.get(hash(tuple(window[-n:])))
+            if end is not None:
+                return seq.token_range(end + 1, min(end + 1 + k, size))
         return []
-    ids = np.asarray(tokens, np.int64)  # [L]
-    for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
-        tail = ids[-n:]
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # [L - n, n]: every earlier run
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the token after the latest earlier run
-            return ids[start : start + k].tolist()
-    return []
 
 
 def accepted(drafts: tuple[int, ...] | list[int], drawn: list[int]) -> int:
@@ -43,3 +59,10 @@ def accepted(drafts: tuple[int, ...] | list[int], drawn: list[int]) -> int:
     while n < len(drafts) and drawn[n] == drafts[n]:
         n += 1
     return n
+
+
+def back_off(seq, stood: int) -> None:
+    """After a check of `seq`'s drafts in which `stood` of them stood: none, and it drafts again only
+    2, 4, 8, ... tokens on (at most MAX_BACK_OFF); any, and it drafts at the next step."""
+    seq.draft_misses = 0 if stood else seq.draft_misses + 1
+    seq.drafts_from = seq.num_tokens + min(2**seq.draft_misses, MAX_BACK_OFF) if not stood else 0

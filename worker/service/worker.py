@@ -297,7 +297,8 @@ class Worker:
     def _counters(self, now: float) -> "_Counters":
         engine = self.engine
         return _Counters(now, engine.num_generated_tokens, engine.num_prompt_tokens, engine.num_steps,
-                         engine.num_step_seqs, engine.scheduler.num_lookup_tokens, engine.scheduler.num_hit_tokens)
+                         engine.num_step_seqs, engine.scheduler.num_lookup_tokens, engine.scheduler.num_hit_tokens,
+                         engine.num_draft_tokens, engine.num_accepted_tokens)
 
     def _log_stats(self, now: float) -> None:
         """One line every log_stats_interval_s while there is work (counts only, never text)."""
@@ -313,6 +314,11 @@ class Worker:
                  (mark.generated - before.generated) / span, engine.num_running, engine.num_waiting,
                  100.0 * engine.pages_used / max(1, engine.pages_total),
                  100.0 * (mark.hits - before.hits) / max(1, mark.lookups - before.lookups))
+        if engine.config.speculative_tokens:
+            drafts = mark.drafts - before.drafts
+            log.info("worker %s: speculation: %d draft tokens checked, %.1f%% stood (%.1f%% of generated tokens)",
+                     self.config.name, drafts, 100.0 * (mark.stood - before.stood) / max(1, drafts),
+                     100.0 * (mark.stood - before.stood) / max(1, mark.generated - before.generated))
 
 
 class _Counters(NamedTuple):
@@ -325,6 +331,8 @@ class _Counters(NamedTuple):
     step_seqs: int
     lookups: int  # prompt tokens looked up in the prefix cache
     hits: int  # of which it served
+    drafts: int  # speculation: draft tokens checked
+    stood: int  # of which the model's draws confirmed
 
 
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
