@@ -87,6 +87,8 @@ class FleetCollector:
         age = GaugeMetricFamily(P + "worker_heartbeat_age_seconds", "Seconds since a live worker's last heartbeat.", labels=labels)
         hits = GaugeMetricFamily(P + "prefix_cache_hit_rate", "Share of a worker's recently admitted prompt tokens the "
                                  "prefix cache served.", labels=labels)
+        drafts = GaugeMetricFamily(P + "spec_decode_draft_acceptance_rate", "Share of a worker's recently checked "
+                                   "draft tokens (--speculative-tokens) that stood.", labels=labels)
         for w in r.workers:
             up.add_metric([w.name], 1.0 if w.alive else 0.0)
             if w.stats is None:
@@ -99,7 +101,8 @@ class FleetCollector:
             tps.add_metric(values, s.tokens_per_s)
             age.add_metric(values, max(r.now - s.updated_at, 0.0))
             hits.add_metric(values, s.prefix_cache_hit_rate)
-        yield from (up, alive, serving, running, waiting, kv, pages, tps, age, hits)
+            drafts.add_metric(values, s.draft_acceptance_rate)
+        yield from (up, alive, serving, running, waiting, kv, pages, tps, age, hits, drafts)
 
     def _counters(self, r: FleetReading) -> Iterator[Metric]:
         for field, (name, help_text) in COUNTERS.items():

@@ -195,6 +195,7 @@ class WorkerStats:
     mean_batch_size: float  # sequences per engine step over the last few seconds
     max_num_seqs: int
     prefix_cache_hit_rate: float = 0.0  # prompt tokens admitted over the last few seconds that the cache served
+    draft_acceptance_rate: float = 0.0  # speculation: draft tokens checked over the last few seconds that stood
 
     def encode(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}

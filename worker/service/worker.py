@@ -282,6 +282,7 @@ class Worker:
             self._window.popleft()
         first = self._window[0]
         span, steps, lookups = max(now - first.at, 1e-6), last.steps - first.steps, last.lookups - first.lookups
+        drafts = last.drafts - first.drafts
         self.io.set_stats(WorkerStats(
             name=self.config.name, model=self.config.model_name, state=self.state.value, pid=os.getpid(),
             started_at=self.started_at, updated_at=time.time(), pages_used=engine.pages_used,
@@ -292,6 +293,7 @@ class Worker:
             mean_batch_size=round((last.step_seqs - first.step_seqs) / steps, 2) if steps else 0.0,
             max_num_seqs=engine.config.max_num_seqs,
             prefix_cache_hit_rate=round((last.hits - first.hits) / lookups, 4) if lookups else 0.0,
+            draft_acceptance_rate=round((last.stood - first.stood) / drafts, 4) if drafts else 0.0,
         ))
 
     def _counters(self, now: float) -> "_Counters":
