@@ -41,6 +41,7 @@ class StepShape:
     page_size: int
     max_rows: int
     prefill_tokens: int = 0  # Tp: packed layout only: prefill token slots, each chunk a run of them
+    drafts: bool = False  # decode rows alone, some of them drafts (speculation.py) reading the K/V of rows before them
 
     @property
     def packed(self) -> bool:
@@ -261,7 +262,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     steps = fused_steps if batch.is_pure_decode and batch.num_steps > 1 else 1
     scoring = [c for c in batch.chunks if predicts_prompt(c)]  # chunks with prompt tokens to score
     want_prompt = bool(scoring)
-    shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp)
+    shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp, ahead is not None and not prefill)
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     prompt_top = any(c.seq.params.prompt_logprobs > 0 for c in scoring)

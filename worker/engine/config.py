@@ -68,8 +68,9 @@ class EngineConfig:
     speculative_tokens: int = 0  # prompt-lookup speculation: a decode row may carry up to this many draft
     # tokens, the ones that followed the latest earlier match of its last tokens (speculation.py), all
     # checked in the same step; the same tokens as without, more of them a step where text repeats. Drafts
-    # use rows the step has spare (a full batch gets none); a decode step where no sequence has any fuses
-    # decode_steps as without. On: each step is read back before the next (no async overlap). 0: off
+    # use rows the step has spare (a full batch gets none, and runs as without). Drafts come from tokens
+    # read back, so while some sequence may get drafts each step is read back before the next is
+    # scheduled (no async overlap); a decode step where none has drafts fuses decode_steps. 0: off
 
     def __post_init__(self) -> None:
         checks = {
@@ -107,10 +108,7 @@ class EngineConfig:
         """This config with the defaults that depend on the JAX backend ("cpu", "gpu", ...) filled in."""
         page_size = self.page_size or DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE)
         launch_thread = backend != "cpu" if self.launch_thread is None else self.launch_thread
-        config = replace(self, page_size=page_size, launch_thread=launch_thread)
-        if self.speculative_tokens:  # drafts come from the tokens read back: each step's before the next
-            config = replace(config, async_overlap=False)
-        return config
+        return replace(self, page_size=page_size, launch_thread=launch_thread)
 
     def fused_steps_for(self, step_s: float) -> int:
         """Auto decode_steps for a full-batch decode step of `step_s` seconds: as many as fit in the

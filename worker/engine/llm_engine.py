@@ -74,8 +74,6 @@ class LLMEngine:
         kv = KVCache.create(cfg, num_pages, config.page_size, kv_dtype, kv_sharding(mesh) if mesh else None)
         attention = choose_attention(config.attention, config.tensor_parallel, cfg.head_dim, config.page_size,
                                      DTYPES[config.dtype or cfg.dtype], kv_dtype, config.tuning(), config.pallas_prefill)
-        if config.speculative_tokens:  # a draft's row reads the K/V rows before it write: every write first
-            attention = dataclasses.replace(attention, write_decode=None)
         # attention that reads only each row's own context lets every step use one page-table
         # width (the most any sequence can hold) whatever the contexts: fewer compiled variants
         widest = self.widest_pages = bucket(config.pages_for(self.max_model_len))
@@ -182,7 +180,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step, then read back the previous one."""
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and self._inflight.penalised:
+        if self._inflight is not None and (self._inflight.penalised or self._drafting()):
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         batch = self.scheduler.schedule(self.decode_steps)
@@ -201,11 +199,16 @@ class LLMEngine:
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         if launched is not None:
-            if self.config.async_overlap:
+            if self.config.async_overlap and not self._drafting():
                 self._inflight = launched
             else:
                 outputs += self._postprocess(launched)
         return outputs
+
+    def _drafting(self) -> bool:
+        """Whether the next step may give a sequence drafts (speculation): they come from the tokens
+        read back, so the step in flight is read back before the next is scheduled."""
+        return self.scheduler.may_draft()
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)
@@ -390,8 +393,9 @@ class LLMEngine:
         widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
         steps = sorted({1, self.decode_steps}) if runner.fixed_pages is None else [1]
         long = [StepShape(sizes[-1], 0, 0, widest, k, False, self.config.page_size, runner.max_rows) for k in steps]
-        if self.config.speculative_tokens:  # drafts: single decode steps of more rows than sequences
-            long += [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows) for n in sizes[:-1]]
+        if self.config.speculative_tokens:  # single decode steps with drafts, at every decode-row rung
+            long += [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows, drafts=True)
+                     for n in sizes]
 
         def drive():
             for k, params in enumerate(sampling):

@@ -218,7 +218,7 @@ class ModelRunner:
             return key
         covering = [(s, f) for s, f in (*self.compiled, *self.ready, *planned) if serves(f, flags)
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
-                    and fits(s, num_decode, lengths, pages)]
+                    and s.drafts >= exact.drafts and fits(s, num_decode, lengths, pages)]
         if flags.penalties or flags.bias:  # only a variant with the same arrays serves these
             held, others = "sampler", plain  # (others: chunks that could run without the waiting ones)
         elif exact.prompt_logprobs:
@@ -345,6 +345,7 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     prefill += f", prompt logprobs {flags.num_logprobs}" if shape.prompt_logprobs else ""
+    prefill += ", drafts" if shape.drafts else ""
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
              shape.num_decode, prefill, shape.pages, shape.decode_steps, ", ".join(sampler), took)
 
@@ -386,7 +387,7 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
 
         def attend(layer, q, k, v, cache):  # q [T, H, D] (or [R, H, D] for out_rows), k/v [T, KV, D]
             keys, values = cache
-            if attention.write_decode is not None and not shape.num_prefill:  # decode rows alone: one call
+            if attention.write_decode is not None and not shape.num_prefill and not shape.drafts:  # one call
                 out, kp, vp = attention.write_decode(q, k, v, slots, keys[layer], values[layer], db.page_tables,
                                                      positions, context_lens, cfg.window(layer))
             else:

@@ -32,7 +32,7 @@ from worker.contract import FinishReason
 from worker.engine.config import EngineConfig
 from worker.engine.page_allocator import PageAllocator, page_key
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from worker.engine.speculation import DraftIndex
+from worker.engine.speculation import DraftIndex, back_off
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,12 +293,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
+    def may_draft(self) -> bool:
+        """Speculation: whether a running sequence may get drafts at the next step (the batch has
+        spare rows; it has sampled, has no penalties and is not backing off)."""
+        if not self.config.speculative_tokens or len(self.running) >= self.config.max_num_seqs:
+            return False
+        return any(s.num_output_tokens and s.num_tokens >= s.drafts_from and not s.params.penalised
+                   for s in self.running)
+
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
         """Speculation: decode chunks get draft tokens (`speculation.DraftIndex`), oldest first, from
         what the step has left once every running and admitted sequence has its chunk: rows (the
         step's chunks and drafts stay within max_num_seqs), tokens and free pages. Sequences with
         penalties get none: the penalty of a draft's row would have to count the drafts before it;
-        nor do those whose last drafts all fell, for a while (`speculation.back_off`)."""
+        nor do those whose last drafts all fell or whose last lookup found nothing, for a while
+        (`speculation.back_off`)."""
         spare = min(self.config.max_num_seqs - len(chunks), budget)
         out, size = [], self.config.page_size
         for chunk in chunks:
@@ -309,7 +318,9 @@ class Scheduler:
                 capacity = (len(seq.page_table) + self.allocator.num_free_pages) * size
                 seq.draft_index = seq.draft_index or DraftIndex()
                 drafts = seq.draft_index.propose(seq, min(limit, capacity - chunk.end))
-                if drafts:
+                if not drafts:  # nothing to guess from: look again later, as after a miss
+                    back_off(seq, 0)
+                else:
                     self._grow(seq, chunk.end + len(drafts))
                     chunk = ScheduledChunk(seq, chunk.start, 1, True, 1, tuple(drafts))
                     spare -= len(drafts)

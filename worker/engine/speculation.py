@@ -10,15 +10,19 @@ the tokens the sequence would sample one step at a time. The engine keeps the dr
 including the first that differs from its draft (`accepted`): one token a step at worst, as
 without drafts, and up to every draft plus one where the guess holds. Greedy or sampled, the
 output is the same. A rejected draft costs its row's compute, and its step's: a step with drafts
-is not fused with the next ones (`EngineConfig.decode_steps`). So a sequence whose drafts all fell
-waits before it drafts again, twice as long after each such miss in a row (`back_off`).
+is not fused with the next ones (`EngineConfig.decode_steps`), and while some sequence may draft
+the engine reads each step back before scheduling the next (drafts come from tokens read back).
+So a sequence whose drafts all fell, or whose lookup found nothing, waits before it looks again,
+twice as long after each such miss in a row (`back_off`).
 """
 
 from __future__ import annotations
 
 NGRAM_MAX = 4  # the longest run of last tokens looked up first
 NGRAM_MIN = 3  # the shortest: one or two tokens match too often to guess well
-MAX_BACK_OFF = 64  # tokens a sequence whose drafts keep missing goes without at most
+BACK_OFF = 8  # tokens a sequence goes without drafts after a check where none stood, doubled after each
+# such miss in a row: a failed check costs a step of its own, on the CPU several fused steps' worth
+MAX_BACK_OFF = 128  # at most
 
 
 class DraftIndex:
@@ -62,7 +66,9 @@ def accepted(drafts: tuple[int, ...] | list[int], drawn: list[int]) -> int:
 
 
 def back_off(seq, stood: int) -> None:
-    """After a check of `seq`'s drafts in which `stood` of them stood: none, and it drafts again only
-    2, 4, 8, ... tokens on (at most MAX_BACK_OFF); any, and it drafts at the next step."""
+    """After a check of `seq`'s drafts in which `stood` of them stood (or a lookup that found none:
+    0): none, and it drafts again only BACK_OFF, 2 x BACK_OFF, ... tokens on (at most MAX_BACK_OFF);
+    any, and it drafts at the next step. While every sequence waits, the engine overlaps steps again."""
     seq.draft_misses = 0 if stood else seq.draft_misses + 1
-    seq.drafts_from = seq.num_tokens + min(2**seq.draft_misses, MAX_BACK_OFF) if not stood else 0
+    wait = min(BACK_OFF << (seq.draft_misses - 1), MAX_BACK_OFF) if not stood else 0
+    seq.drafts_from = seq.num_tokens + wait
