@@ -13,7 +13,7 @@ output is the same. A rejected draft costs its row's compute, and its step's: a 
 is not fused with the next ones (`EngineConfig.decode_steps`), and while some sequence may draft
 the engine reads each step back before scheduling the next (drafts come from tokens read back).
 So a sequence whose drafts all fell, or whose lookup found nothing, waits before it looks again,
-twice as long after each such miss in a row (`back_off`).
+twice as long after each such miss in a row (`back_off`); while every sequence waits, steps overlap.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def accepted(drafts: tuple[int, ...] | list[int], drawn: list[int]) -> int:
 
 def back_off(seq, stood: int) -> None:
     """After a check of `seq`'s drafts in which `stood` of them stood (or a lookup that found none:
-    0): none, and it drafts again only BACK_OFF, 2 x BACK_OFF, ... tokens on (at most MAX_BACK_OFF);
-    any, and it drafts at the next step. While every sequence waits, the engine overlaps steps again."""
+    0): none, and it looks again only BACK_OFF, 2 x BACK_OFF, ... tokens on (at most MAX_BACK_OFF,
+    longer than a fused call's steps, so that steps overlap meanwhile); any, and at the next step."""
     seq.draft_misses = 0 if stood else seq.draft_misses + 1
     wait = min(BACK_OFF << (seq.draft_misses - 1), MAX_BACK_OFF) if not stood else 0
     seq.drafts_from = seq.num_tokens + wait
