@@ -52,7 +52,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-tokens", type=int, metavar="N",
                    help="prompt-lookup speculation: up to N draft tokens a sequence and step, taken from where its "
                         "last tokens occurred before in its prompt or output and checked in the same step (the same "
-                        "output, more tokens a step where text repeats; single steps, no async overlap). Default 0: off")
+                        "output, more tokens a step where text repeats; only rows a step has spare). Default 0: off")
     g.add_argument("--tensor-parallel", type=int, help="devices one model spans (default 1)")
     g.add_argument("--attention", choices=["auto", "kernel", "pallas", "jnp"],
                    help="paged attention: the backend's kernel where it applies (auto: compiled C++ on CPU, "
