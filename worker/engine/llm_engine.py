@@ -180,7 +180,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step, then read back the previous one."""
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and (self._inflight.penalised or self._drafting()):
+        # read back first: penalties count every earlier token; drafts (speculation) come from tokens read back
+        if self._inflight is not None and (self._inflight.penalised or self.scheduler.may_draft()):
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         batch = self.scheduler.schedule(self.decode_steps)
@@ -199,16 +200,11 @@ class LLMEngine:
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         if launched is not None:
-            if self.config.async_overlap and not self._drafting():
+            if self.config.async_overlap and not self.scheduler.may_draft():
                 self._inflight = launched
             else:
                 outputs += self._postprocess(launched)
         return outputs
-
-    def _drafting(self) -> bool:
-        """Whether the next step may give a sequence drafts (speculation): they come from the tokens
-        read back, so the step in flight is read back before the next is scheduled."""
-        return self.scheduler.may_draft()
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)
@@ -229,13 +225,12 @@ class LLMEngine:
                 continue
             n, steps, rows = seq.params.logprobs, chunk.num_steps, slice(row, row + 1)
             tokens = tokens_by_row[row][:steps]
-            if chunk.drafts:  # the draws of the chunk's rows up to the first that parts from its draft
-                kept = 1 + speculation.accepted(chunk.drafts, [t[0] for t in tokens_by_row[row : row + 1 + len(chunk.drafts)]])
-                seq.reject_in_flight(1 + len(chunk.drafts) - kept)
-                speculation.back_off(seq, kept - 1)
+            if chunk.drafts:  # the draws of the chunk's rows up to and including the first that parts from its draft
+                drawn = [t[0] for t in tokens_by_row[row : row + 1 + len(chunk.drafts)]]
+                stood = speculation.settle(seq, chunk.drafts, drawn)
                 self.num_draft_tokens += len(chunk.drafts)
-                self.num_accepted_tokens += kept - 1
-                tokens, rows = [t[0] for t in tokens_by_row[row : row + kept]], slice(row, row + kept)
+                self.num_accepted_tokens += stood
+                tokens, rows = drawn[: stood + 1], slice(row, row + stood + 1)
             m = steps * (rows.stop - rows.start)  # tokens: fused steps of one row, or a row per draft
             lps = None if n is None else list(zip(  # one conversion an array, not one a number
                 out.logprobs[:steps, rows].reshape(m).tolist(), out.top_ids[:steps, rows, :n].reshape(m, n).tolist(),

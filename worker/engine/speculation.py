@@ -65,6 +65,16 @@ def accepted(drafts: tuple[int, ...] | list[int], drawn: list[int]) -> int:
     return n
 
 
+def settle(seq, drafts: tuple[int, ...], drawn: list[int]) -> int:
+    """After a step checked `seq`'s `drafts`, its rows drawing `drawn` (the chunk's own row first):
+    take back the tokens in flight after the first draw that parts from its draft (and their K/V),
+    back off if no draft stood. Returns how many stood; the draws up to one past them are kept."""
+    stood = accepted(drafts, drawn)
+    seq.reject_in_flight(len(drafts) - stood)
+    back_off(seq, stood)
+    return stood
+
+
 def back_off(seq, stood: int) -> None:
     """After a check of `seq`'s drafts in which `stood` of them stood (or a lookup that found none:
     0): none, and it looks again only BACK_OFF, 2 x BACK_OFF, ... tokens on (at most MAX_BACK_OFF,
