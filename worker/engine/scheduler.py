@@ -298,8 +298,7 @@ class Scheduler:
         spare rows; it has sampled, has no penalties and is not backing off)."""
         if not self.config.speculative_tokens or len(self.running) >= self.config.max_num_seqs:
             return False
-        return any(s.num_output_tokens and s.num_tokens >= s.drafts_from and not s.params.penalised
-                   for s in self.running)
+        return any(s.num_output_tokens and _draftable(s) for s in self.running)
 
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
         """Speculation: decode chunks get draft tokens (`speculation.DraftIndex`), oldest first, from
@@ -313,8 +312,7 @@ class Scheduler:
         for chunk in chunks:
             seq = chunk.seq
             limit = min(self.config.speculative_tokens, spare, self.room(seq) - 1)
-            if limit > 0 and chunk.is_decode and chunk.num_steps == 1 and not seq.num_in_flight \
-                    and not seq.params.penalised and seq.num_tokens >= seq.drafts_from:
+            if limit > 0 and chunk.is_decode and chunk.num_steps == 1 and not seq.num_in_flight and _draftable(seq):
                 capacity = (len(seq.page_table) + self.allocator.num_free_pages) * size
                 seq.draft_index = seq.draft_index or DraftIndex()
                 drafts = seq.draft_index.propose(seq, min(limit, capacity - chunk.end))
@@ -388,3 +386,9 @@ class Scheduler:
             previous = page_key(previous, tokens)
             self.allocator.register(seq.page_table[i], previous, tokens)
             seq.page_keys.append(previous)
+
+
+def _draftable(seq: Sequence) -> bool:
+    """Speculation: a sequence without penalties (a draft row's penalty would have to count the
+    drafts before it) that is not backing off (`speculation.back_off`)."""
+    return not seq.params.penalised and seq.num_tokens >= seq.drafts_from
