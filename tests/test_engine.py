@@ -87,7 +87,8 @@ def record_chunks(engine: LLMEngine) -> list[dict]:
         batch = schedule(*args, **kwargs)
         for c in batch.chunks if batch else []:
             log.append(dict(seq=c.seq.seq_id, start=c.start, n=c.num_tokens, samples=c.samples, steps=c.num_steps,
-                            prompt=c.seq.num_prompt_tokens, known=c.seq.num_known_tokens, drafts=len(c.drafts)))
+                            prompt=c.seq.num_prompt_tokens, known=c.seq.num_known_tokens, drafts=len(c.drafts),
+                            guess=c.guess is not None))
         return batch
 
     engine.scheduler.schedule = spy

@@ -15,7 +15,7 @@ from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F40
 from tests.test_engine import (SIZES, assert_pages_returned, hf, make_engine, model, random_ckpt,  # noqa: F401 (fixtures)
                                record_chunks)
 from tests.test_engine_seeds import random_requests
-from worker.engine import cpu_attention, paged_attention
+from worker.engine import cpu_attention, paged_attention, speculation
 from worker.engine.config import EngineConfig
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledChunk
@@ -33,8 +33,9 @@ def propose(tokens: list[int], k: int, **sizes) -> list[int]:
 def test_drafts_are_what_followed_the_latest_longest_earlier_run():
     assert propose([5, 6, 7, 8, 5, 6, 7], 3) == [8, 5, 6]  # the run 5 6 7 occurred before: 8 5 6 followed it
     assert propose([1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]  # the latest earlier "1 2 3", not the first
-    assert propose([1, 2, 3, 9, 2, 3, 4, 7, 2, 3], 5, n_max=3, n_min=2) == [4, 7, 2, 3]  # 2 3: the longest match
-    assert propose([4, 4, 4, 4, 4], 3) == [4]  # the run overlapping its own end: what followed it up to now
+    assert propose([1, 2, 3, 9, 2, 3, 4, 7, 2, 3], 5, n_max=3, n_min=2) == [4, 7, 2, 3, 4]  # 2 3: the longest match
+    assert propose([4, 4, 4, 4, 4], 3) == [4, 4, 4]  # the run overlapping its own end: a loop, going on
+    assert propose([1, 2, 3, 1, 2, 3, 1], 5, n_min=1) == [2, 3, 1, 2, 3]  # what followed it (2 3 1), repeated
     assert propose([1, 2, 3, 4, 5], 3) == []  # nothing repeats
     assert propose([7, 3, 9, 7, 3], 3) == []  # two tokens match too often to guess well (NGRAM_MIN 3)
     assert propose([5, 6, 7, 5, 6, 7], 0) == []
@@ -55,7 +56,7 @@ def search(tokens: list[int], k: int) -> list[int]:
     for n in (4, 3):
         for end in range(len(tokens) - 2, n - 2, -1):
             if tokens[end - n + 1 : end + 1] == tokens[-n:]:
-                return tokens[end + 1 : end + 1 + k]
+                return [tokens[end + 1 + i % (len(tokens) - 1 - end)] for i in range(k)]
     return []
 
 
@@ -75,15 +76,32 @@ def repeating_prompts(vocab: int, count: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("path", ["kernel", "jnp"])
-def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, tokenizer, hf, path):  # noqa: F811
-    extra = {} if path == "kernel" else dict(attention="jnp", matmul="xla")
-    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4, **extra)
+def record_cuts(monkeypatch) -> list[int]:
+    """Spy on `speculation.settle`: for each newer chunk whose rows a check took back, how many of
+    them still count (0: none, a draft before them fell; 1: its own, the token it guessed was wrong)."""
+    cuts, settle = [], speculation.settle
+
+    def spy(seq, chunk, drawn):
+        out = settle(seq, chunk, drawn)
+        if seq.cut is not None and seq.cut[0] is not chunk:
+            cuts.append(seq.cut[1])
+        return out
+
+    monkeypatch.setattr(speculation, "settle", spy)
+    return cuts
+
+
+@pytest.mark.parametrize("path", ["kernel", "jnp", "read back each step"])
+def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, tokenizer, hf, path, monkeypatch):  # noqa: F811
+    """Steps overlap: drafts are looked up while the step before is in flight, past its drafts and
+    past a guess of its last token; rows resting on a draft or a guess that fell are taken back."""
+    extra = {"kernel": {}, "jnp": dict(attention="jnp", matmul="xla"), "read back each step": dict(async_overlap=False)}
+    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4, **extra[path])
     if path == "jnp":
         assert engine.runner.attention.name == paged_attention.JNP.name
     else:
         assert engine.runner.attention.name == cpu_attention.KERNEL.name
-    chunks, overlapped = record_chunks(engine), []
+    chunks, overlapped, cuts = record_chunks(engine), [], record_cuts(monkeypatch)
     free = engine.allocator.num_free_pages
     prompts = repeating_prompts(len(tokenizer), 6)
     params = dict(temperature=0.0, max_tokens=GEN, ignore_eos=True)
@@ -97,7 +115,11 @@ def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, token
     assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
     assert any(c["drafts"] for c in chunks) and any(c["steps"] > 1 for c in chunks)
     assert not any(c["drafts"] and c["steps"] > 1 for c in chunks)
-    assert not overlapped[1]  # a sequence that could draft: the step before read back first
+    if path == "read back each step":
+        assert not any(overlapped) and not cuts and not any(c["guess"] for c in chunks)
+    else:  # drafts on a guess, some of them taken back whole, some down to their chunk's own row
+        assert all(overlapped[1:-1]) and any(c["guess"] and c["drafts"] for c in chunks)
+        assert 0 in cuts and 1 in cuts, cuts
     assert_pages_returned(engine, free)
 
 
@@ -188,16 +210,19 @@ def test_a_full_batch_runs_as_without_drafts(model, tokenizer):  # noqa: F811
     assert sum(overlapped) >= 2 and any(c["steps"] > 1 for c in chunks)
 
 
-def test_steps_overlap_again_while_every_sequence_waits_to_look_again(model, tokenizer, monkeypatch):  # noqa: F811
-    """A sequence whose lookups never find anything: each step after one that looked is overlapped
-    until its back-off ends (8, 16, ... tokens), then one is read back first so that it can look."""
-    monkeypatch.setattr(DraftIndex, "propose", lambda self, seq, k: [])
+def test_a_lookup_that_finds_nothing_waits_longer_each_time(model, tokenizer, monkeypatch):  # noqa: F811
+    """A sequence whose lookups never find anything looks again 8, 16, 32 ... tokens on, its steps
+    overlapped and fused meanwhile."""
+    looked = []
+    monkeypatch.setattr(DraftIndex, "propose", lambda self, seq, k, tail=(): looked.append(seq.num_tokens) or [])
     engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4)
-    engine.add_request("r", list(range(40, 60)), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    overlapped = []
+    engine.add_request("r", list(range(40, 60)), SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True))
+    chunks, overlapped = record_chunks(engine), []
     drain(engine, lambda k: overlapped.append(engine._inflight is not None))
     assert not engine.has_unfinished() and engine.num_draft_tokens == 0
-    assert overlapped.count(False) >= 4 and overlapped.count(True) >= 4  # looked again 8, 16, 32 tokens on
+    gaps = np.diff(looked).tolist()
+    assert len(looked) == 4 and all(w <= g <= w + 7 for g, w in zip(gaps, (8, 16, 32))), looked  # (+ fused steps)
+    assert all(overlapped[1:-1]) and any(c["steps"] > 1 for c in chunks)
 
 
 def test_config_checks_speculative_tokens():

@@ -180,8 +180,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step, then read back the previous one."""
         outputs: list[RequestOutput] = []
-        # read back first: penalties count every earlier token; drafts (speculation) come from tokens read back
-        if self._inflight is not None and (self._inflight.penalised or self.scheduler.may_draft()):
+        # read back first: penalties count every earlier token; drafts are looked up past one step's tokens, not a fused call's
+        if self._inflight is not None and (self._inflight.penalised or self.scheduler.must_read_back()):
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         batch = self.scheduler.schedule(self.decode_steps)
@@ -200,7 +200,7 @@ class LLMEngine:
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         if launched is not None:
-            if self.config.async_overlap and not self.scheduler.may_draft():
+            if self.config.async_overlap:
                 self._inflight = launched
             else:
                 outputs += self._postprocess(launched)
@@ -225,12 +225,16 @@ class LLMEngine:
                 continue
             n, steps, rows = seq.params.logprobs, chunk.num_steps, slice(row, row + 1)
             tokens = tokens_by_row[row][:steps]
-            if chunk.drafts:  # the draws of the chunk's rows up to and including the first that parts from its draft
-                drawn = [t[0] for t in tokens_by_row[row : row + 1 + len(chunk.drafts)]]
-                stood = speculation.settle(seq, chunk.drafts, drawn)
-                self.num_draft_tokens += len(chunk.drafts)
-                self.num_accepted_tokens += stood
-                tokens, rows = drawn[: stood + 1], slice(row, row + stood + 1)
+            if self.config.speculative_tokens:  # (speculation.settle: drafts, and a newer step that guessed)
+                if chunk.drafts:  # the draws of the chunk's rows: its own, then one per draft
+                    tokens = [t[0] for t in tokens_by_row[row : row + 1 + len(chunk.drafts)]]
+                kept, checked, stood = speculation.settle(seq, chunk, tokens)
+                self.num_draft_tokens, self.num_accepted_tokens = self.num_draft_tokens + checked, self.num_accepted_tokens + stood
+                if seq.cut is not None and seq.cut[1]:  # a newer step's drafts fell: its own row drew the newest token
+                    self.runner.prev_rows[seq.seq_id] -= len(seq.cut[0].drafts)
+                if not kept:  # an older step's check took its rows back
+                    continue
+                tokens, rows = tokens[:kept], slice(row, row + (kept if chunk.drafts else 1))
             m = steps * (rows.stop - rows.start)  # tokens: fused steps of one row, or a row per draft
             lps = None if n is None else list(zip(  # one conversion an array, not one a number
                 out.logprobs[:steps, rows].reshape(m).tolist(), out.top_ids[:steps, rows, :n].reshape(m, n).tolist(),

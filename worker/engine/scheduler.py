@@ -44,6 +44,8 @@ class ScheduledChunk:
     `start + i` from the token sampled in step i - 1 and samples again, `num_steps` tokens in all.
     `drafts` (single-token sampling chunks of one step only): guessed next tokens (speculation.py),
     computed at positions `end`, `end + 1`, ... after the chunk's token, each a row that samples.
+    `guess`: with drafts scheduled while the chunk's own token is still in flight, the token they
+    take it to be (None: it was read back).
     """
 
     seq: Sequence
@@ -52,6 +54,7 @@ class ScheduledChunk:
     samples: bool
     num_steps: int = 1
     drafts: tuple[int, ...] = ()
+    guess: int | None = None
 
     @property
     def end(self) -> int:
@@ -164,11 +167,12 @@ class Scheduler:
         budget, stalled = self._schedule_running(chunks, finished, budget)
         if not stalled:
             budget = self._schedule_waiting(chunks, finished, budget)
+        fusable = True
         if self.config.speculative_tokens:
-            chunks = self._add_drafts(chunks, budget)
+            chunks, fusable = self._add_drafts(chunks, budget)
         full = len(self.running) >= self.config.max_num_seqs
-        if max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode and not c.drafts
-                                                                                  for c in chunks):
+        if max_decode_steps > 1 and fusable and (full or not self.waiting) and chunks and all(c.is_decode
+                                                                                              for c in chunks):
             chunks = [self._fuse(c, max_decode_steps) for c in chunks]
         if not chunks and not finished:
             return None
@@ -184,6 +188,7 @@ class Scheduler:
             if chunk.start != seq.num_computed_tokens:
                 raise ValueError(f"chunk of sequence {seq.seq_id} is stale (advanced twice?)")
             seq.num_computed_tokens = chunk.end + chunk.num_steps - 1 + len(chunk.drafts)
+            seq.last_chunk = chunk
             if chunk.samples:  # (drafts: as if all stand; the engine rejects the rest when read back)
                 seq.append_in_flight(chunk.num_steps + len(chunk.drafts))
             self._register_full_pages(seq)
@@ -293,37 +298,49 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
-    def may_draft(self) -> bool:
-        """Speculation: whether a running sequence may get drafts at the next step (the batch has
-        spare rows; it has sampled, has no penalties and is not backing off)."""
+    def must_read_back(self) -> bool:
+        """Speculation: whether a sequence may look for drafts at the next step (the batch has spare
+        rows; it has sampled, has no penalties, is not backing off) but has a fused call's tokens in
+        flight, which it needs to look up from: its first lookup after fused steps."""
         if not self.config.speculative_tokens or len(self.running) >= self.config.max_num_seqs:
             return False
-        return any(s.num_output_tokens and _draftable(s) for s in self.running)
+        return any(s.num_output_tokens and _draftable(s) and _flight_tail(s) is None for s in self.running)
 
-    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> tuple[list[ScheduledChunk], bool]:
         """Speculation: decode chunks get draft tokens (`speculation.DraftIndex`), oldest first, from
         what the step has left once every running and admitted sequence has its chunk: rows (the
-        step's chunks and drafts stay within max_num_seqs), tokens and free pages. Sequences with
-        penalties get none: the penalty of a draft's row would have to count the drafts before it;
-        nor do those whose last drafts all fell or whose last lookup found nothing, for a while
-        (`speculation.back_off`)."""
+        step's chunks and drafts stay within max_num_seqs), tokens and free pages. While the step
+        before is in flight, the lookup takes its drafts to stand and guesses the token it draws
+        last (`ScheduledChunk.guess`). Sequences with penalties get none: the penalty of a draft's
+        row would have to count the drafts before it; nor do those whose last drafts all fell or
+        whose last lookup found nothing, for a while (`speculation.back_off`), nor those with a
+        fused call in flight (`must_read_back`). Returns (chunks, whether the step may be fused:
+        no chunk has drafts)."""
         spare = min(self.config.max_num_seqs - len(chunks), budget)
-        out, size = [], self.config.page_size
+        out, fusable = [], True
         for chunk in chunks:
-            seq = chunk.seq
-            limit = min(self.config.speculative_tokens, spare, self.room(seq) - 1)
-            if limit > 0 and chunk.is_decode and chunk.num_steps == 1 and not seq.num_in_flight and _draftable(seq):
-                capacity = (len(seq.page_table) + self.allocator.num_free_pages) * size
-                seq.draft_index = seq.draft_index or DraftIndex()
-                drafts = seq.draft_index.propose(seq, min(limit, capacity - chunk.end))
-                if not drafts:  # nothing to guess from: look again later, as after a miss
-                    back_off(seq, 0)
-                else:
-                    self._grow(seq, chunk.end + len(drafts))
-                    chunk = ScheduledChunk(seq, chunk.start, 1, True, 1, tuple(drafts))
-                    spare -= len(drafts)
+            if spare > 0 and chunk.is_decode and chunk.num_steps == 1 and _draftable(chunk.seq):
+                chunk = self._with_drafts(chunk, spare)
+                spare -= len(chunk.drafts)
+                fusable = fusable and not chunk.drafts
             out.append(chunk)
-        return out
+        return out, fusable
+
+    def _with_drafts(self, chunk: ScheduledChunk, spare: int) -> ScheduledChunk:
+        seq, tail = chunk.seq, _flight_tail(chunk.seq)
+        capacity = (len(seq.page_table) + self.allocator.num_free_pages) * self.config.page_size
+        want = min(self.config.speculative_tokens, spare, self.room(seq) - 1, capacity - chunk.end)
+        if want <= 0 or tail is None:
+            return chunk
+        seq.draft_index = seq.draft_index or DraftIndex()
+        found = seq.draft_index.propose(seq, want + bool(seq.num_in_flight), tail)
+        guess, drafts = (found[0], found[1:]) if found and seq.num_in_flight else (None, found)
+        if not found:  # nothing to guess from: look again later, as after a miss
+            back_off(seq, 0)
+        if not drafts:
+            return chunk
+        self._grow(seq, chunk.end + len(drafts))
+        return ScheduledChunk(seq, chunk.start, 1, True, 1, tuple(drafts), guess)
 
     def _waits_for_prefill(self, seq: Sequence) -> bool:
         """n > 1: later choices wait for the first one's prompt pages to reach the cache."""
@@ -386,6 +403,15 @@ class Scheduler:
             previous = page_key(previous, tokens)
             self.allocator.register(seq.page_table[i], previous, tokens)
             seq.page_keys.append(previous)
+
+
+def _flight_tail(seq: Sequence) -> tuple[int, ...] | None:
+    """Speculation: what the tokens of `seq` in flight but the newest are taken to be, the drafts of
+    the one-step chunk that drew them; None when a fused call drew them (nothing to take them for)."""
+    n, last = seq.num_in_flight, seq.last_chunk
+    if not n:
+        return ()
+    return last.drafts[: n - 1] if last is not None and last.num_steps == 1 and n - 1 <= len(last.drafts) else None
 
 
 def _draftable(seq: Sequence) -> bool:

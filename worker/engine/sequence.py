@@ -42,6 +42,8 @@ class Sequence:
     draft_misses: int = 0  # speculation: checks in a row where no draft stood (speculation.back_off)
     drafts_from: int = 0  # no drafts until the sequence holds this many tokens
     draft_index: DraftIndex | None = None  # speculation: where its runs of tokens last occurred (made when first asked)
+    last_chunk: object | None = None  # the newest ScheduledChunk dispatched for it (Scheduler.advance)
+    cut: tuple[object, int] | None = None  # speculation: (a chunk in flight, how many of its rows still count)
     finish_reason: str | None = None  # "stop", "length", "abort" (worker.contract.FinishReason)
     stop_reason: str | int | None = None  # matched stop string or stop token id
 

@@ -9,11 +9,16 @@ sequence's. Those draws use each position's own key (seed, choice, output index)
 the tokens the sequence would sample one step at a time. The engine keeps the draws up to and
 including the first that differs from its draft (`accepted`): one token a step at worst, as
 without drafts, and up to every draft plus one where the guess holds. Greedy or sampled, the
-output is the same. A rejected draft costs its row's compute, and its step's: a step with drafts
-is not fused with the next ones (`EngineConfig.decode_steps`), and while some sequence may draft
-the engine reads each step back before scheduling the next (drafts come from tokens read back).
-So a sequence whose drafts all fell, or whose lookup found nothing, waits before it looks again,
-twice as long after each such miss in a row (`back_off`); while every sequence waits, steps overlap.
+output is the same.
+
+Steps overlap as without drafts: the next step is scheduled while the last one is on device, on
+the guess that its drafts all stand, with drafts looked up past them and past a guess of the
+token its last row draws (`ScheduledChunk.guess`). When the last step is read back and a draft
+fell, the newer step's rows for that sequence are taken back too; when the guessed token was
+wrong, the newer step's draft rows are (`settle`). A rejected draft costs its row's compute, and
+its step's: a step with drafts is not fused with the next ones (`EngineConfig.decode_steps`). So a
+sequence whose drafts all fell, or whose lookup found nothing, waits before it looks again,
+twice as long after each such miss in a row (`back_off`).
 """
 
 from __future__ import annotations
@@ -36,23 +41,27 @@ class DraftIndex:
         self.ends: dict[int, int] = {}  # hash of a run -> index of its last token, the latest
         self.indexed = 0  # runs ending before this index are in `ends`
 
-    def propose(self, seq, k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
-        `seq` (a Sequence: its prompt and output tokens), for the longest n in [n_min, n_max] that
-        occurs earlier; [] when none does."""
-        size = seq.num_tokens
+    def propose(self, seq, k: int, tail: tuple[int, ...] = ()) -> list[int]:
+        """`k` tokens that followed the latest earlier occurrence of the last n tokens of `seq`'s
+        known tokens (a Sequence: its prompt and the output read back) then `tail` (what the tokens
+        in flight but the newest are taken to be), for the longest n in [n_min, n_max] that occurs
+        earlier; [] when none does. Where fewer than `k` followed it, those repeat: the last n
+        tokens recur every `size - 1 - end` tokens, so the text is taken to go on doing so."""
+        known = seq.num_known_tokens
+        size = known + len(tail)
         if k <= 0 or size <= self.n_min:
             return []
         lo = max(0, self.indexed - self.n_max + 1)
-        window = seq.token_range(lo, size)  # what the new runs and the last n need, not the whole sequence
-        for end in range(self.indexed, size - 1):  # the runs ending before the last token
+        window = seq.token_range(lo, known) + list(tail)  # what the new runs and the last n need
+        for end in range(self.indexed, known - 1):  # the runs of known tokens ending before the last one
             for n in range(self.n_min, min(self.n_max, end + 1) + 1):
                 self.ends[hash(tuple(window[end - n + 1 - lo : end + 1 - lo]))] = end
-        self.indexed = max(self.indexed, size - 1)
+        self.indexed = max(self.indexed, known - 1)
         for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
             end = self.ends.get(hash(tuple(window[-n:])))
-            if end is not None:
-                return seq.token_range(end + 1, min(end + 1 + k, size))
+            if end is not None:  # what followed it, up to now: a period, repeated (a loop goes on)
+                span = seq.token_range(end + 1, known) + list(tail[max(0, end + 1 - known) :])
+                return (span * -(-k // len(span)))[:k]
         return []
 
 
@@ -65,14 +74,36 @@ def accepted(drafts: tuple[int, ...] | list[int], drawn: list[int]) -> int:
     return n
 
 
-def settle(seq, drafts: tuple[int, ...], drawn: list[int]) -> int:
-    """After a step checked `seq`'s `drafts`, its rows drawing `drawn` (the chunk's own row first):
-    take back the tokens in flight after the first draw that parts from its draft (and their K/V),
-    back off if no draft stood. Returns how many stood; the draws up to one past them are kept."""
-    stood = accepted(drafts, drawn)
-    seq.reject_in_flight(len(drafts) - stood)
-    back_off(seq, stood)
-    return stood
+def settle(seq, chunk, drawn: list[int]) -> tuple[int, int, int]:
+    """When the step that computed `chunk` of `seq` is read back, `drawn` the tokens its rows drew
+    (the chunk's own row, then one per draft; a fused chunk's steps): (how many of them `seq`
+    keeps, drafts checked, drafts that stood). Takes back the in-flight tokens, with their K/V,
+    that rest on a draft that fell: this chunk's after it, and all of a newer chunk of `seq` in
+    flight (`Sequence.cut`, 0 rows kept); or on a wrong guess of the token drawn last here: the
+    newer chunk's drafts (1 row kept). Backs off after a check where no draft stood. A chunk
+    whose rows an older step's check took back keeps none of them, or its own row only."""
+    drafts, cut = chunk.drafts, seq.cut
+    if cut is not None and cut[0] is chunk:
+        seq.cut = None
+        if not cut[1]:
+            return 0, 0, 0
+        drafts, drawn = (), drawn[:1]  # counted when they were taken back
+    later = seq.last_chunk if seq.last_chunk is not chunk else None  # scheduled before this was read back
+    stood, wrong_guess = accepted(drafts, drawn), False
+    kept, checked = (stood + 1 if drafts else len(drawn)), len(drafts)
+    if stood < len(drafts):
+        if later is not None:
+            seq.reject_in_flight(later.num_steps + len(later.drafts) if later.samples else 0)
+            seq.cut, checked = (later, 0), checked + len(later.drafts)
+        seq.reject_in_flight(len(drafts) - stood)
+    elif later is not None and later.guess is not None and later.guess != drawn[kept - 1]:
+        seq.reject_in_flight(len(later.drafts))
+        seq.cut, checked, wrong_guess = (later, 1), checked + len(later.drafts), True
+    if drafts:
+        back_off(seq, stood)
+    if wrong_guess:  # the newer chunk's drafts all fell
+        back_off(seq, 0)
+    return kept, checked, stood
 
 
 def back_off(seq, stood: int) -> None:
