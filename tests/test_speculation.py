@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
+from tests.engine_support import ROOMY, collect, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.test_engine import (SIZES, assert_pages_returned, hf, make_engine, model, random_ckpt,  # noqa: F401 (fixtures)
                                record_chunks)
 from tests.test_engine_seeds import random_requests
@@ -231,3 +231,32 @@ def test_config_checks_speculative_tokens():
             EngineConfig(speculative_tokens=bad)
     assert EngineConfig(speculative_tokens=16).for_backend("cpu").async_overlap
     assert ScheduledChunk(None, 0, 1, True, 1, (5, 6)).is_decode
+
+
+def test_aborts_with_drafts_in_flight_leave_the_others_as_they_were(model, tokenizer):  # noqa: F811
+    """The first two requests seen with drafts in flight (and maybe a guess past them) are aborted
+    there: the others' tokens are those of an engine without drafts, no output follows an end, and
+    every page comes back."""
+    prompts = repeating_prompts(len(tokenizer), 6)
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    base, _ = run(model, tokenizer, [(p, params) for p in prompts], ROOMY, decode_steps=1)
+    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4)
+    free = engine.allocator.num_free_pages
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, params)
+    got, aborted = {}, []
+
+    def abort(k):
+        for seq in list(engine.scheduler.running):
+            if len(aborted) < 2 and seq.num_in_flight and seq.last_chunk.drafts:
+                aborted.append(seq.request_id)
+                collect(got, engine.abort(seq.request_id))
+
+    drain(engine, abort, got)  # (collect: no output for a request after its end)
+    assert len(aborted) == 2
+    for (request_id, _), choice in got.items():
+        want = "abort" if request_id in aborted else "length"
+        assert choice.finish_reason == want, request_id
+        if request_id not in aborted:
+            assert choice.token_ids == base[(request_id, 0)].token_ids, request_id
+    assert_pages_returned(engine, free)
