@@ -167,12 +167,11 @@ class Scheduler:
         budget, stalled = self._schedule_running(chunks, finished, budget)
         if not stalled:
             budget = self._schedule_waiting(chunks, finished, budget)
-        fusable = True
         if self.config.speculative_tokens:
-            chunks, fusable = self._add_drafts(chunks, budget)
+            chunks = self._add_drafts(chunks, budget)
         full = len(self.running) >= self.config.max_num_seqs
-        if max_decode_steps > 1 and fusable and (full or not self.waiting) and chunks and all(c.is_decode
-                                                                                              for c in chunks):
+        if max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode and not c.drafts
+                                                                                  for c in chunks):
             chunks = [self._fuse(c, max_decode_steps) for c in chunks]
         if not chunks and not finished:
             return None
@@ -306,7 +305,7 @@ class Scheduler:
             return False
         return any(s.num_output_tokens and _draftable(s) and _flight_tail(s) is None for s in self.running)
 
-    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> tuple[list[ScheduledChunk], bool]:
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> list[ScheduledChunk]:
         """Speculation: decode chunks get draft tokens (`speculation.DraftIndex`), oldest first, from
         what the step has left once every running and admitted sequence has its chunk: rows (the
         step's chunks and drafts stay within max_num_seqs), tokens and free pages. While the step
@@ -314,17 +313,15 @@ class Scheduler:
         last (`ScheduledChunk.guess`). Sequences with penalties get none: the penalty of a draft's
         row would have to count the drafts before it; nor do those whose last drafts all fell or
         whose last lookup found nothing, for a while (`speculation.back_off`), nor those with a
-        fused call in flight (`must_read_back`). Returns (chunks, whether the step may be fused:
-        no chunk has drafts)."""
+        fused call in flight (`must_read_back`)."""
         spare = min(self.config.max_num_seqs - len(chunks), budget)
-        out, fusable = [], True
+        out = []
         for chunk in chunks:
             if spare > 0 and chunk.is_decode and chunk.num_steps == 1 and _draftable(chunk.seq):
                 chunk = self._with_drafts(chunk, spare)
                 spare -= len(chunk.drafts)
-                fusable = fusable and not chunk.drafts
             out.append(chunk)
-        return out, fusable
+        return out
 
     def _with_drafts(self, chunk: ScheduledChunk, spare: int) -> ScheduledChunk:
         seq, tail = chunk.seq, _flight_tail(chunk.seq)
