@@ -25,6 +25,23 @@ from worker.engine.speculation import DraftIndex, accepted
 GEN = 24
 
 
+class Drafts:
+    """A draft gate that always lets drafts in, whatever the calls took (draft_gate.py): these tests
+    of speculation's mechanics then schedule the same steps on any host."""
+
+    def drafts(self, num_seqs: int) -> bool:
+        return True
+
+    def record(self, *call) -> None:
+        pass
+
+
+def spec_engine(model, tokenizer, sizes: dict, gate=None, **overrides):  # noqa: F811
+    engine = make_engine(model, tokenizer, sizes, **overrides)
+    engine.scheduler.gate = gate or Drafts()
+    return engine
+
+
 def propose(tokens: list[int], k: int, **sizes) -> list[int]:
     seq = Sequence(0, "r", list(tokens), SamplingParams())
     return DraftIndex(**sizes).propose(seq, k)
@@ -96,7 +113,7 @@ def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, token
     """Steps overlap: drafts are looked up while the step before is in flight, past its drafts and
     past a guess of its last token; rows resting on a draft or a guess that fell are taken back."""
     extra = {"kernel": {}, "jnp": dict(attention="jnp", matmul="xla"), "read back each step": dict(async_overlap=False)}
-    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4, **extra[path])
+    engine = spec_engine(model, tokenizer, ROOMY, speculative_tokens=4, **extra[path])
     if path == "jnp":
         assert engine.runner.attention.name == paged_attention.JNP.name
     else:
@@ -124,7 +141,7 @@ def test_greedy_tokens_equal_generate_with_drafts_kept_and_rejected(model, token
 
 
 def run(model, tokenizer, requests, sizes, **overrides):  # noqa: F811
-    engine = make_engine(model, tokenizer, sizes, **overrides)
+    engine = spec_engine(model, tokenizer, sizes, **overrides)
     free = engine.allocator.num_free_pages
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"q{i}", prompt, params)
@@ -176,7 +193,7 @@ def test_sampled_tokens_logprobs_and_stops_equal_an_engine_without_drafts(model,
 
 def drafts_of_next_step(model, tokenizer, max_num_seqs: int, requests: dict) -> dict:  # noqa: F811
     """Each request's drafts in the step after its prompt's, its first token set to repeat the prompt."""
-    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4, max_num_seqs=max_num_seqs)
+    engine = spec_engine(model, tokenizer, ROOMY, speculative_tokens=4, max_num_seqs=max_num_seqs)
     for request_id, params in requests.items():
         engine.add_request(request_id, [9, 8, 7, 6, 9, 8, 7, 6, 9, 8], params)
     engine.step()  # the prompts, each sampling its first token (read back: no async overlap)
@@ -200,7 +217,7 @@ def test_drafts_take_spare_rows_oldest_first_within_room_and_never_with_penaltie
 
 def test_a_full_batch_runs_as_without_drafts(model, tokenizer):  # noqa: F811
     """No spare rows: no drafts, fused steps launched before the step before is read back."""
-    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4, max_num_seqs=4)
+    engine = spec_engine(model, tokenizer, ROOMY, speculative_tokens=4, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"r{i}", [9, 8, 7, 6, 9, 8, 7, 6, 9, 8], params)
@@ -215,7 +232,7 @@ def test_a_lookup_that_finds_nothing_waits_longer_each_time(model, tokenizer, mo
     overlapped and fused meanwhile."""
     looked = []
     monkeypatch.setattr(DraftIndex, "propose", lambda self, seq, k, tail=(): looked.append(seq.num_tokens) or [])
-    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4)
+    engine = spec_engine(model, tokenizer, ROOMY, speculative_tokens=4)
     engine.add_request("r", list(range(40, 60)), SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True))
     chunks, overlapped = record_chunks(engine), []
     drain(engine, lambda k: overlapped.append(engine._inflight is not None))
@@ -240,7 +257,7 @@ def test_aborts_with_drafts_in_flight_leave_the_others_as_they_were(model, token
     prompts = repeating_prompts(len(tokenizer), 6)
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     base, _ = run(model, tokenizer, [(p, params) for p in prompts], ROOMY, decode_steps=1)
-    engine = make_engine(model, tokenizer, ROOMY, speculative_tokens=4)
+    engine = spec_engine(model, tokenizer, ROOMY, speculative_tokens=4)
     free = engine.allocator.num_free_pages
     for i, p in enumerate(prompts):
         engine.add_request(f"q{i}", p, params)

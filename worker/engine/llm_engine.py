@@ -13,9 +13,8 @@ import logging
 import statistics
 import time
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,8 @@ from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampl
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, screened_head, speculation
 from worker.engine.attention_choice import choose_attention
-from worker.engine.detokenizer import Detokenizer, detokenizers
+from worker.engine.detokenizer import detokenizers
+from worker.engine.draft_gate import DraftGate
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.request_output import RequestOutput
@@ -34,22 +34,13 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from worker.engine.stop_checker import StopChecker
+from worker.engine.track import Track
 from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
 from worker.models.sharding import kv_sharding, make_mesh
 
 log = logging.getLogger("redjax.engine")
 
 CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_steps)
-
-
-@dataclass
-class _Track:
-    """Host-side text state of one sequence."""
-
-    detok: Detokenizer
-    stops: StopChecker
-    prompt_logprobs: list[dict[str, Any] | None] = field(default_factory=list)
-    prompt_sent: bool = False
 
 
 class LLMEngine:
@@ -89,7 +80,7 @@ class LLMEngine:
         self.runner.background_compiles = config.compile_threads or COMPILE_THREADS
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
-        self._tracks: dict[int, _Track] = {}
+        self._tracks: dict[int, Track] = {}
         self._detokenizer = detokenizers(tokenizer)  # (prompt ids, skip specials) -> a sequence's detokenizer
         self._seq_ids = itertools.count()
         self._inflight: InFlight | None = None
@@ -128,7 +119,7 @@ class LLMEngine:
         self._groups[request_id] = group
         for seq in group.sequences:
             detok = self._detokenizer(prompt_token_ids, params.skip_special_tokens)
-            self._tracks[seq.seq_id] = _Track(detok, StopChecker(params.stop, params.include_stop_str_in_output))
+            self._tracks[seq.seq_id] = Track(detok, StopChecker(params.stop, params.include_stop_str_in_output))
         self.scheduler.add(group)
         self.num_prompt_tokens += len(prompt_token_ids)
 
@@ -209,6 +200,7 @@ class LLMEngine:
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)
         out = to_host(flight.out, logprobs=sampled_lps, prompt=flight.shape.prompt_logprobs)  # as the batch decided
+        done, generated = time.perf_counter(), self.num_generated_tokens
         tokens_by_row = out.tokens.T.tolist()  # [R][K]: one conversion instead of one per token
         results: list[RequestOutput] = []
         for row, chunk in enumerate(flight.rows):
@@ -216,7 +208,7 @@ class LLMEngine:
                 continue
             seq, track = chunk.seq, self._tracks[chunk.seq.seq_id]
             if seq.params.prompt_logprobs is not None and chunk.start < seq.num_prompt_tokens:
-                self._collect_prompt_logprobs(seq, track, chunk, row, flight, out)
+                track.collect_prompt_logprobs(seq, chunk, flight.starts[row], out)
             if seq.params.max_tokens == 0 and not seq.output_token_ids and chunk.end >= seq.num_prompt_tokens:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
                 results.append(self._finish_output(seq))
@@ -225,24 +217,22 @@ class LLMEngine:
                 continue
             n, steps, rows = seq.params.logprobs, chunk.num_steps, slice(row, row + 1)
             tokens = tokens_by_row[row][:steps]
-            if self.config.speculative_tokens:  # (speculation.settle: drafts, and a newer step that guessed)
-                if chunk.drafts:  # the draws of the chunk's rows: its own, then one per draft
-                    tokens = [t[0] for t in tokens_by_row[row : row + 1 + len(chunk.drafts)]]
-                kept, checked, stood = speculation.settle(seq, chunk, tokens)
+            if self.config.speculative_tokens:  # drafts, and a newer step that guessed (speculation.settle)
+                tokens, rows, checked, stood = speculation.read_back(seq, chunk, tokens_by_row, row, self.runner.prev_rows)
                 self.num_draft_tokens, self.num_accepted_tokens = self.num_draft_tokens + checked, self.num_accepted_tokens + stood
-                if seq.cut is not None and seq.cut[1]:  # a newer step's drafts fell: its own row drew the newest token
-                    self.runner.prev_rows[seq.seq_id] -= len(seq.cut[0].drafts)
-                if not kept:  # an older step's check took its rows back
+                if not tokens:  # an older step's check took its rows back
                     continue
-                tokens, rows = tokens[:kept], slice(row, row + (kept if chunk.drafts else 1))
             m = steps * (rows.stop - rows.start)  # tokens: fused steps of one row, or a row per draft
             lps = None if n is None else list(zip(  # one conversion an array, not one a number
                 out.logprobs[:steps, rows].reshape(m).tolist(), out.top_ids[:steps, rows, :n].reshape(m, n).tolist(),
                 out.top_logprobs[:steps, rows, :n].reshape(m, n).tolist()))
             results.append(self._take_tokens(seq, track, tokens, lps))
+        kind = "drafts" if flight.shape.drafts else "fused" if flight.shape.decode_steps > 1 else None  # (draft_gate.py)
+        self.scheduler.gate.record(kind, len(flight.batch.chunks), self.num_generated_tokens - generated,
+                                   flight.launched_at, done)
         return results
 
-    def _take_tokens(self, seq: Sequence, track: _Track, tokens: list[int], lps: list | None) -> RequestOutput:
+    def _take_tokens(self, seq: Sequence, track: Track, tokens: list[int], lps: list | None) -> RequestOutput:
         """Resolve read-back tokens up to the first that ends the sequence.
 
         With stop strings each token's text goes through the stop check on its own; without, the
@@ -282,7 +272,7 @@ class LLMEngine:
             end = next((k for k, t in enumerate(tokens[:end]) if t in stops), end)
         return end if end < len(tokens) else None
 
-    def _text(self, track: _Track, ids: list[int], reason, text: str):
+    def _text(self, track: Track, ids: list[int], reason, text: str):
         """Append the text of `ids` (EOS / stop tokens are not text) through the stop-string check."""
         stop_token = reason is not None and reason[0] == FinishReason.STOP
         delta = track.detok.add(ids[:-1] if stop_token else ids) if ids else ""
@@ -310,7 +300,7 @@ class LLMEngine:
             return FinishReason.LENGTH, None
         return None
 
-    def _emit(self, seq: Sequence, track: _Track, ids: list[int], logprobs: list, text: str, reason) -> RequestOutput:
+    def _emit(self, seq: Sequence, track: Track, ids: list[int], logprobs: list, text: str, reason) -> RequestOutput:
         self.num_generated_tokens += len(ids)
         if seq.group.first_token_time is None:
             seq.group.first_token_time = time.time()
@@ -324,8 +314,8 @@ class LLMEngine:
         text = track.stops.flush() if seq.finish_reason != FinishReason.ABORT else ""
         return self._output(seq, track, [], text, [] if seq.params.logprobs is not None else None)
 
-    def _output(self, seq: Sequence, track: _Track, ids: list[int], text: str, logprobs) -> RequestOutput:
-        prompt_lps = self._take_prompt_logprobs(seq, track)
+    def _output(self, seq: Sequence, track: Track, ids: list[int], text: str, logprobs) -> RequestOutput:
+        prompt_lps = track.take_prompt_logprobs(seq)
         done = False
         if seq.is_finished:  # its last output: choices finished together (abort) each still get theirs
             self._tracks.pop(seq.seq_id, None)
@@ -338,32 +328,6 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.group.num_cached_prompt_tokens or 0, request_finished=done,
         )
-
-    def _collect_prompt_logprobs(self, seq, track: _Track, chunk, row: int, flight: InFlight, out) -> None:
-        """Gather the logprob of each next prompt token this chunk computed (first prompt token: None)."""
-        if track.prompt_sent:
-            return
-        if not track.prompt_logprobs:
-            track.prompt_logprobs.append(None)
-        if chunk.start + 1 >= seq.num_prompt_tokens:  # nothing left to predict: the step computed none
-            return
-        n, rows = seq.params.prompt_logprobs, slice(flight.starts[row], flight.starts[row] + chunk.num_tokens)
-        # the chunk's numbers as Python ones, one conversion an array
-        lps, ids, tops = (out.prompt_logprobs[rows].tolist(), out.prompt_top_ids[rows, :n].tolist(),
-                          out.prompt_top_logprobs[rows, :n].tolist())
-        for i in range(chunk.num_tokens):
-            pos = chunk.start + i
-            if pos + 1 >= seq.num_prompt_tokens or len(track.prompt_logprobs) > pos + 1:
-                continue
-            top = [[a, b] for a, b in zip(ids[i], tops[i])]
-            track.prompt_logprobs.append({"token_id": seq.prompt_token_ids[pos + 1], "logprob": lps[i], "top": top})
-
-    def _take_prompt_logprobs(self, seq: Sequence, track: _Track):
-        """Prompt logprobs go out once, with the choice's first output."""
-        if seq.params.prompt_logprobs is None or track.prompt_sent:
-            return None
-        track.prompt_sent = True
-        return track.prompt_logprobs
 
     def warmup(self, sampling: tuple[SamplingParams, ...] | None = None) -> int:
         """Compile the step variants a server meets first, for each of `sampling`: every pure-decode
@@ -474,13 +438,16 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _uncounted(self):
-        """Throwaway requests (warm-up, calibration) leave the throughput counters as they were."""
+        """Throwaway requests (warm-up, calibration) leave the throughput counters as they were, and
+        what the draft gate measured (their calls compile, or while planning never run)."""
         names = ("num_generated_tokens", "num_prompt_tokens", "num_steps", "num_step_seqs", "num_draft_tokens",
                  "num_accepted_tokens")
-        counters = [getattr(self, name) for name in names]
+        counters, gate = [getattr(self, name) for name in names], self.scheduler.gate
+        self.scheduler.gate = DraftGate()
         try:
             yield
         finally:
+            self.scheduler.gate = gate
             for name, value in zip(names, counters):
                 setattr(self, name, value)
 

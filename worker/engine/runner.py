@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from typing import Any
 
@@ -81,6 +81,7 @@ class InFlight:
     starts: list[int]  # index in T of the first token of each row's chunk
     shape: StepShape
     out: StepOutput | Future  # a Future with a launch thread (`landed` waits for its call to return)
+    launched_at: float = field(default_factory=time.perf_counter)
 
     @property
     def penalised(self) -> bool:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from worker.contract import FinishReason
 from worker.engine.config import EngineConfig
+from worker.engine.draft_gate import DraftGate
 from worker.engine.page_allocator import PageAllocator, page_key
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from worker.engine.speculation import DraftIndex, back_off
@@ -98,6 +99,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest (smallest arrival) first
         self.num_preemptions = 0
+        self.gate = DraftGate()  # speculation: drafts or fused steps, for a batch that could fuse (the engine times calls)
         # prompt chunks (more than one token) per step at most. Warm-up sets it to the widest envelope's
         # prefill rows: a burst of short prompts at an idle worker otherwise made a step of more chunks
         # than any compiled shape holds, and every stream waited while that shape compiled (session 49)
@@ -160,18 +162,19 @@ class Scheduler:
         batch gets fused steps (`ScheduledChunk.num_steps`) when nobody waits or every sequence
         slot is taken (nobody waiting could join before a running sequence ends, and no fused
         window runs past a sequence's token limit; one that stops early frees its slot at the end
-        of the window, at most max_decode_steps - 1 steps late) and no chunk has drafts (speculation)."""
+        of the window, at most max_decode_steps - 1 steps late) and no chunk has drafts (speculation:
+        such a batch takes drafts when `gate` finds them faster)."""
         chunks: list[ScheduledChunk] = []
         finished: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
         budget, stalled = self._schedule_running(chunks, finished, budget)
         if not stalled:
             budget = self._schedule_waiting(chunks, finished, budget)
-        if self.config.speculative_tokens:
-            chunks = self._add_drafts(chunks, budget)
         full = len(self.running) >= self.config.max_num_seqs
-        if max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode and not c.drafts
-                                                                                  for c in chunks):
+        fusable = max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode for c in chunks)
+        if self.config.speculative_tokens and not (fusable and not self.gate.drafts(len(chunks))):
+            chunks = self._add_drafts(chunks, budget)
+        if fusable and not any(c.drafts for c in chunks):
             chunks = [self._fuse(c, max_decode_steps) for c in chunks]
         if not chunks and not finished:
             return None
@@ -301,7 +304,9 @@ class Scheduler:
         """Speculation: whether a sequence may look for drafts at the next step (the batch has spare
         rows; it has sampled, has no penalties, is not backing off) but has a fused call's tokens in
         flight, which it needs to look up from: its first lookup after fused steps."""
-        if not self.config.speculative_tokens or len(self.running) >= self.config.max_num_seqs:
+        if not self.config.speculative_tokens or not 0 < len(self.running) < self.config.max_num_seqs:
+            return False
+        if not self.gate.drafts(len(self.running)):  # the batch fuses again, unless some wait
             return False
         return any(s.num_output_tokens and _draftable(s) and _flight_tail(s) is None for s in self.running)
 

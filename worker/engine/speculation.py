@@ -106,6 +106,20 @@ def settle(seq, chunk, drawn: list[int]) -> tuple[int, int, int]:
     return kept, checked, stood
 
 
+def read_back(seq, chunk, tokens_by_row: list[list[int]], row: int, prev_rows: dict[int, int]):
+    """The tokens `seq` keeps of `chunk`, whose step drew `tokens_by_row` ([rows][fused steps]) with
+    the chunk's own row at `row` (then one row per draft), and the rows they came from (a slice),
+    drafts checked, drafts that stood (`settle`). Where a newer step's drafts fell on a wrong guess,
+    its own row drew the newest token: `prev_rows` (the runner's row of each sequence's newest token)
+    says so."""
+    drafts = chunk.drafts
+    tokens = [t[0] for t in tokens_by_row[row : row + 1 + len(drafts)]] if drafts else tokens_by_row[row][: chunk.num_steps]
+    kept, checked, stood = settle(seq, chunk, tokens)
+    if seq.cut is not None and seq.cut[1]:
+        prev_rows[seq.seq_id] -= len(seq.cut[0].drafts)
+    return tokens[:kept], slice(row, row + (kept if drafts else 1)), checked, stood
+
+
 def back_off(seq, stood: int) -> None:
     """After a check of `seq`'s drafts in which `stood` of them stood (or a lookup that found none:
     0): none, and it looks again only BACK_OFF, 2 x BACK_OFF, ... tokens on (at most MAX_BACK_OFF,
