@@ -46,14 +46,25 @@ def test_each_kind_is_measured_then_the_faster_one_is_chosen():
 
 
 def test_one_slow_call_does_not_decide():
-    """A call that compiled its variant (or met a busy host) is one of PROBE: the median holds."""
+    """A call that compiled its variant (or met a busy host) is left out of its kind's rate."""
     gate = DraftGate()
     calls = Calls(gate)
-    calls.run("drafts", 40, 0.0015)  # 27k tokens/s
+    calls.run("drafts", 40, 0.0015, times=PROBE - 1)  # 27k tokens/s
     calls.run("drafts", 40, 0.2)
-    calls.run("drafts", 40, 0.0015)
     calls.run(*FUSED, times=PROBE)
     assert gate.drafts(8)
+
+
+def test_calls_with_drafts_count_by_their_tokens_in_all():
+    """Calls with drafts give many tokens, one or none (llama-100m at batch 1, one 14 ms step
+    each): their sum over their time is the rate, 107 tokens/s here against fused steps' 72; the
+    median call's rate would say 36."""
+    gate = DraftGate()
+    calls = Calls(gate)
+    for tokens in (5, 0, 0, 1):
+        calls.run("drafts", tokens, 0.014, num_seqs=1)
+    calls.run("fused", 6, 0.083, num_seqs=1, times=PROBE)
+    assert gate.drafts(1) and gate.choices() == {1: "drafts"}
 
 
 def test_a_call_behind_another_counts_from_that_ones_read_back():
@@ -163,7 +174,7 @@ class Costed(DraftGate):
 
 
 @pytest.mark.parametrize("winner, cost", [
-    ("fused", {"drafts": 1.0, "fused": 1.5}),  # a call's overhead dominates (a small model on a CPU)
+    ("fused", {"drafts": 2.0, "fused": 1.5}),  # a call's overhead and the drafts' rows dominate (small model, CPU)
     ("drafts", {"drafts": 1.0, "fused": 4.0}),  # each step costs as much as a call with drafts
 ])
 def test_the_engine_takes_the_kind_of_call_that_gives_more_tokens(model, tokenizer, hf, winner, cost):  # noqa: F811
@@ -180,4 +191,5 @@ def test_the_engine_takes_the_kind_of_call_that_gives_more_tokens(model, tokeniz
     decode = [c for c in chunks if c["n"] == 1 and c["samples"]]
     half = decode[len(decode) // 2 :]  # after the first measurements
     drafted, fused = sum(bool(c["drafts"]) for c in half), sum(c["steps"] > 1 for c in half)
-    assert (drafted > fused) if winner == "drafts" else (drafted == 0 < fused), (drafted, fused)
+    # (a few drafts where fused steps won: smaller batches at the end, which their own bucket measures)
+    assert (drafted > fused) if winner == "drafts" else (8 * drafted < fused), (drafted, fused)

@@ -68,9 +68,9 @@ class EngineConfig:
     speculative_tokens: int = 0  # prompt-lookup speculation: a decode row may carry up to this many draft
     # tokens, the ones that followed the latest earlier match of its last tokens (speculation.py), all
     # checked in the same step; the same tokens as without, more of them a step where text repeats. Drafts
-    # use rows the step has spare (a full batch gets none, and runs as without). Drafts come from tokens
-    # read back, so while some sequence may get drafts each step is read back before the next is
-    # scheduled (no async overlap); a decode step where none has drafts fuses decode_steps. 0: off
+    # use rows the step has spare (a full batch gets none, and runs as without). Steps still overlap: the
+    # next step's lookup takes the drafts in flight to stand. A decode batch that could fuse decode_steps
+    # takes drafts only where they gave more tokens a second than fused steps (draft_gate.py). 0: off
 
     def __post_init__(self) -> None:
         checks = {

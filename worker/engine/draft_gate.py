@@ -4,14 +4,18 @@ A decode batch whose sequences could all fuse their next steps (`EngineConfig.de
 two ways to go. It can take drafts (speculation.py): one step that checks them, kept only as far
 as they stand. Or it can fuse: many steps in one call, with one call's overhead for all of them.
 Which gives more tokens a second depends on the model, the batch size, the host and how well the
-text repeats. On a 2-core CPU a small model's fused call of 16 steps at 8 sequences outran drafts
-that all stood by 1.5x, while at batch 1 the drafts won by 1.3-2x (docs/benchmarks.md). So the gate
-measures both. Each call read back adds its tokens per second to its kind ("drafts" or "fused")
-for its batch size, rounded down to a power of two. A batch size starts by trying each kind for
-PROBE calls, then takes the one with the higher median. The other kind is tried again once the
-winner has run SPACING times as long as that kind's last PROBE calls took, and after each try that
-changes nothing twice as long, up to 2**MAX_TRIES times: a try then costs at most 1/SPACING of the
-time, less and less, yet text that starts repeating gets its drafts back.
+text repeats. On a 2-core CPU a small model's fused calls of 16 steps at 8 sequences gave 1.45x the
+tokens a second of calls with drafts that nearly all stood, while at batch 1 the calls with drafts
+gave twice the fused calls' (docs/design-notes.md, "Speculation"). So the gate measures both.
+Each call read back adds its tokens and its time to its kind ("drafts" or "fused") for its batch
+size, rounded down to a power of two. A batch size starts by trying each kind for PROBE calls,
+then takes the one whose last PROBE calls gave more tokens for their time in all. A call with
+drafts gives many tokens, one, or none (a draft before it fell), so the sums count, not each
+call's rate; a call that took SLOW times the median call's time (it compiled, or the host
+stalled) is left out. The other kind is tried again once the winner has run SPACING times as
+long as that kind's last PROBE calls took, and after each try that changes nothing twice as long,
+up to 2**MAX_TRIES times: a try then costs at most 1/SPACING of the time, less and less, yet text
+that starts repeating gets its drafts back.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-PROBE = 3  # calls of a kind measured before its rate counts; the median of the last PROBE holds it
+PROBE = 4  # calls of a kind measured before its rate counts; its last PROBE give it
+SLOW = 3.0  # a call that took this many times the median call's time is left out of its kind's rate
 SPACING = 16  # the winner runs this many times as long as a try of the other kind takes before the next
 MAX_TRIES = 4  # the spacing doubles after each try in a row that changes nothing, this many times at most
 KINDS = ("drafts", "fused")
@@ -28,7 +33,7 @@ KINDS = ("drafts", "fused")
 
 @dataclass
 class _Bucket:
-    """What the gate knows of one batch size: the latest calls of each kind, (tokens/s, seconds)."""
+    """What the gate knows of one batch size: the latest calls of each kind, (tokens, seconds)."""
 
     calls: dict[str, deque] = field(default_factory=lambda: {k: deque(maxlen=PROBE) for k in KINDS})
     winner: str | None = None  # the kind chosen when both were last measured
@@ -40,7 +45,10 @@ class _Bucket:
         return len(self.calls[kind]) >= PROBE
 
     def rate(self, kind: str) -> float:
-        return statistics.median(r for r, _ in self.calls[kind])
+        """Tokens per second of the kind's last calls, those that took SLOW times the median left out."""
+        cap = SLOW * statistics.median(t for _, t in self.calls[kind])
+        kept = [(n, t) for n, t in self.calls[kind] if t <= cap]
+        return sum(n for n, _ in kept) / sum(t for _, t in kept)
 
 
 class DraftGate:
@@ -68,7 +76,7 @@ class DraftGate:
         if kind is None or seconds <= 0:
             return
         b = self._buckets.setdefault(_key(num_seqs), _Bucket())
-        b.calls[kind].append((tokens / seconds, seconds))
+        b.calls[kind].append((tokens, seconds))
         if not (b.measured("drafts") and b.measured("fused")):
             return
         winner = "drafts" if b.rate("drafts") >= b.rate("fused") else "fused"

@@ -318,9 +318,12 @@ class Worker:
                  100.0 * (mark.hits - before.hits) / max(1, mark.lookups - before.lookups))
         if engine.config.speculative_tokens:
             drafts = mark.drafts - before.drafts
-            log.info("worker %s: speculation: %d draft tokens checked, %.1f%% stood (%.1f%% of generated tokens)",
-                     self.config.name, drafts, 100.0 * (mark.stood - before.stood) / max(1, drafts),
-                     100.0 * (mark.stood - before.stood) / max(1, mark.generated - before.generated))
+            chosen = ", ".join(f"{n}+ sequences {kind}" for n, kind in engine.scheduler.gate.choices().items())
+            log.info("worker %s: speculation: %d draft tokens checked, %.1f%% stood (%.1f%% of generated tokens); "
+                     "drafts or fused steps: %s", self.config.name, drafts,
+                     100.0 * (mark.stood - before.stood) / max(1, drafts),
+                     100.0 * (mark.stood - before.stood) / max(1, mark.generated - before.generated),
+                     chosen or "not measured yet")
 
 
 class _Counters(NamedTuple):
