@@ -356,9 +356,7 @@ class LLMEngine:
         widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
         steps = sorted({1, self.decode_steps}) if runner.fixed_pages is None else [1]
         long = [StepShape(sizes[-1], 0, 0, widest, k, False, self.config.page_size, runner.max_rows) for k in steps]
-        if self.config.speculative_tokens:  # single decode steps with drafts, at every decode-row rung
-            long += [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows, drafts=True)
-                     for n in sizes]
+        long += self.draft_shapes()
 
         def drive():
             for k, params in enumerate(sampling):
@@ -376,6 +374,17 @@ class LLMEngine:
             self.compile_ahead(drive)
             drive()
         return len(runner.compiled) + len(runner.ready) - before
+
+    def draft_shapes(self) -> list[StepShape]:
+        """Speculation (none when off): single decode steps with drafts at every decode-row rung, at
+        the widest page table. How many rows a step has follows which drafts stood before, so any
+        rung may come; warm-up compiles them all."""
+        if not self.config.speculative_tokens:
+            return []
+        runner = self.runner
+        widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
+        sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
+        return [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows, drafts=True) for n in sizes]
 
     def compile_ahead(self, drive: Callable[[], object]) -> int:
         """Run `drive` (it adds requests and steps the engine until they finish) without the device:
