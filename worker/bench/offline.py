@@ -246,7 +246,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         run_engine(engine, work.like_prompts(cfg.vocab_size, seed=work.seed + 3), work.output_lens, tag="plan",
                    work=work)
         # speculation: a step's rows follow which drafts stand, which the plan's zeros do not foretell
-        # (3 compiles of ~0.4 s in llama-100m's 8 x 128/128 run): every rung, as a worker's warm-up
+        # (3 compiles in llama-100m's 8 x 128/128 timed round): every rung, as a worker's warm-up
         mixes = [[work.params(1, 0)], [work.params(1, 1)], [work.params(1, 0), work.params(1, 1)]]
         for flags in {sampler_flags(mix, engine.config.max_logprobs) for mix in mixes}:
             for shape in engine.draft_shapes():
