@@ -34,7 +34,7 @@ def value(families: dict, name: str, sample: str | None = None, **labels) -> flo
 
 def test_metrics_report_fleet_state(redis_client, redis_url):
     seed_worker(redis_client, "gpu-0", running=5, waiting=2, pages_used=400, pages_total=1000, prefix_cache_hit_rate=0.625,
-                draft_acceptance_rate=0.375)
+                draft_acceptance_rate=0.375, draft_gate="1:drafts 8:fused")
     seed_gone_worker(redis_client, "gpu-9")
     seed_worker(redis_client, "gpu-1", state=contract.WorkerState.STARTING.value)  # loading or compiling
     seed_queue(redis_client, total=4, delivered=1)
@@ -51,6 +51,9 @@ def test_metrics_report_fleet_state(redis_client, redis_url):
     assert value(m, "redjax:kv_cache_usage_perc", worker="gpu-0", model_name="tiny-llama") == pytest.approx(0.4)
     assert value(m, "redjax:prefix_cache_hit_rate", worker="gpu-0", model_name="tiny-llama") == 0.625
     assert value(m, "redjax:spec_decode_draft_acceptance_rate", worker="gpu-0", model_name="tiny-llama") == 0.375
+    chosen = {size: value(m, "redjax:spec_decode_drafts_chosen", worker="gpu-0", model_name="tiny-llama",
+                          min_batch_size=size) for size in ("1", "8")}
+    assert chosen == {"1": 1.0, "8": 0.0}
     assert value(m, "redjax:worker_up", worker="gpu-0") == 1
     assert value(m, "redjax:worker_up", worker="gpu-9") == 0
     assert value(m, "redjax:workers_alive") == 2

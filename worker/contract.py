@@ -196,6 +196,7 @@ class WorkerStats:
     max_num_seqs: int
     prefix_cache_hit_rate: float = 0.0  # prompt tokens admitted over the last few seconds that the cache served
     draft_acceptance_rate: float = 0.0  # speculation: draft tokens checked over the last few seconds that stood
+    draft_gate: str = ""  # speculation: what the draft gate chose by batch size, "1:drafts 8:fused" (draft_gate.py)
 
     def encode(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}

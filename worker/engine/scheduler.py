@@ -172,7 +172,7 @@ class Scheduler:
             budget = self._schedule_waiting(chunks, finished, budget)
         full = len(self.running) >= self.config.max_num_seqs
         fusable = max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode for c in chunks)
-        if self.config.speculative_tokens and not (fusable and not self.gate.drafts(len(chunks))):
+        if self.config.speculative_tokens and (not fusable or self.gate.drafts(len(chunks))):
             chunks = self._add_drafts(chunks, budget)
         if fusable and not any(c.drafts for c in chunks):
             chunks = [self._fuse(c, max_decode_steps) for c in chunks]

@@ -294,6 +294,7 @@ class Worker:
             max_num_seqs=engine.config.max_num_seqs,
             prefix_cache_hit_rate=round((last.hits - first.hits) / lookups, 4) if lookups else 0.0,
             draft_acceptance_rate=round((last.stood - first.stood) / drafts, 4) if drafts else 0.0,
+            draft_gate=" ".join(f"{n}:{kind}" for n, kind in engine.scheduler.gate.choices().items()),
         ))
 
     def _counters(self, now: float) -> "_Counters":
