@@ -92,19 +92,6 @@ def test_offline_plans_the_runs_tail_steps_too(tiny_model):
     assert code == 0 and json.loads(out)["compiles_during_run"] == 0
 
 
-def test_offline_with_drafts_gives_transformers_tokens_and_compiles_nothing_during_the_run(tiny_model):
-    """How many rows a step with drafts has follows which drafts stood, which the plan's zeros do
-    not foretell: every rung is compiled ahead, as a worker's warm-up does (llama-100m at 8 x
-    128/128 compiled 3 variants during its timed round before)."""
-    code, out = run_bench("offline", "--model", str(tiny_model), "--num-prompts", "6", "--input-len", "8",
-                          "--output-len", "40", "--decode-steps", "1", "--speculative-tokens", "4",
-                          "--compare", "hf", "--hf-batch-size", "6", "--json")
-    report = json.loads(out)
-    assert code == 0 and report["compiles_during_run"] == 0
-    assert report["draft_tokens"] > report["accepted_tokens"] > 0, report["draft_tokens"]
-    assert report["greedy_match_fraction"] == 1.0
-
-
 def test_offline_on_the_shape_of_a_config_json(tmp_path, capsys):
     """--dummy PATH: random weights shaped by any config.json; a name that is neither a preset nor
     a config is a usage error before anything loads."""
