@@ -14,8 +14,10 @@ drafts gives many tokens, one, or none (a draft before it fell), so the sums cou
 call's rate; a call that took SLOW times the median call's time (it compiled, or the host
 stalled) is left out. The other kind is tried again once the winner has run SPACING times as
 long as that kind's last PROBE calls took, and after each try that changes nothing twice as long,
-up to 2**MAX_TRIES times: a try then costs at most 1/SPACING of the time, less and less, yet text
-that starts repeating gets its drafts back.
+up to 2**MAX_TRIES times: a try's own calls take at most 1/SPACING of the time, less and less
+(the switches around a try, a read-back before the first step with drafts and fused calls taken
+back behind a fallen draft, cost more than its calls), yet text that starts repeating gets its
+drafts back.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 PROBE = 4  # calls of a kind measured before its rate counts; its last PROBE give it
 SLOW = 3.0  # a call that took this many times the median call's time is left out of its kind's rate
-SPACING = 16  # the winner runs this many times as long as a try of the other kind takes before the next
+SPACING = 64  # the winner runs this many times as long as a try of the other kind takes before the next
 MAX_TRIES = 4  # the spacing doubles after each try in a row that changes nothing, this many times at most
 KINDS = ("drafts", "fused")
 
