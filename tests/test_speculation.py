@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.bench_support import run_bench
 from tests.engine_support import ROOMY, collect, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
-from tests.hf_models import make_hf_model
 from tests.test_engine import (SIZES, assert_pages_returned, hf, make_engine, model, random_ckpt,  # noqa: F401 (fixtures)
                                record_chunks)
+from tests.test_bench import tiny_model  # noqa: F401 (a fixture)
 from tests.test_engine_seeds import random_requests
 from worker.engine import cpu_attention, paged_attention, speculation
 from worker.engine.config import EngineConfig
@@ -283,18 +282,11 @@ def test_aborts_with_drafts_in_flight_leave_the_others_as_they_were(model, token
     assert_pages_returned(engine, free)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_hf_model("llama", path)
-    return path
-
-
-def test_offline_with_drafts_gives_transformers_tokens_and_compiles_nothing_during_the_run(tiny_llama):
+def test_offline_with_drafts_gives_transformers_tokens_and_compiles_nothing_during_the_run(tiny_model):  # noqa: F811
     """How many rows a step with drafts has follows which drafts stood, which the plan's zeros do
     not foretell: every rung is compiled ahead, as a worker's warm-up does (llama-100m at 8 x
     128/128 compiled 3 variants during its timed round before)."""
-    code, out = run_bench("offline", "--model", str(tiny_llama), "--num-prompts", "6", "--input-len", "8",
+    code, out = run_bench("offline", "--model", str(tiny_model), "--num-prompts", "6", "--input-len", "8",
                           "--output-len", "40", "--decode-steps", "1", "--speculative-tokens", "4",
                           "--compare", "hf", "--hf-batch-size", "6", "--json")
     report = json.loads(out)

@@ -346,7 +346,7 @@ class LLMEngine:
         self.calibrate_decode_steps()
         runner = self.runner
         before = len(runner.compiled) + len(runner.ready)
-        sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
+        sizes = self._decode_rungs()
         mixed = envelopes(sizes[-1], self.config.max_num_batched_tokens, runner.fixed_pages, self.config.page_size,
                           runner.max_rows) if runner.fixed_pages and runner.attention.ragged else []  # packed shapes
         self.scheduler.max_prefill_chunks = max((s.num_prefill for s in mixed), default=self.config.max_num_seqs)
@@ -383,8 +383,12 @@ class LLMEngine:
             return []
         runner = self.runner
         widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
-        sizes = sorted({decode_rows(n, runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
-        return [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows, drafts=True) for n in sizes]
+        return [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows, drafts=True)
+                for n in self._decode_rungs()]
+
+    def _decode_rungs(self) -> list[int]:
+        """The row counts a decode step's variants come in, for 1 .. max_num_seqs rows."""
+        return sorted({decode_rows(n, self.runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
 
     def compile_ahead(self, drive: Callable[[], object]) -> int:
         """Run `drive` (it adds requests and steps the engine until they finish) without the device:
