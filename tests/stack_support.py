@@ -58,9 +58,9 @@ def start_worker(model_dir: Path, redis_url: str, name: str, *extra: str,
     return subprocess.Popen(cmd, env=_env(env), cwd=REPO)
 
 
-def start_api(model_dir: Path, redis_url: str, *extra: str,
-              env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_api(model_dir: Path, redis_url: str, *extra: str, env: dict[str, str] | None = None,
+              port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "worker.cli", "api", "--model", str(model_dir), "--redis", redis_url,
            "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, env=_env(env), cwd=REPO)

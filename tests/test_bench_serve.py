@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
+import time
 
 import httpx
 import pytest
 
 from tests.bench_support import check_serve_report, run_bench
+from tests.conftest import free_port
 from tests.stack_support import make_served_model, start_api, start_worker, stop, wait_until
 
 
@@ -83,9 +86,9 @@ def test_serve_sends_the_key_from_the_environment(served, stack, redis_url, tmp_
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)
         args = ("serve", "--url", url, "--model", served.name, "--num-prompts", "2", "--input-len", "4",
                 "--output-len", "8", "--json-out", str(out))
-        code, text = run_bench(*args)
-        assert code == 1 and json.loads(out.read_text())["failed"] == 2
-        assert all(e.startswith("HTTP 401") for e in json.loads(out.read_text())["errors"])
+        code, text = run_bench(*args)  # the first request is refused: no load, no report
+        assert code == 1 and not out.exists()
+        assert "the first (untimed) request failed, so no load was sent: HTTP 401" in capsys.readouterr().err
         assert run_bench(*[a for a in args if a not in ("--model", served.name)])[0] == 1  # /v1/models refused too
         assert "cannot read the served model" in capsys.readouterr().err
         monkeypatch.setenv("OPENAI_API_KEY", "bench-secret-key")
@@ -98,19 +101,78 @@ def test_serve_sends_the_key_from_the_environment(served, stack, redis_url, tmp_
 
 
 def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
-    """A model the server does not serve: every request fails with the server's HTTP error, and
-    the report says so instead of inventing latencies."""
-    out, png = tmp_path / "report.json", tmp_path / "sweep.png"
-    code, text = run_bench("serve", "--url", stack, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
+    """Requests the server refuses (each asks for more tokens than the model's context holds, while
+    the untimed first request asks for --output-len): every one fails with the server's HTTP error,
+    and the report says so instead of inventing latencies."""
+    prompts, out, png = tmp_path / "long.jsonl", tmp_path / "report.json", tmp_path / "sweep.png"
+    prompts.write_text("".join(json.dumps({"prompt": f"a b c {i}", "max_tokens": 10**6}) + "\n" for i in range(3)))
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "3", "--prompts-file", str(prompts),
                            "--output-len", "4", "--sweep", "50,inf", "--json-out", str(out), "--plot", str(png))
     assert code == 1
     for report in json.loads(out.read_text()):
         assert report["completed"] == 0 and report["failed"] == 3
-        assert all(e.startswith("HTTP 404") for e in report["errors"]), report["errors"]
+        assert all(e.startswith("HTTP 400") for e in report["errors"]), report["errors"]
         for key in ("ttft", "tpot", "itl", "e2e"):  # nothing measured: no value, not a latency of 0 ms
             assert report[key] == {"mean_ms": None, "p50_ms": None, "p90_ms": None, "p99_ms": None}
     assert "ttft  ms: mean n/a  p50 n/a  p90 n/a  p99 n/a" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot leaves the runs without latencies out
+
+
+def test_serve_sends_no_load_when_the_first_request_is_refused(stack, tmp_path, capsys):
+    """A model the server does not serve: the untimed first request gets the server's 404, and the
+    benchmark stops there: no run, no report."""
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
+                           "--output-len", "4", "--warmup", "2", "--json-out", str(out))
+    assert code == 1 and not out.exists() and text == ""
+    assert "the first (untimed) request failed, so no load was sent: HTTP 404" in capsys.readouterr().err
+
+
+def test_serve_warms_up_untimed_on_prompts_of_its_own(stack, redis_url, tmp_path, capsys):
+    """--warmup 4: the first request and 4 more reach the server before the timed run, which reports
+    only its own 3; none of the timed prompts is in the prefix cache from the warm-up."""
+    before = _enqueued(redis_url)
+    out = tmp_path / "report.json"
+    code, text = run_bench("serve", "--url", stack, "--num-prompts", "3", "--warmup", "4", "--concurrency", "2",
+                           "--input-len", "20", "--output-len", "8", "--seed", "31", "--json-out", str(out))
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    check_serve_report(report, 3)
+    assert report["warmup_requests"] == 5 and report["cached_prompt_tokens"] == 0
+    assert _enqueued(redis_url) == before + 3 + 5
+    assert "4 warm-up requests in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", [None, "served"])
+def test_serve_waits_for_a_server_still_starting(served, stack, redis_url, tmp_path, model):
+    """Started before the API listens (as `redjax serve & redjax bench serve ...` does): the
+    benchmark asks again until it answers, for /v1/models or, with --model, for its first request,
+    and times only what follows."""
+    port = free_port()
+    url, out, done = f"http://127.0.0.1:{port}", tmp_path / "report.json", {}
+    argv = ["serve", "--url", url, "--num-prompts", "2", "--input-len", "6", "--output-len", "8", "--seed", "41",
+            "--ready-timeout", "120", "--json-out", str(out)] + (["--model", served.name] if model else [])
+    bench = threading.Thread(target=lambda: done.update(result=run_bench(*argv)))
+    bench.start()
+    time.sleep(3)  # it is retrying: nothing listens yet
+    assert bench.is_alive()
+    api, _ = start_api(served, redis_url, port=port)
+    try:
+        bench.join(120)
+        code, text = done["result"]
+        assert code == 0, text
+        check_serve_report(json.loads(out.read_text()), 2)
+    finally:
+        stop(api)
+
+
+def _enqueued(redis_url: str) -> int:
+    """Requests any API has put on the queue (the fleet's counter in Redis)."""
+    import redis
+
+    from worker import contract
+
+    return int(redis.Redis.from_url(redis_url).hget(contract.TOTALS, contract.TOTAL_ENQUEUED) or 0)
 
 
 def test_serve_chat_endpoint_with_poisson_arrivals_under_a_concurrency_cap(stack, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from worker.bench import cpu_usage
 from worker.cli import _engine_flags, _engine_overrides, log_to_stderr, resolve_model
@@ -22,7 +21,11 @@ def run(mode: str, argv: list[str]) -> int:
         from worker.bench.stack_cli import stack
 
         return stack(argv)
-    return {"offline": offline, "serve": serve}[mode](argv)
+    if mode == "serve":
+        from worker.bench.serve_cli import serve
+
+        return serve(argv)
+    return offline(argv)
 
 
 def offline_parser() -> argparse.ArgumentParser:
@@ -276,139 +279,6 @@ def _lengths(r: dict) -> str:
             f"{r['mean_input_len']:.1f} / {r['mean_output_len']:.1f})")
 
 
-def serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="redjax bench serve", description="load test an OpenAI-compatible endpoint")
-    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000 (or the OpenAI clients' "
-                   "base URL, ending in /v1)")
-    p.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
-                   help="Bearer key (default: $OPENAI_API_KEY; an environment variable keeps it out of the "
-                        "process list)")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="/v1/completions (default) or /v1/chat/completions (each prompt as one user message)")
-    rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--request-rate", type=float, default=float("inf"), help="arrivals/s (default: all at once)")
-    rate.add_argument("--sweep", help="comma-separated request rates, one run each")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier, > 1 steadier")
-    p.add_argument("--concurrency", help="requests in flight at most (with a rate too: arrivals wait for a free "
-                   "slot); comma-separated values sweep it, e.g. 1,4,16,64")
-    p.add_argument("--input-len", type=int, help="words per random prompt, or tokens with --tokenizer (default 128)")
-    p.add_argument("--output-len", type=int, default=128, help="max_tokens (of file prompts without their own)")
-    p.add_argument("--range-ratio", type=float, default=0.0, help="random prompts: input and output lengths "
-                   "uniform in [len * (1 - R), len * (1 + R)] (default 0: fixed)")
-    p.add_argument("--prefix-len", type=int, default=0, help="random prompts: this many random words before each, "
-                   "the same in all (a shared system prompt: exercises the prefix cache)")
-    p.add_argument("--prompts-file", help="one prompt per line, JSON lines with 'prompt' (and optionally "
-                   "'max_tokens'), or a ShareGPT JSON file (each conversation's first human turn)")
-    p.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer directory (the served model's): random "
-                   "prompts are then exactly --input-len tokens; with a ShareGPT --prompts-file each request's "
-                   "max_tokens is the token count of the dataset's reply")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests end at EOS (without it every request sends the ignore_eos extension and "
-                        "runs to max_tokens)")
-    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, help="every request's top_p (default: not sent)")
-    p.add_argument("--top-k", type=int, help="every request's top_k, an extension vLLM and redjax honour (default: "
-                   "not sent)")
-    p.add_argument("--min-p", type=float, help="every request's min_p, the same kind of extension (default: not sent)")
-    p.add_argument("--logprobs", type=int, metavar="N", help="every request also asks for its tokens' logprobs and "
-                   "the N most likely alternatives (0-20; default: none)")
-    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
-                   help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys: ttft, tpot, e2e)")
-    p.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report, comma-separated "
-                   "(default 50,90,99; e.g. 50,90,99,99.9)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json-out", help="write the report (a list of reports with a sweep) here")
-    p.add_argument("--plot", help="with a sweep: PNG of latency against load")
-    return p
-
-
-def serve(argv: list[str]) -> int:
-    parser = serve_parser()
-    args = parser.parse_args(argv)
-    args.url = args.url.rstrip("/").removesuffix("/v1")  # the paths below start with /v1
-    import httpx
-
-    from worker.bench.serve import Load, bench_serve, served_model
-
-    try:
-        slo = {k: float(v) for k, v in (item.split(":", 1) for item in args.goodput)}
-    except ValueError:
-        parser.error("--goodput takes KEY:MS pairs, e.g. ttft:500 tpot:50")
-    if set(slo) - {"ttft", "tpot", "e2e"}:
-        parser.error("--goodput keys are ttft, tpot and e2e")
-    if args.num_prompts < 1 or (args.input_len is not None and args.input_len < 1) or args.output_len < 1:
-        parser.error("--num-prompts, --input-len and --output-len must be >= 1")
-    _check_prompt_source(parser, args)
-    if not args.burstiness > 0:
-        parser.error("--burstiness must be > 0")
-    if not 0 <= args.range_ratio < 1:
-        parser.error("--range-ratio must be in [0, 1)")
-    if not (args.temperature >= 0 and (args.top_p is None or 0 < args.top_p <= 1)
-            and (args.top_k is None or args.top_k >= 1) and (args.min_p is None or 0 <= args.min_p <= 1)):
-        parser.error("sampling: --temperature must be >= 0, --top-p in (0, 1], --top-k >= 1, --min-p in [0, 1]")
-    _check_logprobs(parser, args)
-    percentiles = _percentiles(parser, args.percentiles)
-    prompts = _serve_prompts(parser, args)
-    runs = _serve_runs(parser, args)
-    sweep = bool(args.sweep) or len(runs) > 1
-    if args.plot and not sweep:
-        parser.error("--plot needs a sweep (--sweep, or several --concurrency values)")
-    try:
-        model = args.model or served_model(args.url, args.api_key)
-    except (httpx.HTTPError, LookupError, ValueError) as exc:
-        print(f"redjax bench serve: cannot read the served model from {args.url}/v1/models ({exc}); "
-              "is the server up, and is its key in --api-key or $OPENAI_API_KEY?", file=sys.stderr)
-        return 1
-    if sweep and args.prompts_file:
-        print("redjax bench serve: every run of the sweep sends the file's prompts again, so a prefix cache on the "
-              "server may serve later runs from earlier ones (each run's 'prefix cache' line says how much)",
-              file=sys.stderr)
-    reports = []
-    for index, (rate, concurrency) in enumerate(runs):
-        if index and not args.prompts_file:  # fresh words, the same lengths: nothing cached by an earlier run
-            prompts = _serve_prompts(parser, args, draw=index)
-        load = Load(args.num_prompts, rate, concurrency, args.output_len, args.seed, args.burstiness,
-                    args.endpoint, args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p, args.logprobs)
-        reports.append(bench_serve(args.url, model, prompts, load, args.api_key, slo, percentiles))
-        print(_summary(reports[-1]))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(reports if sweep else reports[0], f, indent=2)
-    if args.plot:
-        from worker.bench.plot import plot_sweep
-
-        plot_sweep(reports, args.plot)
-    return 0 if all(r["failed"] == 0 for r in reports) else 1
-
-
-def _percentiles(parser: argparse.ArgumentParser, text: str) -> tuple[float, ...]:
-    try:
-        percentiles = tuple(sorted({float(q) for q in text.split(",")}))
-    except ValueError:
-        percentiles = ()
-    if not percentiles or not all(0 < q < 100 for q in percentiles):
-        parser.error("--percentiles takes comma-separated numbers in (0, 100), e.g. 50,90,99,99.9")
-    return percentiles
-
-
-def _serve_prompts(parser: argparse.ArgumentParser, args, draw: int = 0) -> list:
-    """The run's prompts: random words (`draw`: which of a sweep's runs), or --prompts-file (ShareGPT
-    lengths through --tokenizer)."""
-    from worker.bench.prompts import random_workload
-
-    try:
-        tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
-    except (OSError, ValueError) as exc:
-        parser.error(f"--tokenizer: {str(exc).splitlines()[0]}")
-    if args.prompts_file:
-        return _read_prompts_file(parser, args, tokenizer)
-    return random_workload(args.num_prompts, args.input_len or 128, args.output_len, args.range_ratio, args.seed,
-                           args.prefix_len, draw, tokenizer)
-
-
 def _check_logprobs(parser: argparse.ArgumentParser, args) -> None:
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
         parser.error(f"--logprobs must be in [0, {MAX_LOGPROBS}]")
@@ -440,43 +310,3 @@ def _load_tokenizer(path: str):
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     tokenizer.model_max_length = 1 << 30  # it only counts and cuts: no warning about texts past the model's context
     return tokenizer
-
-
-def _serve_runs(parser: argparse.ArgumentParser, args) -> list[tuple[float, int | None]]:
-    """(request rate, concurrency) of each run: every --sweep rate with every --concurrency value."""
-    try:
-        rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
-    except ValueError:
-        parser.error("--sweep takes comma-separated request rates, e.g. 1,2,4,inf")
-    if not all(rate > 0 for rate in rates):
-        parser.error("request rates must be > 0")
-    if args.burstiness != 1.0 and all(rate == float("inf") for rate in rates):
-        parser.error("--burstiness shapes the gaps between arrivals at a finite --request-rate (or --sweep)")
-    try:
-        caps = [int(x) for x in args.concurrency.split(",")] if args.concurrency else [None]
-    except ValueError:
-        parser.error("--concurrency takes a number of requests, or comma-separated numbers to sweep")
-    if not all(c is None or c >= 1 for c in caps):
-        parser.error("--concurrency must be >= 1")
-    return [(rate, cap) for rate in rates for cap in caps]
-
-
-def _summary(r: dict) -> str:
-    from worker.bench.serve import describe_load
-
-    load = describe_load(r["request_rate"], r["concurrency"])
-    lines = [f"{load}: {r['completed']}/{r['num_requests']} ok in {r['duration_s']:.2f} s, "
-             f"{r['request_throughput']:.2f} req/s, {r['output_token_throughput']:.1f} output tok/s, "
-             f"goodput {r['goodput']:.2f} req/s"]
-    for key in ("ttft", "tpot", "itl", "e2e"):
-        d = r[key]
-        stats = "  ".join(f"{k.removesuffix('_ms')} " + ("n/a" if v is None else f"{v:.1f}") for k, v in d.items())
-        lines.append(f"  {key:5s} ms: {stats}")
-    if r["completed"] and r["prompt_tokens"]:  # what the server counted, special tokens included
-        lines.append(f"  prompt tokens: {r['prompt_tokens'] / r['completed']:.1f} a request, as the server counted them")
-    if r["cached_prompt_tokens"] is not None:
-        share = r["cached_prompt_tokens"] / max(1, r["prompt_tokens"])
-        lines.append(f"  prefix cache: {r['cached_prompt_tokens']} of {r['prompt_tokens']} prompt tokens ({share:.1%})")
-    if r["errors"]:
-        lines.append(f"  errors: {r['errors']}")
-    return "\n".join(lines)

@@ -32,6 +32,7 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server says
     output_tokens: int = 0
+    unreached: bool = False  # nothing answered at the URL (connection refused: a server not up yet)
 
     @property
     def tpot(self) -> float | None:
@@ -95,6 +96,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> R
                        "stream_options.include_usage: output tokens are counted from it)")
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
         r.error = f"{type(exc).__name__}: {exc}"
+        r.unreached = isinstance(exc, aiohttp.ClientConnectorError)
     return r
 
 
@@ -169,12 +171,52 @@ async def run_load(base_url: str, model: str, prompts: list[Prompt], load: Load,
         return time.perf_counter() - t0, list(results)
 
 
-def served_model(base_url: str, api_key: str | None = None) -> str:
-    """The first model /v1/models lists."""
+def served_model(base_url: str, api_key: str | None = None, wait_s: float = 0.0) -> str:
+    """The first model /v1/models lists; while nothing listens at the URL (a server still starting),
+    asked again every second for up to `wait_s`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+            break
+        except httpx.ConnectError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(1.0)
     resp.raise_for_status()
     return resp.json()["data"][0]["id"]
+
+
+def first_request(base_url: str, model: str, prompt: Prompt, load: Load, api_key: str | None,
+                  wait_s: float) -> Result:
+    """One request before anything is timed, as vLLM's benchmark sends: it shows the endpoint serves
+    the model, the key and the load's options, so a refused one stops the benchmark before the load
+    goes out, and it waits for a server still starting. A request waits in redjax's queue while the
+    workers load and compile (seconds to minutes), which the first timed requests would otherwise
+    count; while nothing listens at the URL it is sent again every second. Both for up to `wait_s`."""
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def send() -> Result:
+        deadline = time.monotonic() + wait_s
+        timeout = aiohttp.ClientTimeout(total=max(wait_s, 1.0))
+        async with aiohttp.ClientSession(headers=headers, read_bufsize=2**20, timeout=timeout) as session:
+            while True:
+                result = await one_request(session, url, load.body(model, prompt))
+                if not result.unreached or time.monotonic() >= deadline:
+                    return result
+                await asyncio.sleep(1.0)
+
+    with _runner() as runner:
+        return runner.run(send())
+
+
+def warm_up(base_url: str, model: str, prompts: list[Prompt], load: Load, api_key: str | None) -> list[Result]:
+    """Untimed requests at the load's concurrency, all at once: the server compiles and allocates
+    for the load's shapes before the timed run."""
+    with _runner() as runner:
+        return runner.run(run_load(base_url, model, prompts, load, api_key))[1]
 
 
 def _runner() -> asyncio.Runner:

@@ -7,7 +7,8 @@ import contextlib
 import json
 import tempfile
 
-from worker.bench.cli import _checked_overrides, _summary
+from worker.bench.cli import _checked_overrides
+from worker.bench.serve_cli import _summary
 from worker.cli import _engine_flags, engine_argv, resolve_model
 
 
