@@ -88,7 +88,7 @@ def test_serve_sends_the_key_from_the_environment(served, stack, redis_url, tmp_
                 "--output-len", "8", "--json-out", str(out))
         code, text = run_bench(*args)  # the first request is refused: no load, no report
         assert code == 1 and not out.exists()
-        assert "the first (untimed) request failed, so no load was sent: HTTP 401" in capsys.readouterr().err
+        assert f"the first (untimed) request to {url} failed, so no load was sent: HTTP 401" in capsys.readouterr().err
         assert run_bench(*[a for a in args if a not in ("--model", served.name)])[0] == 1  # /v1/models refused too
         assert "cannot read the served model" in capsys.readouterr().err
         monkeypatch.setenv("OPENAI_API_KEY", "bench-secret-key")
@@ -125,7 +125,7 @@ def test_serve_sends_no_load_when_the_first_request_is_refused(stack, tmp_path, 
     code, text = run_bench("serve", "--url", stack, "--model", "no-such-model", "--num-prompts", "3", "--input-len", "4",
                            "--output-len", "4", "--warmup", "2", "--json-out", str(out))
     assert code == 1 and not out.exists() and text == ""
-    assert "the first (untimed) request failed, so no load was sent: HTTP 404" in capsys.readouterr().err
+    assert f"the first (untimed) request to {stack} failed, so no load was sent: HTTP 404" in capsys.readouterr().err
 
 
 def test_serve_warms_up_untimed_on_prompts_of_its_own(stack, redis_url, tmp_path, capsys):
@@ -164,6 +164,43 @@ def test_serve_waits_for_a_server_still_starting(served, stack, redis_url, tmp_p
         check_serve_report(json.loads(out.read_text()), 2)
     finally:
         stop(api)
+
+
+def test_serve_compares_two_servers_in_alternating_pairs(served, stack, redis_url, tmp_path):
+    """--compare-url: every load runs on both servers, back to back on the same prompts, the one
+    that goes first alternating; a pair's ratio is the first server's output tok/s over the
+    baseline's, a load's the median of its pairs'. Both servers here are APIs of one worker: the
+    first run of a pair finds nothing of an earlier pair's prompts in its prefix cache (each pair
+    draws its own), and both runs of a pair count the same prompt tokens."""
+    import statistics
+
+    api, other = start_api(served, redis_url)
+    try:
+        out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+        code, text = run_bench("serve", "--url", stack, "--compare-url", other + "/v1", "--num-prompts", "3",
+                               "--input-len", "20", "--output-len", "8", "--concurrency", "1,3", "--pairs", "2",
+                               "--seed", "43", "--json-out", str(out), "--plot", str(png))
+    finally:
+        stop(api)
+    assert code == 0, text
+    result = json.loads(out.read_text())
+    assert (result["url"], result["compare_url"], result["pairs"]) == (stack, other, 2)
+    assert result["model"] == result["compare_model"] == served.name
+    assert [load["concurrency"] for load in result["loads"]] == [1, 3]
+    assert [p["first"] for load in result["loads"] for p in load["pairs"]] == ["url", "compare_url"] * 2
+    for load in result["loads"]:
+        for pair in load["pairs"]:
+            check_serve_report(pair["report"], 3)
+            check_serve_report(pair["baseline"], 3)
+            assert pair["ratio"] == pair["report"]["output_token_throughput"] / pair["baseline"]["output_token_throughput"]
+            first = pair["report"] if pair["first"] == "url" else pair["baseline"]
+            assert first["cached_prompt_tokens"] == 0  # nothing of an earlier pair's prompts
+            assert pair["report"]["prompt_tokens"] == pair["baseline"]["prompt_tokens"]  # the same prompts
+        assert len({pair["report"]["prompt_tokens"] for pair in load["pairs"]}) == 2  # each pair its own
+        assert load["ratio"] == statistics.median(pair["ratio"] for pair in load["pairs"])
+        assert f"median ratio {load['ratio']:.3f}x over 2 pairs" in text
+    assert text.count(f"  baseline {other} ({served.name}):") == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _enqueued(redis_url: str) -> int:
@@ -401,6 +438,10 @@ def test_sharegpt_replies_set_output_lengths_through_a_tokenizer(served, stack, 
     (["--input-len", "0"], "must be >= 1"),
     (["--prompts-file", "BAD_JSONL", "--tokenizer", "/no/such/dir"], "--tokenizer: "),
     (["--percentiles", "50,100"], "--percentiles takes comma-separated numbers in (0, 100)"),
+    (["--pairs", "2"], "more than 1 needs --compare-url"),
+    (["--compare-url", "http://127.0.0.1:9", "--pairs", "0"], "--pairs must be >= 1"),
+    (["--compare-model", "m"], "--compare-model and --compare-api-key go with --compare-url"),
+    (["--warmup", "-1"], "--warmup and --ready-timeout must be >= 0"),
     (["--prompts-file", "/no/such/file"], "--prompts-file: [Errno 2]"),
     (["--prompts-file", "BAD_JSONL"], "'max_tokens' must be a positive integer"),
 ])

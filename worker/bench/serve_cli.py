@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 from worker.bench.cli import _check_logprobs, _check_prompt_source, _load_tokenizer, _read_prompts_file
 
@@ -63,6 +64,14 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
                    help="seconds to wait for a server still starting: for its port, then for the first request "
                         "(redjax queues it until a worker is up) (default 600)")
+    p.add_argument("--compare-url", metavar="URL", help="a second OpenAI-compatible server, the baseline: every run "
+                   "goes to both, in alternating order, on the same prompts, and the report gives each pair's "
+                   "ratio of output tok/s (--url over this)")
+    p.add_argument("--compare-model", help="model name to send the baseline (default: the first it lists)")
+    p.add_argument("--compare-api-key", default=os.environ.get("COMPARE_API_KEY") or None,
+                   help="the baseline's Bearer key (default: $COMPARE_API_KEY, else --api-key's)")
+    p.add_argument("--pairs", type=int, default=1, help="with --compare-url: pairs of runs at each load (default 1); "
+                   "the ratio is their median")
     p.add_argument("--json-out", help="write the report (a list of reports with a sweep) here")
     p.add_argument("--plot", help="with a sweep: PNG of latency against load")
     return p
@@ -89,6 +98,10 @@ def serve(argv: list[str]) -> int:
         parser.error("--burstiness must be > 0")
     if args.warmup < 0 or not args.ready_timeout >= 0:
         parser.error("--warmup and --ready-timeout must be >= 0")
+    if args.pairs < 1 or (args.pairs > 1 and not args.compare_url):
+        parser.error("--pairs must be >= 1, and more than 1 needs --compare-url")
+    if (args.compare_model or args.compare_api_key) and not args.compare_url:
+        parser.error("--compare-model and --compare-api-key go with --compare-url")
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
     if not (args.temperature >= 0 and (args.top_p is None or 0 < args.top_p <= 1)
@@ -101,24 +114,34 @@ def serve(argv: list[str]) -> int:
     sweep = bool(args.sweep) or len(runs) > 1
     if args.plot and not sweep:
         parser.error("--plot needs a sweep (--sweep, or several --concurrency values)")
-    try:
-        model = args.model or served_model(args.url, args.api_key, args.ready_timeout)
-    except (httpx.HTTPError, LookupError, ValueError) as exc:
-        print(f"redjax bench serve: cannot read the served model from {args.url}/v1/models ({exc}); "
-              "is the server up, and is its key in --api-key or $OPENAI_API_KEY?", file=sys.stderr)
-        return 1
-    if not _warm_up(args, model, prompts, runs[0]):
+    servers = [Server(args.url, args.model, args.api_key)]
+    if args.compare_url:
+        compare_url = args.compare_url.rstrip("/").removesuffix("/v1")
+        servers.append(Server(compare_url, args.compare_model, args.compare_api_key or args.api_key))
+    for i, server in enumerate(servers):
+        try:
+            servers[i] = server._replace(model=server.model or served_model(server.url, server.key, args.ready_timeout))
+        except (httpx.HTTPError, LookupError, ValueError) as exc:
+            key = "--compare-api-key or $COMPARE_API_KEY" if i else "--api-key or $OPENAI_API_KEY"
+            print(f"redjax bench serve: cannot read the served model from {server.url}/v1/models ({exc}); "
+                  f"is the server up, and is its key in {key}?", file=sys.stderr)
+            return 1
+    if not all(_warm_up(args, server, prompts, runs[0]) for server in servers):
         return 1
     if sweep and args.prompts_file:
         print("redjax bench serve: every run of the sweep sends the file's prompts again, so a prefix cache on the "
               "server may serve later runs from earlier ones (each run's 'prefix cache' line says how much)",
               file=sys.stderr)
+    if args.compare_url:
+        from worker.bench.serve_compare import compare
+
+        return compare(args, servers, runs, lambda draw: _serve_prompts(parser, args, draw), slo, percentiles)
     reports = []
     for index, (rate, concurrency) in enumerate(runs):
         if index and not args.prompts_file:  # fresh words, the same lengths: nothing cached by an earlier run
             prompts = _serve_prompts(parser, args, draw=index)
         load = _load(args, args.num_prompts, rate, concurrency)
-        reports.append({**bench_serve(args.url, model, prompts, load, args.api_key, slo, percentiles),
+        reports.append({**bench_serve(args.url, servers[0].model, prompts, load, args.api_key, slo, percentiles),
                         "warmup_requests": 0 if index else 1 + args.warmup})
         print(_summary(reports[-1]))
     if args.json_out:
@@ -131,6 +154,12 @@ def serve(argv: list[str]) -> int:
     return 0 if all(r["failed"] == 0 for r in reports) else 1
 
 
+class Server(NamedTuple):
+    url: str
+    model: str | None  # None: the first the server lists
+    key: str | None
+
+
 def _load(args, num_prompts: int, rate: float, concurrency: int | None):
     from worker.bench.serve import Load
 
@@ -138,7 +167,7 @@ def _load(args, num_prompts: int, rate: float, concurrency: int | None):
                 args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p, args.logprobs)
 
 
-def _warm_up(args, model: str, prompts: list, first_run: tuple[float, int | None]) -> bool:
+def _warm_up(args, server: Server, prompts: list, first_run: tuple[float, int | None]) -> bool:
     """The untimed first request, then --warmup more at the first run's concurrency, all at once, on
     prompts of their own: random words (after the run's shared prefix) at the workload's median
     prompt length, --output-len tokens out. False, with the server's answer printed, where one
@@ -154,15 +183,17 @@ def _warm_up(args, model: str, prompts: list, first_run: tuple[float, int | None
     tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer and not args.prompts_file else None  # loaded before
     warm = random_workload(1 + args.warmup, words, args.output_len, 0.0, args.seed, args.prefix_len, -1, tokenizer)
     t0 = time.perf_counter()
-    first = first_request(args.url, model, warm[0], _load(args, 1, *first_run), args.api_key, args.ready_timeout)
+    first = first_request(server.url, server.model, warm[0], _load(args, 1, *first_run), server.key, args.ready_timeout)
     if not first.ok:
-        print(f"redjax bench serve: the first (untimed) request failed, so no load was sent: {first.error}",
-              file=sys.stderr)
+        print(f"redjax bench serve: the first (untimed) request to {server.url} failed, so no load was sent: "
+              f"{first.error}", file=sys.stderr)
         return False
-    print(f"redjax bench serve: the first (untimed) request took {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    print(f"redjax bench serve: the first (untimed) request to {server.url} took {time.perf_counter() - t0:.2f} s",
+          file=sys.stderr)
     if args.warmup:
         t0 = time.perf_counter()
-        results = warm_up(args.url, model, warm[1:], _load(args, args.warmup, float("inf"), first_run[1]), args.api_key)
+        results = warm_up(server.url, server.model, warm[1:], _load(args, args.warmup, float("inf"), first_run[1]),
+                          server.key)
         failed = [r.error for r in results if not r.ok]
         if failed:
             print(f"redjax bench serve: {len(failed)} of {args.warmup} warm-up requests failed, so no load was sent: "
