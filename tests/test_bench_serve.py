@@ -37,12 +37,22 @@ def stack(served, redis_url):
 def test_serve_concurrency(stack, tmp_path):
     out = tmp_path / "report.json"
     code, text = run_bench("serve", "--url", stack, "--num-prompts", "6", "--concurrency", "3", "--input-len", "12",
-                           "--output-len", "8", "--goodput", "ttft:600000", "tpot:600000", "--json-out", str(out))
+                           "--output-len", "8", "--goodput", "ttft:600000", "tpot:600000", "--json-out", str(out),
+                           "--save-detailed")
     assert code == 0, text
     report = json.loads(out.read_text())
     check_serve_report(report, 6)
     assert report["concurrency"] == 3 and report["good_requests"] == 6
     assert "ttft" in text and "p99" in text
+    # --save-detailed: each request's figures, which the summary's are made of
+    each = report["requests"]
+    assert len(each) == 6 and all(r["ok"] and r["error"] is None and r["output_tokens"] == 8 for r in each)
+    assert min(r["sent_s"] for r in each) == 0.0
+    assert all(0 < r["ttft_ms"] <= r["e2e_ms"] and len(r["itl_ms"]) <= 7 for r in each)
+    assert sum(r["ttft_ms"] for r in each) / 6 == pytest.approx(report["ttft"]["mean_ms"], rel=1e-9)
+    assert sum(r["prompt_tokens"] for r in each) == report["prompt_tokens"]
+    # at most 3 in flight: the 4th is sent only once one of the first 3 has finished
+    assert min(r["sent_s"] + r["e2e_ms"] / 1e3 for r in each[:3]) <= each[3]["sent_s"] + 1e-9
 
 
 def test_serve_sweep_plot(stack, tmp_path):
@@ -107,11 +117,14 @@ def test_serve_counts_rejected_requests_as_failed(stack, tmp_path):
     prompts, out, png = tmp_path / "long.jsonl", tmp_path / "report.json", tmp_path / "sweep.png"
     prompts.write_text("".join(json.dumps({"prompt": f"a b c {i}", "max_tokens": 10**6}) + "\n" for i in range(3)))
     code, text = run_bench("serve", "--url", stack, "--num-prompts", "3", "--prompts-file", str(prompts),
-                           "--output-len", "4", "--sweep", "50,inf", "--json-out", str(out), "--plot", str(png))
+                           "--output-len", "4", "--sweep", "50,inf", "--json-out", str(out), "--plot", str(png),
+                           "--save-detailed")
     assert code == 1
     for report in json.loads(out.read_text()):
         assert report["completed"] == 0 and report["failed"] == 3
         assert all(e.startswith("HTTP 400") for e in report["errors"]), report["errors"]
+        assert all(not r["ok"] and r["error"].startswith("HTTP 400") and r["ttft_ms"] is r["e2e_ms"] is None
+                   for r in report["requests"])
         for key in ("ttft", "tpot", "itl", "e2e"):  # nothing measured: no value, not a latency of 0 ms
             assert report[key] == {"mean_ms": None, "p50_ms": None, "p90_ms": None, "p99_ms": None}
     assert "ttft  ms: mean n/a  p50 n/a  p90 n/a  p99 n/a" in text
@@ -442,6 +455,7 @@ def test_sharegpt_replies_set_output_lengths_through_a_tokenizer(served, stack, 
     (["--compare-url", "http://127.0.0.1:9", "--pairs", "0"], "--pairs must be >= 1"),
     (["--compare-model", "m"], "--compare-model and --compare-api-key go with --compare-url"),
     (["--warmup", "-1"], "--warmup and --ready-timeout must be >= 0"),
+    (["--save-detailed"], "--save-detailed adds to --json-out's report"),
     (["--prompts-file", "/no/such/file"], "--prompts-file: [Errno 2]"),
     (["--prompts-file", "BAD_JSONL"], "'max_tokens' must be a positive integer"),
 ])

@@ -229,7 +229,9 @@ def _runner() -> asyncio.Runner:
 
 
 def bench_serve(base_url: str, model: str | None, prompts: list[Prompt], load: Load, api_key: str | None = None,
-                slo: dict[str, float] | None = None, percentiles: tuple[float, ...] | None = None) -> dict:
+                slo: dict[str, float] | None = None, percentiles: tuple[float, ...] | None = None,
+                detailed: bool = False) -> dict:
+    """One run of `load` -> its report; `detailed`: with each request's figures too (`per_request`)."""
     from tqdm import tqdm
 
     from worker.bench.stats import PERCENTILES, summarize
@@ -246,7 +248,23 @@ def bench_serve(base_url: str, model: str | None, prompts: list[Prompt], load: L
     return {"model": model, "endpoint": load.endpoint, "request_rate": rate, "burstiness": load.burstiness,
             "concurrency": load.concurrency, "ignore_eos": load.ignore_eos, "sampling": load.sampling(),
             "logprobs": load.logprobs,
-            **summarize(results, seconds, slo or {}, percentiles or PERCENTILES)}
+            **summarize(results, seconds, slo or {}, percentiles or PERCENTILES),
+            **({"requests": per_request(results)} if detailed else {})}
+
+
+def per_request(results: list[Result]) -> list[dict]:
+    """Each request's figures, in prompt order (`--save-detailed`): when it was sent, in seconds
+    after the first send, and its latencies in ms (None where not measured: a failed request, a
+    single output token's TPOT). Never the prompt or the text."""
+    first = min((r.start for r in results), default=0.0)
+
+    def ms(seconds: float | None, ok: bool) -> float | None:
+        return seconds * 1e3 if ok and seconds is not None else None
+
+    return [{"sent_s": r.start - first, "ok": r.ok, "error": r.error or None, "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens, "output_tokens": r.output_tokens, "ttft_ms": ms(r.ttft, r.ok),
+             "tpot_ms": ms(r.tpot, r.ok), "e2e_ms": ms(r.e2e, r.ok), "itl_ms": [g * 1e3 for g in r.itl] if r.ok else []}
+            for r in results]
 
 
 def describe_load(request_rate: float | None, concurrency: int | None) -> str:

@@ -72,6 +72,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="the baseline's Bearer key (default: $COMPARE_API_KEY, else --api-key's)")
     p.add_argument("--pairs", type=int, default=1, help="with --compare-url: pairs of runs at each load (default 1); "
                    "the ratio is their median")
+    p.add_argument("--save-detailed", action="store_true", help="--json-out also holds each request's figures "
+                   "(when it was sent, tokens, TTFT, TPOT, end-to-end latency, the gaps between its chunks, its "
+                   "error), as vLLM's flag of the name does; never its text")
     p.add_argument("--json-out", help="write the report (a list of reports with a sweep) here")
     p.add_argument("--plot", help="with a sweep: PNG of latency against load")
     return p
@@ -98,6 +101,8 @@ def serve(argv: list[str]) -> int:
         parser.error("--burstiness must be > 0")
     if args.warmup < 0 or not args.ready_timeout >= 0:
         parser.error("--warmup and --ready-timeout must be >= 0")
+    if args.save_detailed and not args.json_out:
+        parser.error("--save-detailed adds to --json-out's report: give --json-out too")
     if args.pairs < 1 or (args.pairs > 1 and not args.compare_url):
         parser.error("--pairs must be >= 1, and more than 1 needs --compare-url")
     if (args.compare_model or args.compare_api_key) and not args.compare_url:
@@ -141,7 +146,8 @@ def serve(argv: list[str]) -> int:
         if index and not args.prompts_file:  # fresh words, the same lengths: nothing cached by an earlier run
             prompts = _serve_prompts(parser, args, draw=index)
         load = _load(args, args.num_prompts, rate, concurrency)
-        reports.append({**bench_serve(args.url, servers[0].model, prompts, load, args.api_key, slo, percentiles),
+        reports.append({**bench_serve(args.url, servers[0].model, prompts, load, args.api_key, slo, percentiles,
+                                      args.save_detailed),
                         "warmup_requests": 0 if index else 1 + args.warmup})
         print(_summary(reports[-1]))
     if args.json_out:
