@@ -146,6 +146,14 @@ def test_an_uncompiled_shape_runs_in_a_compiled_one_until_it_recurs():
     with pytest.raises(PromptsWait) as wait:  # penalties or logit bias are held back first
         ModelRunner._choose_shape(runner, scoring, SamplerFlags(penalties=True), 5, lengths, 4, plain=8, scored=1)
     assert wait.value.held == "sampler"
+    # a compiled scoring variant serves a batch whose scored tokens fit in its slots, no other
+    slots32 = (StepShape(16, 16, 64, 4, 1, True, 16, 128, scored=32), flags)
+    runner.compiled.add(slots32)
+    few, many = (StepShape(8, 6, 32, 4, 1, True, 16, 128, scored=n) for n in (16, 64))
+    assert ModelRunner._choose_shape(runner, few, flags, 0, lengths, 4, plain=4, scored=1) == slots32
+    with pytest.raises(PromptsWait):
+        ModelRunner._choose_shape(runner, many, flags, 0, lengths, 4, plain=4, scored=1)
+    runner.compiled.discard(slots32)
     runner.prompts_wait = False  # an offline engine: compiled at once, batches independent of compile times
     assert ModelRunner._choose_shape(runner, exact, other, 5, lengths, 4) == (exact, other)
     assert ModelRunner._choose_shape(runner, scoring, flags, 0, lengths, 4, plain=4, scored=1) == (scoring, flags)
@@ -267,3 +275,37 @@ def test_prompts_scoring_their_tokens_wait_for_their_variant_while_other_prompts
     assert got[0] is None and len(got) == len(prompts[3])
     for pos, entry in enumerate(got[1:], start=1):
         assert entry["logprob"] == pytest.approx(ref[pos - 1][prompts[3][pos]], abs=2e-4), pos
+
+
+def test_a_step_computes_prompt_logits_for_the_scoring_chunks_tokens_alone(model, tokenizer, prompts, greedy_refs, hf):
+    """A prompt scoring its tokens (an echo request) beside plain prompts in one step: the head
+    computes logits for that chunk's tokens (padded to a power of two), not for the step's, and
+    its prompt logprobs and top alternatives stay transformers'; the plain prompts' tokens too."""
+    from tests.test_engine import hf_logprobs
+
+    engine = make_engine(model, tokenizer, {**ROOMY, "max_num_batched_tokens": 64})
+    shapes: list[StepShape] = []
+    real = engine._postprocess
+
+    def postprocess(flight):
+        shapes.append(flight.shape)
+        return real(flight)
+
+    engine._postprocess = postprocess
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"p{i}", prompts[i], params)
+    engine.add_request("scored", prompts[5], SamplingParams(**{**vars(params), "prompt_logprobs": 2}))
+    results = drain(engine)
+    scoring = [s for s in shapes if s.prompt_logprobs]
+    assert scoring and all(s.scored <= s.num_tokens for s in scoring)
+    assert any(s.scored < s.num_tokens for s in scoring), scoring  # fewer logits than the step's tokens
+    assert [results[(f"p{i}", 0)].token_ids for i in range(4)] == greedy_refs[:4]
+    assert results[("scored", 0)].token_ids == greedy_refs[5]
+    got, ref = results[("scored", 0)].prompt_logprobs, hf_logprobs(hf, prompts[5])
+    assert got[0] is None and len(got) == len(prompts[5])
+    for pos, entry in enumerate(got[1:], start=1):
+        row = ref[pos - 1]
+        assert entry["token_id"] == prompts[5][pos]
+        assert entry["logprob"] == pytest.approx(row[prompts[5][pos]], abs=2e-4), pos
+        assert [t for t, _ in entry["top"]] == np.argsort(-row)[:2].tolist(), pos

@@ -14,6 +14,7 @@ from worker.engine.sequence import IN_FLIGHT
 MIN_PREFILL_LEN = 8
 MIN_DECODE_ROWS = 8  # fewer compiled variants; padding decode rows costs next to nothing
 MIN_PAGES = 4
+MIN_SCORED = 16  # scored-token slots of a step with prompt logprobs come in powers of two from this
 LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 OUTPUT_IDS_MIN = 64  # the narrowest output-id width of a batch with penalties (sampler_widths)
 # Reading one context token's K/V for a prefill row, relative to the matmuls of one query token:
@@ -37,11 +38,12 @@ class StepShape:
     prefill_len: int  # Qp: tokens per prefill row, padded (row layout); 0 when packed
     pages: int  # P: page-table width
     decode_steps: int  # K: fused decode steps (pure decode batches only)
-    prompt_logprobs: bool  # compute logits for every token, not only sampled rows
+    prompt_logprobs: bool  # compute the logits of scored prompt tokens too, not only of sampled rows
     page_size: int
     max_rows: int
     prefill_tokens: int = 0  # Tp: packed layout only: prefill token slots, each chunk a run of them
     drafts: bool = False  # decode rows alone, some of them drafts (speculation.py) reading the K/V of rows before them
+    scored: int = 0  # S: with prompt_logprobs, token slots whose logits the head computes (<= T; padded)
 
     @property
     def packed(self) -> bool:
@@ -72,7 +74,8 @@ class DeviceBatch:
     page_tables: np.ndarray  # i32[R, P]
     context_lens: np.ndarray  # i32[R]: tokens in the pages once this step's are written
     sample_rows: np.ndarray  # i32[R]: index into T of each row's last token
-    targets: np.ndarray  # i32[T]: next prompt token at each position (prompt logprobs), or -1
+    score_at: np.ndarray  # i32[S]: index in T of each token whose prompt logprob the step computes
+    targets: np.ndarray  # i32[S]: the next prompt token after each of those, or -1 (padding)
     row_steps: np.ndarray  # i32[R]: fused decode steps of each row (a row stops writing after its own)
     q_starts: np.ndarray  # i32[R]: index in T of each row's first query token
     q_lens: np.ndarray  # i32[R]: query tokens of each row (0: padding row)
@@ -192,10 +195,11 @@ def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
     """A DeviceBatch of `shape` holding no sequence: the argument for compiling a variant ahead of
     time (its arrays have the dtypes and shapes build_batch gives a real batch of this shape and
     these flags, penalty and logit-bias widths included)."""
-    t, r = shape.num_tokens, shape.num_rows
+    t, r, scored = shape.num_tokens, shape.num_rows, shape.scored
     i32 = lambda *dims: np.zeros(dims, np.int32)  # noqa: E731
     return DeviceBatch(i32(t), np.full(t, -1, np.int32), i32(t), i32(t), i32(r, shape.pages), i32(r), i32(r),
-                       np.full(t, -1, np.int32), i32(r), i32(r), i32(r), _sampling([None] * r, flags, {}))
+                       i32(scored), np.full(scored, -1, np.int32), i32(r), i32(r), i32(r),
+                       _sampling([None] * r, flags, {}))
 
 
 def pack(db: DeviceBatch) -> np.ndarray:  # i32[N]
@@ -230,7 +234,9 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
 
     `rows[r]` is the chunk whose sampled token row r holds (None for padding and for the leading
     rows of a prefill chunk split over several rows: it sits in its last one); `starts[r]` is the
-    index in T of that chunk's first token (a split chunk's tokens stay contiguous in T).
+    index in S (`DeviceBatch.score_at`) of that chunk's first token where it has prompt tokens to
+    score, else 0. Only those tokens get logits from the head: a chunk scoring its prompt among
+    others costs the head its own tokens, not the step's.
 
     A fused batch always runs `fused_steps` steps (rows with fewer stop writing after their own
     count), so fusion adds one compiled variant per shape, not one per step count. With
@@ -263,6 +269,8 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     scoring = [c for c in batch.chunks if predicts_prompt(c)]  # chunks with prompt tokens to score
     want_prompt = bool(scoring)
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp, ahead is not None and not prefill)
+    if want_prompt:
+        shape = replace(shape, scored=min(bucket(sum(c.num_tokens for c in scoring), MIN_SCORED), shape.num_tokens))
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     prompt_top = any(c.seq.params.prompt_logprobs > 0 for c in scoring)
@@ -277,7 +285,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
 
     t, r = shape.num_tokens, shape.num_rows
     tokens, src = np.zeros(t, np.int32), np.full(t, -1, np.int32)
-    positions, slots, targets = np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32)
+    positions, slots = np.zeros(t, np.int32), np.zeros(t, np.int32)
     tables, ctx, sample_rows = np.zeros((r, pages), np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
     row_steps, q_starts, q_lens = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
     rows: list[ScheduledChunk] = decode + prefill
@@ -289,8 +297,8 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         spans.append((first, first + pieces))
         first += pieces
         off += chunk.num_tokens if shape.packed else pieces * qp
-    _fill_decode_rows(decode, ahead, prev_rows, page_size, want_prompt, tokens, src, positions, slots, tables, ctx,
-                      sample_rows, row_steps, q_starts, q_lens, targets)
+    _fill_decode_rows(decode, ahead, prev_rows, page_size, tokens, src, positions, slots, tables, ctx,
+                      sample_rows, row_steps, q_starts, q_lens)
     for chunk, off, (row0, row_end) in zip(prefill, offsets[len(decode):], spans[len(decode):]):
         seq, n = chunk.seq, chunk.num_tokens
         piece = n if shape.packed else qp  # query tokens per row
@@ -311,23 +319,42 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
             q_lens[row] = min(piece, n - (row - row0) * piece)
             sample_rows[row] = q_starts[row] + q_lens[row] - 1
             row_steps[row] = chunk.num_steps
-        if want_prompt and predicts_prompt(chunk):
-            nxt = pos + 1
-            inside = nxt < seq.num_prompt_tokens
-            targets[off : off + n][inside] = np.asarray(seq.prompt_token_ids, np.int32)[nxt[inside]]
+    score_at, targets, first_scored = _scored_tokens(rows, offsets, shape.scored) if want_prompt else (
+        np.zeros(0, np.int32), np.zeros(0, np.int32), {})
     by_row: list[ScheduledChunk | None] = [None] * r
     starts = [0] * r
-    for chunk, off, (_, row_end) in zip(rows, offsets, spans):
-        by_row[row_end - 1], starts[row_end - 1] = chunk, off
+    for chunk, (_, row_end) in zip(rows, spans):
+        by_row[row_end - 1], starts[row_end - 1] = chunk, first_scored.get(id(chunk), 0)
     sampling = _sampling(by_row, flags, prev_rows, ahead)
-    db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, targets, row_steps, q_starts, q_lens,
-                     sampling)
+    db = DeviceBatch(tokens, src, positions, slots, tables, ctx, sample_rows, score_at, targets, row_steps, q_starts,
+                     q_lens, sampling)
     return db, shape, flags, by_row, starts
 
 
+def _scored_tokens(chunks: list[ScheduledChunk], offsets: list[int], slots: int):
+    """-> (score_at i32[slots], targets i32[slots], {id(chunk): its first slot}): every token of
+    each chunk with prompt tokens to score (`predicts_prompt`), in order; `offsets[i]`: the index in
+    T of chunks[i]'s first token. A target is the prompt token after its token, -1 past the prompt
+    and in padding slots."""
+    score_at, targets = np.zeros(slots, np.int32), np.full(slots, -1, np.int32)
+    first: dict[int, int] = {}
+    at = 0
+    for chunk, off in zip(chunks, offsets):
+        if not predicts_prompt(chunk) or id(chunk) in first:
+            continue
+        seq, n = chunk.seq, chunk.num_tokens
+        first[id(chunk)] = at
+        score_at[at : at + n] = off + np.arange(n)
+        nxt = np.arange(chunk.start + 1, chunk.end + 1)
+        inside = nxt < seq.num_prompt_tokens
+        targets[at : at + n][inside] = np.asarray(seq.prompt_token_ids, np.int32)[nxt[inside]]
+        at += n
+    return score_at, targets, first
+
+
 def _fill_decode_rows(decode: list[ScheduledChunk], ahead: list[int] | None, prev_rows: dict[int, int],
-                      page_size: int, want_prompt: bool, tokens, src, positions, slots, tables, ctx, sample_rows,
-                      row_steps, q_starts, q_lens, targets) -> None:
+                      page_size: int, tokens, src, positions, slots, tables, ctx, sample_rows,
+                      row_steps, q_starts, q_lens) -> None:
     """Rows 0..n-1 (and tokens 0..n-1) for one-token chunks, in a few array operations instead of
     the prefill loop's dozen per row. `ahead[i]`: row i is draft `ahead[i] - 1` of its chunk (0:
     the chunk's own token), at that many positions after the chunk's token (None: no drafts)."""
@@ -352,11 +379,6 @@ def _fill_decode_rows(decode: list[ScheduledChunk], ahead: list[int] | None, pre
     sample_rows[:n] = q_starts[:n] = np.arange(n)
     q_lens[:n] = 1
     row_steps[:n] = np.fromiter((c.num_steps for c in decode), np.int32, n)
-    if want_prompt:  # a one-token chunk inside the prompt predicts the next prompt token
-        for i, c in enumerate(decode):
-            seq = c.seq
-            if predicts_prompt(c):
-                targets[i] = seq.prompt_token_ids[c.start + 1]
 
 
 def predicts_prompt(chunk: ScheduledChunk) -> bool:

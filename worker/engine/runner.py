@@ -67,9 +67,9 @@ class StepOutput:
     logprobs: jax.Array  # f32[K, MAXR]
     top_ids: jax.Array  # i32[K, MAXR, N]
     top_logprobs: jax.Array  # f32[K, MAXR, N]
-    prompt_logprobs: jax.Array  # f32[T] (or [0]): logprob of the next prompt token at each position
-    prompt_top_ids: jax.Array  # i32[T, N]
-    prompt_top_logprobs: jax.Array  # f32[T, N]
+    prompt_logprobs: jax.Array  # f32[S] (or [0]): logprob of the next prompt token after each scored token
+    prompt_top_ids: jax.Array  # i32[S, N]
+    prompt_top_logprobs: jax.Array  # f32[S, N]
 
 
 @dataclass
@@ -78,7 +78,7 @@ class InFlight:
 
     batch: ScheduledBatch
     rows: list  # ScheduledChunk per sampled row, in row order
-    starts: list[int]  # index in T of the first token of each row's chunk
+    starts: list[int]  # index in S (the scored tokens' outputs) of the first token of each row's chunk, if it scores
     shape: StepShape
     out: StepOutput | Future  # a Future with a launch thread (`landed` waits for its call to return)
     launched_at: float = field(default_factory=time.perf_counter)
@@ -219,6 +219,7 @@ class ModelRunner:
             return key
         covering = [(s, f) for s, f in (*self.compiled, *self.ready, *planned) if serves(f, flags)
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
+                    and s.scored >= exact.scored
                     and s.drafts >= exact.drafts and fits(s, num_decode, lengths, pages)]
         if flags.penalties or flags.bias:  # only a variant with the same arrays serves these
             held, others = "sampler", plain  # (others: chunks that could run without the waiting ones)
@@ -345,7 +346,7 @@ def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: floa
              f"logprobs {flags.num_logprobs}": flags.logprobs,
              f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
-    prefill += f", prompt logprobs {flags.num_logprobs}" if shape.prompt_logprobs else ""
+    prefill += f", prompt logprobs {flags.num_logprobs} over {shape.scored} tokens" if shape.prompt_logprobs else ""
     prefill += ", drafts" if shape.drafts else ""
     log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
              shape.num_decode, prefill, shape.pages, shape.decode_steps, ", ".join(sampler), took)
@@ -359,7 +360,7 @@ def _timed_compile(lowered) -> tuple[Any, float]:
 def planned_output(shape: StepShape, flags: SamplerFlags) -> StepOutput:
     """Host zeros shaped like a step's outputs: what a planned step, never run, reads back."""
     k, r, n = shape.decode_steps, shape.max_rows, flags.num_logprobs
-    t = shape.num_tokens if shape.prompt_logprobs else 0
+    t = shape.scored if shape.prompt_logprobs else 0
     i32, f32 = (lambda *dims: np.zeros(dims, np.int32)), (lambda *dims: np.zeros(dims, np.float32))  # noqa: E731
     return StepOutput(i32(k, r), f32(k, r), i32(k, r, n), f32(k, r, n), f32(t), i32(t, n), f32(t, n))
 
@@ -407,7 +408,7 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
 
         hidden, (keys, values) = model.trunk(tokens, positions, attend, (kv.keys, kv.values), out_rows)
         rows = hidden if out_rows is not None else hidden[db.sample_rows]  # [R, hidden]
-        full = model.logits(hidden) if prompt_lp else None  # f32[T, V]
+        full = model.logits(hidden[db.score_at]) if prompt_lp else None  # f32[S, V]: the scored tokens' alone
         return KVCache(keys, values), rows, full
 
     def next_tokens(rows, st: SamplingTensors):  # each row's from the screened head or the float32 one
@@ -444,7 +445,7 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
     pad = shape.max_rows - stacked[0].shape[1]
     stacked = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in stacked]
     prompt = (log_probs(full, jnp.maximum(db.targets, 0), flags.num_logprobs, sampling_kernels) if full is not None
-              else _no_prompt(flags))  # full f32[T, V], targets i32[T] (-1: none)
+              else _no_prompt(flags))  # full f32[S, V], targets i32[S] (-1: none)
     # each row's newest token again, as its own output: the next step's `prev_tokens` without a
     # host-side slice of `tokens` (an op dispatch of its own, ~0.2 ms per call). In a fused call it
     # is the token of the row's own last step, not of the call's: a row given fewer steps (pages
