@@ -211,7 +211,7 @@ class ModelRunner:
         need; with nothing to borrow, the exact variant is compiled now, unless `prompts_wait` is on
         and some chunks can run without the rest: then requests with penalties or logit bias (only a
         variant with their flags and array widths serves them), else the `scored` chunks with prompt
-        tokens to score (only a variant computing every token's logits serves them), else a mixed
+        tokens to score (only a variant computing their logits serves them), else a mixed
         batch's prompt chunks, wait for their variant (`PromptsWait`)."""
         key = (exact, flags)
         planned = self.planned or {}
