@@ -279,11 +279,11 @@ def test_prompts_scoring_their_tokens_wait_for_their_variant_while_other_prompts
 
 def test_a_step_computes_prompt_logits_for_the_scoring_chunks_tokens_alone(model, tokenizer, prompts, greedy_refs, hf):
     """A prompt scoring its tokens (an echo request) beside plain prompts in one step: the head
-    computes logits for that chunk's tokens (padded to a power of two), not for the step's, and
+    computes logits for that chunk's tokens (padded to `scored_slots`), not for the step's, and
     its prompt logprobs and top alternatives stay transformers'; the plain prompts' tokens too."""
     from tests.test_engine import hf_logprobs
 
-    engine = make_engine(model, tokenizer, {**ROOMY, "max_num_batched_tokens": 64})
+    engine = make_engine(model, tokenizer, {**ROOMY, "max_num_batched_tokens": 128})
     shapes: list[StepShape] = []
     real = engine._postprocess
 
@@ -293,14 +293,15 @@ def test_a_step_computes_prompt_logits_for_the_scoring_chunks_tokens_alone(model
 
     engine._postprocess = postprocess
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    for i in range(4):
+    plain = (0, 1, 2, 3, 4, 6, 7)  # 109 prompt tokens beside the scored prompt's 24: steps of 128
+    for i in plain:
         engine.add_request(f"p{i}", prompts[i], params)
     engine.add_request("scored", prompts[5], SamplingParams(**{**vars(params), "prompt_logprobs": 2}))
     results = drain(engine)
     scoring = [s for s in shapes if s.prompt_logprobs]
     assert scoring and all(s.scored <= s.num_tokens for s in scoring)
     assert any(s.scored < s.num_tokens for s in scoring), scoring  # fewer logits than the step's tokens
-    assert [results[(f"p{i}", 0)].token_ids for i in range(4)] == greedy_refs[:4]
+    assert [results[(f"p{i}", 0)].token_ids for i in plain] == [greedy_refs[i] for i in plain]
     assert results[("scored", 0)].token_ids == greedy_refs[5]
     got, ref = results[("scored", 0)].prompt_logprobs, hf_logprobs(hf, prompts[5])
     assert got[0] is None and len(got) == len(prompts[5])
@@ -309,3 +310,10 @@ def test_a_step_computes_prompt_logits_for_the_scoring_chunks_tokens_alone(model
         assert entry["token_id"] == prompts[5][pos]
         assert entry["logprob"] == pytest.approx(row[prompts[5][pos]], abs=2e-4), pos
         assert [t for t, _ in entry["top"]] == np.argsort(-row)[:2].tolist(), pos
+
+
+def test_scored_slots_are_powers_of_four_from_64_within_the_step():
+    from worker.engine.batch import scored_slots
+
+    assert [scored_slots(n, 4096) for n in (1, 64, 65, 256, 257, 1024, 1025)] == [64, 64, 256, 256, 1024, 1024, 4096]
+    assert scored_slots(300, 384) == 384 and scored_slots(10, 40) == 40  # never more than the step's tokens

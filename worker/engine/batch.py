@@ -14,7 +14,7 @@ from worker.engine.sequence import IN_FLIGHT
 MIN_PREFILL_LEN = 8
 MIN_DECODE_ROWS = 8  # fewer compiled variants; padding decode rows costs next to nothing
 MIN_PAGES = 4
-MIN_SCORED = 16  # scored-token slots of a step with prompt logprobs come in powers of two from this
+MIN_SCORED = 64  # scored-token slots of a step with prompt logprobs: powers of four from this (scored_slots)
 LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 OUTPUT_IDS_MIN = 64  # the narrowest output-id width of a batch with penalties (sampler_widths)
 # Reading one context token's K/V for a prefill row, relative to the matmuls of one query token:
@@ -85,6 +85,17 @@ class DeviceBatch:
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum); 0 stays 0."""
     return 0 if n == 0 else max(minimum, 1 << (n - 1).bit_length())
+
+
+def scored_slots(n: int, num_tokens: int) -> int:
+    """Slots for n scored prompt tokens in a step of num_tokens: a power of four from MIN_SCORED,
+    at most num_tokens. Coarser than the other shapes' ladders: each count is a variant of its own,
+    which on a GPU takes 25-60 s to compile while the scoring chunks wait, and the head over a few
+    padding tokens costs little beside the step."""
+    slots = MIN_SCORED
+    while slots < n:
+        slots *= 4
+    return min(slots, num_tokens)
 
 
 def decode_rows(n: int, max_rows: int) -> int:
@@ -270,7 +281,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     want_prompt = bool(scoring)
     shape = StepShape(sd, sp, qp, pages, steps, want_prompt, page_size, max_rows, tp, ahead is not None and not prefill)
     if want_prompt:
-        shape = replace(shape, scored=min(bucket(sum(c.num_tokens for c in scoring), MIN_SCORED), shape.num_tokens))
+        shape = replace(shape, scored=scored_slots(sum(c.num_tokens for c in scoring), shape.num_tokens))
     if shape.num_rows > max_rows:
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     prompt_top = any(c.seq.params.prompt_logprobs > 0 for c in scoring)
