@@ -145,10 +145,10 @@ async def run_load(base_url: str, model: str, prompts: list[Prompt], load: Load,
 
     aiohttp (C HTTP parser) rather than httpx: the load generator usually shares the machine with
     the server under test, and httpx spent ~275 us of CPU per streamed event."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _headers(api_key)
     rng = random.Random(load.seed)
     gate = asyncio.Semaphore(load.concurrency or len(prompts) or 1)
-    url = base_url.rstrip("/") + ("/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions")
+    url = _endpoint(base_url, load)
     connector = aiohttp.TCPConnector(limit=load.concurrency or len(prompts) or 1)
     # SSE lines can exceed aiohttp's 64 KiB default line limit (long logprob chunks)
     async with aiohttp.ClientSession(headers=headers, connector=connector, read_bufsize=2**20,
@@ -174,7 +174,7 @@ async def run_load(base_url: str, model: str, prompts: list[Prompt], load: Load,
 def served_model(base_url: str, api_key: str | None = None, wait_s: float = 0.0) -> str:
     """The first model /v1/models lists; while nothing listens at the URL (a server still starting),
     asked again every second for up to `wait_s`."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _headers(api_key)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -195,8 +195,7 @@ def first_request(base_url: str, model: str, prompt: Prompt, load: Load, api_key
     goes out, and it waits for a server still starting. A request waits in redjax's queue while the
     workers load and compile (seconds to minutes), which the first timed requests would otherwise
     count; while nothing listens at the URL it is sent again every second. Both for up to `wait_s`."""
-    url = base_url.rstrip("/") + ("/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url, headers = _endpoint(base_url, load), _headers(api_key)
 
     async def send() -> Result:
         deadline = time.monotonic() + wait_s
@@ -217,6 +216,14 @@ def warm_up(base_url: str, model: str, prompts: list[Prompt], load: Load, api_ke
     for the load's shapes before the timed run."""
     with _runner() as runner:
         return runner.run(run_load(base_url, model, prompts, load, api_key))[1]
+
+
+def _endpoint(base_url: str, load: Load) -> str:
+    return base_url.rstrip("/") + ("/v1/chat/completions" if load.endpoint == "chat" else "/v1/completions")
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _runner() -> asyncio.Runner:
