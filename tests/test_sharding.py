@@ -37,12 +37,15 @@ for parallel in (1, tp):
                                                    num_pages=64, tensor_parallel=parallel, sampler="jnp"))
 
     def run():
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True))
+        for i, p in enumerate(prompts):  # the second also scores its prompt (2 alternatives a token)
+            engine.add_request(str(i), p, SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True,
+                                                         prompt_logprobs=2 if i == 1 else None))
         tokens = {str(i): [] for i in range(len(prompts))}
         while engine.has_unfinished():
             for o in engine.step():
                 tokens[o.request_id] += o.token_ids
+                if o.prompt_logprobs:
+                    tokens["prompt"] = [e and [e["logprob"], [t for t, _ in e["top"]]] for e in o.prompt_logprobs]
         return tokens
 
     planned = engine.compile_ahead(run)  # its variants compiled ahead of time, with the mesh's shardings
@@ -65,6 +68,10 @@ def test_tensor_parallel_engine_matches_single_device(tmp_path):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     single, sharded = out["1"], out["2"]
     assert sharded["kv_devices"] == 2 and single["kv_devices"] == 1
+    scored = [(a, b) for a, b in zip(single["tokens"].pop("prompt"), sharded["tokens"].pop("prompt"))]
+    assert len(scored) == 17 and scored[0] == (None, None)
+    for a, b in scored[1:]:  # each prompt token's logprob and its top 2, through the gathered head
+        assert abs(a[0] - b[0]) <= 1e-4 and a[1] == b[1], (a, b)
     assert sharded["tokens"] == single["tokens"]
     for engine in (single, sharded):  # the real run used the variants compiled ahead, none through jit
         assert engine["planned"] >= 2 and engine["through_jit"] == 0
