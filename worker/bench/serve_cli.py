@@ -83,7 +83,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def serve(argv: list[str]) -> int:
     parser = serve_parser()
     args = parser.parse_args(argv)
-    args.url = args.url.rstrip("/").removesuffix("/v1")  # the paths below start with /v1
+    args.url = _base_url(args.url)
     import httpx
 
     from worker.bench.serve import bench_serve, served_model
@@ -121,8 +121,7 @@ def serve(argv: list[str]) -> int:
         parser.error("--plot needs a sweep (--sweep, or several --concurrency values)")
     servers = [Server(args.url, args.model, args.api_key)]
     if args.compare_url:
-        compare_url = args.compare_url.rstrip("/").removesuffix("/v1")
-        servers.append(Server(compare_url, args.compare_model, args.compare_api_key or args.api_key))
+        servers.append(Server(_base_url(args.compare_url), args.compare_model, args.compare_api_key or args.api_key))
     for i, server in enumerate(servers):
         try:
             servers[i] = server._replace(model=server.model or served_model(server.url, server.key, args.ready_timeout))
@@ -131,7 +130,8 @@ def serve(argv: list[str]) -> int:
             print(f"redjax bench serve: cannot read the served model from {server.url}/v1/models ({exc}); "
                   f"is the server up, and is its key in {key}?", file=sys.stderr)
             return 1
-    if not all(_warm_up(args, server, prompts, runs[0]) for server in servers):
+    warm = _warm_prompts(args, prompts)
+    if not all(_warm_up(args, server, warm, runs[0]) for server in servers):
         return 1
     if sweep and args.prompts_file:
         print("redjax bench serve: every run of the sweep sends the file's prompts again, so a prefix cache on the "
@@ -160,6 +160,11 @@ def serve(argv: list[str]) -> int:
     return 0 if all(r["failed"] == 0 for r in reports) else 1
 
 
+def _base_url(url: str) -> str:
+    """The server's root: the paths requested start with /v1, which an OpenAI client's base URL ends in."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 class Server(NamedTuple):
     url: str
     model: str | None  # None: the first the server lists
@@ -173,21 +178,27 @@ def _load(args, num_prompts: int, rate: float, concurrency: int | None):
                 args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p, args.logprobs)
 
 
-def _warm_up(args, server: Server, prompts: list, first_run: tuple[float, int | None]) -> bool:
-    """The untimed first request, then --warmup more at the first run's concurrency, all at once, on
-    prompts of their own: random words (after the run's shared prefix) at the workload's median
-    prompt length, --output-len tokens out. False, with the server's answer printed, where one
-    failed: nothing is timed then."""
+def _warm_prompts(args, prompts: list) -> list:
+    """The untimed requests' prompts, the first request's then --warmup more: random words (after the
+    run's shared prefix) at the workload's median prompt length, --output-len tokens out, so that no
+    timed prompt is in a server's prefix cache from them."""
     import statistics
 
     from worker.bench.prompts import random_workload
-    from worker.bench.serve import first_request, warm_up
 
     words = args.input_len or 128
     if args.prompts_file:
         words = max(1, round(statistics.median(len(p.text.split()) for p in prompts)))
-    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer and not args.prompts_file else None  # loaded before
-    warm = random_workload(1 + args.warmup, words, args.output_len, 0.0, args.seed, args.prefix_len, -1, tokenizer)
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer and not args.prompts_file else None
+    return random_workload(1 + args.warmup, words, args.output_len, 0.0, args.seed, args.prefix_len, -1, tokenizer)
+
+
+def _warm_up(args, server: Server, warm: list, first_run: tuple[float, int | None]) -> bool:
+    """The untimed first request (`warm[0]`), then the other `warm` prompts at the first run's
+    concurrency, all at once. False, with the server's answer printed, where one failed: nothing is
+    timed then."""
+    from worker.bench.serve import first_request, warm_up
+
     t0 = time.perf_counter()
     first = first_request(server.url, server.model, warm[0], _load(args, 1, *first_run), server.key, args.ready_timeout)
     if not first.ok:
