@@ -35,6 +35,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's)")
     g.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"],
                    help="KV page dtype (default: the compute dtype); bfloat16 halves KV memory and traffic")
+    g.add_argument("--quantization", choices=["int8"],
+                   help="int8: the layers' projections in int8, weights quantized at load by output column and "
+                        "activations by token as each step runs (W8A8, torchao's int8 dynamic scheme); faster, "
+                        "outputs near but not equal to the unquantized model's. Default: off")
     g.add_argument("--decode-steps", type=_decode_steps,
                    help="decode steps fused per call when nothing waits: a number, or auto (default): as many "
                         f"as one call runs in --decode-window-ms, timed at warm-up, at most {MAX_AUTO_DECODE_STEPS}")
@@ -81,7 +85,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "kv_cache_memory_fraction",
-               "max_model_len", "dtype", "kv_cache_dtype", "decode_steps", "decode_window_ms", "async_overlap", "launch_thread", "enable_prefix_cache", "tensor_parallel",
+               "max_model_len", "dtype", "kv_cache_dtype", "quantization", "decode_steps", "decode_window_ms", "async_overlap", "launch_thread", "enable_prefix_cache", "tensor_parallel",
                "attention", "matmul", "greedy_head", "sampler", "compile_threads", "pallas_tuning", "pallas_prefill",
                "speculative_tokens")
 

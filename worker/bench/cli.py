@@ -168,7 +168,7 @@ def offline(argv: list[str]) -> int:
         sampling += f", frequency penalty {s['frequency_penalty']:g}, presence {s['presence_penalty']:g}{every}"
     sampling += "" if s["prompt_logprobs"] is None else f", prompt logprobs {s['prompt_logprobs']}{every}"
     print(f"model {r['model']} ({r['num_params'] / 1e6:.1f}M params, {r['dtype']}, {r['attention']} "
-          f"attention, {r['matmul']} matmul, {r['greedy_head']} greedy head, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
+          f"attention, {r['matmul']} matmul{', ' + r['quantization'] if r['quantization'] else ''}, {r['greedy_head']} greedy head, KV {r['kv_cache_dtype']}, {r['decode_steps']} fused decode steps): {r['num_prompts']} prompts {_lengths(r)}, {sampling}")
     print(f"  {r['requests_per_s']:.2f} requests/s, {r['output_tokens_per_s']:.1f} output tokens/s, "
           f"{r['total_tokens_per_s']:.1f} total tokens/s ({r['seconds']:.2f} s, "
           f"{r['compiles_during_run']} compiles during the run)")

@@ -39,6 +39,9 @@ class EngineConfig:
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
     kv_cache_dtype: str | None = None  # KV page dtype ("float32", "bfloat16"); None: the compute dtype.
     # bfloat16 pages with float32 compute: half the KV memory and traffic, attention inputs rounded
+    quantization: str | None = None  # "int8": every layer's projections int8, weights quantized at load
+    # by output column and activations at run time by token (W8A8, torchao's int8 dynamic scheme;
+    # int8_linear.py); the LM head and embeddings stay in the model's dtype. None: off
     seed: int = 0  # seed for requests that carry none (offline API)
     tensor_parallel: int = 1  # devices one model spans (heads and MLP columns split over a mesh)
     attention: str = "auto"  # paged attention of decode and prefill rows: "auto": the compiled CPU kernel
@@ -84,6 +87,7 @@ class EngineConfig:
             "decode_window_ms must be > 0": self.decode_window_ms > 0,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
+            "quantization must be int8 or None": self.quantization in (None, "int8"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
             f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]":
                 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,

@@ -121,7 +121,7 @@ struct I8 {
   // intrinsic converts to and from on every call, GCC spilled accumulators to the stack
   using Acc = i32xN;
   struct Scales {
-    const float* rows;     // [M, 3]: each row's scale first (i8_rows.h)
+    const float* rows;     // [M, 3]: each row's scale first (i8_rows.h); W8A8: [M]
     const float* columns;  // [P * kPanel]: each column's scale (zero past N)
     const int32_t* sums;   // [P * kPanel]: each column's quantized weights summed
   };
@@ -140,6 +140,21 @@ struct I8 {
     return w;
   }
   static Acc madd(Acc acc, X x, W w) { return __builtin_ia32_vpdpbusd_v16si(acc, i32xN{} + static_cast<int32_t>(x), w); }
+};
+
+// The int8 projections (PanelMatmulW8A8, int8_linear.py): the same product on x quantized by the
+// caller, read in place, with one scale a row.
+struct W8A8 : I8 {
+  static constexpr bool kInPlace = true;
+  // as I8's, with the scales' product rounded first, as XLA rounds it: -ffast-math may otherwise
+  // reassociate the two multiplications
+  static void put(float* p, Acc v, const Scales& sc, int64_t m, int64_t n) {
+    i32xN sums;
+    std::memcpy(&sums, sc.sums + n, sizeof sums);
+    f32xN scale = sc.rows[m] * load(sc.columns + n);
+    asm volatile("" : "+v"(scale));
+    store(p, __builtin_convertvector(v - (sums << 7), f32xN) * scale);
+  }
 };
 #endif
 
@@ -388,6 +403,28 @@ ffi::Error PanelMatmulI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   });
   return ffi::Error::Success();
 }
+
+// x quantized by the caller (int8_linear.py): xq u8[M, 4 * ceil(K / 4)], each q + 128 (128 past
+// K), and each row's scale f32[M]; w, scales and sums as PanelMatmulI8's -> y f32[M, N] = the
+// int32 product of the quantized vectors, in float32, times (row scale * column scale): what
+// int8_linear.py computes with XLA's int8 dot, bit for bit
+ffi::Error PanelMatmulW8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> xq, ffi::Buffer<ffi::F32> rows,
+                               ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> sums,
+                               ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = check(xq.dimensions(), w.dimensions(), y->dimensions(), 4); e.failure()) return e;
+  const int64_t m = xq.dimensions()[0], n = y->dimensions()[1], steps = w.dimensions()[1];
+  const int64_t columns = w.dimensions()[0] * kPanel;
+  if (xq.dimensions()[1] != 4 * steps || rows.element_count() != m || scales.element_count() != columns ||
+      sums.element_count() != columns)
+    return ffi::Error::InvalidArgument("panel_matmul_w8a8: expected xq [M, 4 * steps], rows [M], scales and sums [P * 32]");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const Problem<W8A8> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()), y->typed_data(), m, n, steps,
+                         {rows.typed_data(), scales.typed_data(), sums.typed_data()}};
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(xq.typed_data());
+  run_product(pool, tile_plan(m), pb, w.dimensions()[0],
+              [=](int64_t m0, int64_t, uint32_t*) { return words + m0 * steps; });
+  return ffi::Error::Success();
+}
 #endif
 
 }  // namespace
@@ -417,5 +454,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulI8, PanelMatmulI8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#endif
+
+#ifdef __AVX512VNNI__
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulW8A8, PanelMatmulW8A8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 #endif
