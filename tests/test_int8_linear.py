@@ -5,6 +5,7 @@ transformers gives with torchao's `Int8DynamicActivationInt8WeightConfig` applie
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 
@@ -179,3 +180,27 @@ def test_settings():
             int8_linear.uses_kernel("kernel", 1)
     with pytest.raises(ValueError, match="AVX512-VNNI"):
         int8_linear.uses_kernel("kernel", 2)
+
+
+def test_bench_offline_reports_int8_against_its_own_roofline(tmp_path):
+    # the projections' weights a byte each at the int8 probe's speed, the head and attention as before
+    from tests.bench_support import run_bench
+    from worker.bench import roofline
+    from worker.models.config import ModelConfig
+
+    make_hf_model("llama", tmp_path)
+    code, out = run_bench("offline", "--model", str(tmp_path), "--num-prompts", "4", "--input-len", "8",
+                          "--output-len", "8", "--quantization", "int8", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["output_tokens"] == 4 * 8
+    assert report["quantization"] == f"int8 ({'kernel' if VNNI else 'xla'})"
+    assert report["engine"]["quantization"] == "int8" and report["matmul_gflops_int8"] > 0
+    cfg = ModelConfig.from_dir(tmp_path)
+    batch, context = report["decode_mean_batch"], report["decode_mean_context"]
+    memory = roofline.decode_step_bytes(cfg, 4, batch, context, 4, 1) / (report["memory_bandwidth_gbs"] * 1e9)
+    assert report["decode_memory_step_ms"] == pytest.approx(memory * 1e3)
+    compute = (roofline.product_s(cfg, batch, report["matmul_gflops"], report["matmul_gflops_int8"])
+               + batch * roofline.attention_flops(cfg, context) / (report["matmul_gflops"] * 1e9))
+    assert report["decode_compute_step_ms"] == pytest.approx(compute * 1e3)
+    ideal = roofline.prefill_token_s(cfg, report["prefill_mean_context"], report["matmul_gflops"], report["matmul_gflops_int8"])
+    assert report["prefill_ideal_token_us"] == pytest.approx(ideal * 1e6)

@@ -46,3 +46,22 @@ def test_the_serial_roofline_adds_the_products_and_the_attention():
     # one row: the products read their weights (1.1 us of FLOPs against 568 us of bytes)
     assert roofline.decode_serial_step_s(cfg, 4, 4, 1, 192, 192, 30.0, 200.0) == pytest.approx(
         weights * 4 / 30e9 + 192 * 1024 * 4 / 30e9)
+
+
+def test_int8_projections_count_a_byte_a_weight_at_their_own_speed():
+    """`--quantization int8`: the projections' weights are read as bytes and multiplied at the int8
+    probe's speed; the LM head keeps the model's dtype and speed, attention its FLOPs."""
+    cfg = ModelConfig.preset("llama-100m")
+    head = cfg.vocab_size * cfg.hidden_size
+    projections = roofline.projection_params(cfg)
+    assert roofline.weight_bytes(cfg, 4) == roofline.matmul_params(cfg) * 4
+    assert roofline.weight_bytes(cfg, 4, 1) == projections + head * 4
+    assert roofline.product_s(cfg, 64, 200.0) == pytest.approx(64 * 2 * roofline.matmul_params(cfg) / 200e9)
+    assert roofline.product_s(cfg, 64, 200.0, 800.0) == pytest.approx(64 * 2 * (projections / 800e9 + head / 200e9))
+    attention = roofline.attention_flops(cfg, 100)
+    assert roofline.prefill_token_s(cfg, 100, 200.0) == pytest.approx(roofline.prefill_token_flops(cfg, 100) / 200e9)
+    assert roofline.prefill_token_s(cfg, 100, 200.0, 800.0) == pytest.approx(2 * projections / 800e9 + attention / 200e9)
+    kv = 64 * 192 * roofline.kv_bytes_per_token(cfg, 4)
+    assert roofline.decode_step_bytes(cfg, 4, 64, 192, 4, 1) == projections + head * 4 + kv
+    one_row = roofline.decode_serial_step_s(cfg, 4, 4, 1, 192, 192, 30.0, 200.0, 1, 800.0)
+    assert one_row == pytest.approx((projections + head * 4) / 30e9 + 192 * roofline.kv_bytes_per_token(cfg, 4) / 30e9)

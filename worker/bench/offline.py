@@ -325,7 +325,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     }
     kv_itemsize = engine.runner.kv.dtype.itemsize
     report["kv_cache_dtype"] = str(engine.runner.kv.dtype)
-    report |= _host_and_roofline(probe, cfg, itemsize, dtype, kv_itemsize)
+    report |= _host_and_roofline(probe, cfg, itemsize, dtype, kv_itemsize, engine.quantization)
     if compare_hf:
         report |= {
             "baseline": f"transformers generate (torch {hf_baseline_device().upper()}, batch {hf_batch_size})",
@@ -393,28 +393,35 @@ def hf_baseline_device() -> str:
     return hf_device()
 
 
-def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int) -> dict:
+def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int,
+                       quantization: str | None = None) -> dict:
+    """The machine's probes and the run against its roofline. With int8 projections (`quantization`
+    "int8 (kernel)" or "int8 (xla)") their weights count a byte each and their products run at the
+    int8 probe's speed; the LM head and attention keep the model dtype's."""
     t0 = time.perf_counter()
     bandwidth = roofline.memory_bandwidth_gbs()
     xla = roofline.matmul_gflops(dtype=DTYPES[dtype])
     kernel = roofline.kernel_matmul_gflops(dtype=DTYPES[dtype])
     gflops = max(xla, kernel or 0.0)  # the machine's best measured product is the ceiling
+    int8 = roofline.int8_matmul_gflops("kernel" in quantization) if quantization else None
+    projection_itemsize = 1 if quantization else None
     log.info("machine probes: %.0f GB/s, %.0f GFLOP/s (%.1f s)", bandwidth, gflops, time.perf_counter() - t0)
     d, p = probe.decode, probe.prefill
     out: dict = {"device_name": roofline.device_name(), "memory_bandwidth_gbs": bandwidth, "matmul_gflops": gflops,
-                 "matmul_gflops_xla": xla, "matmul_gflops_kernel": kernel,
+                 "matmul_gflops_xla": xla, "matmul_gflops_kernel": kernel, "matmul_gflops_int8": int8,
                  "decode_phase": d.as_dict(), "prefill_phase": p.as_dict()}
     if d.decode_steps:
         batch, context = d.batch_rows / d.decode_steps, d.context_tokens / max(d.batch_rows, 1)
         unique = (d.context_tokens - d.shared_tokens) / max(d.batch_rows, 1)  # shared prefix pages read once
         step_s = d.wall_s / d.decode_steps
-        memory = roofline.decode_step_bytes(cfg, itemsize, batch, unique, kv_itemsize) / (bandwidth * 1e9)
-        compute = roofline.decode_step_flops(cfg, batch, context) / (gflops * 1e9)
+        memory = roofline.decode_step_bytes(cfg, itemsize, batch, unique, kv_itemsize, projection_itemsize) / (bandwidth * 1e9)
+        compute = (roofline.product_s(cfg, batch, gflops, int8)
+                   + batch * roofline.attention_flops(cfg, context) / (gflops * 1e9))
         ideal = max(memory, compute)
         # never below the overlapped ideal (so in real numbers; the two sums round differently, and a
         # CI run met the serial one an ulp below)
         serial = max(ideal, roofline.decode_serial_step_s(cfg, itemsize, kv_itemsize, batch, context, unique,
-                                                          bandwidth, gflops))
+                                                          bandwidth, gflops, projection_itemsize, int8))
         out |= {"decode_step_ms": step_s * 1e3, "decode_mean_batch": batch, "decode_mean_context": context,
                 "decode_shared_kv_fraction": d.shared_tokens / max(d.context_tokens, 1.0),
                 "decode_memory_step_ms": memory * 1e3, "decode_compute_step_ms": compute * 1e3,
@@ -424,7 +431,7 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
     if p.prefill_tokens:
         per_token = p.wall_s / p.prefill_tokens
         context = p.context_tokens / p.prefill_tokens
-        ideal = roofline.prefill_token_flops(cfg, context) / (gflops * 1e9)
+        ideal = roofline.prefill_token_s(cfg, context, gflops, int8)
         out |= {"prefill_token_us": per_token * 1e6, "prefill_ideal_token_us": ideal * 1e6, "prefill_mean_context": context,
                 "prefill_roofline_fraction": ideal / per_token, "prefill_host_fraction": p.host_s / p.wall_s}
     total = d.wall_s + p.wall_s

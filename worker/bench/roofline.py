@@ -37,7 +37,7 @@ def _on_cpu() -> bool:
 
 
 # instruction sets the CPU kernels choose between (worker/engine/cpu_matmul.py, cpu_build.py)
-CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
 def device_name() -> str:
@@ -106,6 +106,20 @@ def kernel_matmul_gflops(n: int = 2048, dtype=jnp.float32) -> float | None:
     return 2 * n**3 / seconds / 1e9
 
 
+def int8_matmul_gflops(kernel: bool, n: int = 2048) -> float:
+    """The same product through an int8 projection (int8_linear.py: x quantized a row at a time,
+    then the VNNI kernel or, without `kernel`, XLA's int8 dot), counted as 2 n^3 operations."""
+    from flax import nnx
+
+    from worker.engine import int8_linear
+    from worker.models.llama import Linear
+
+    linear = Linear(n, n, False, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    layer = int8_linear.Int8Linear(linear, kernel)
+    seconds = _best(jax.jit(lambda a: layer(a)), jnp.ones((n, n), jnp.float32))
+    return 2 * n**3 / seconds / 1e9
+
+
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """Keys and values of one token across all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -122,14 +136,35 @@ def matmul_params(cfg: ModelConfig) -> int:
     return projection_params(cfg) + cfg.vocab_size * cfg.hidden_size
 
 
+def weight_bytes(cfg: ModelConfig, itemsize: int, projection_itemsize: int | None = None) -> int:
+    """Bytes of the weights a decode step multiplies by: the projections at `projection_itemsize`
+    (int8 ones: 1) or `itemsize`, the LM head at `itemsize`."""
+    return projection_params(cfg) * (projection_itemsize or itemsize) + (matmul_params(cfg) - projection_params(cfg)) * itemsize
+
+
+def product_s(cfg: ModelConfig, rows: float, gflops: float, projection_gflops: float | None = None) -> float:
+    """`rows` rows through every product: the projections at `projection_gflops` (int8 ones' measured
+    speed) or `gflops`, the LM head at `gflops`."""
+    head = matmul_params(cfg) - projection_params(cfg)
+    return 2.0 * rows * (projection_params(cfg) / (projection_gflops or gflops) + head / gflops) / 1e9
+
+
+def prefill_token_s(cfg: ModelConfig, mean_context: float, gflops: float, projection_gflops: float | None = None) -> float:
+    """`prefill_token_flops` at the measured speeds (the projections' own where they are int8)."""
+    projections = 2.0 * projection_params(cfg) / (projection_gflops or gflops)
+    return (projections + attention_flops(cfg, mean_context) / gflops) / 1e9
+
+
 def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float,
-                      kv_itemsize: int | None = None) -> float:
+                      kv_itemsize: int | None = None, projection_itemsize: int | None = None) -> float:
     """Bytes an ideal decode step reads: the weights of its products once, plus each sequence's KV."""
-    return matmul_params(cfg) * itemsize + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize)
+    return (weight_bytes(cfg, itemsize, projection_itemsize)
+            + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize))
 
 
 def decode_serial_step_s(cfg: ModelConfig, itemsize: int, kv_itemsize: int, batch: float, context: float,
-                         unique_context: float, bandwidth_gbs: float, gflops: float) -> float:
+                         unique_context: float, bandwidth_gbs: float, gflops: float,
+                         projection_itemsize: int | None = None, projection_gflops: float | None = None) -> float:
     """The ideal decode step when its products and its attention run one after another, as the
     calls of a step do (XLA runs them in turn; a kernel reading the KV does not multiply weights
     meanwhile): the products at the larger of reading their weights and computing their FLOPs, then
@@ -138,7 +173,8 @@ def decode_serial_step_s(cfg: ModelConfig, itemsize: int, kv_itemsize: int, batc
     `decode_step_flops` give the step where the two overlap perfectly: the larger of their
     totals, never more than this."""
     bandwidth, speed = bandwidth_gbs * 1e9, gflops * 1e9
-    products = max(matmul_params(cfg) * itemsize / bandwidth, batch * 2.0 * matmul_params(cfg) / speed)
+    products = max(weight_bytes(cfg, itemsize, projection_itemsize) / bandwidth,
+                   product_s(cfg, batch, gflops, projection_gflops))
     attention = max(batch * unique_context * kv_bytes_per_token(cfg, kv_itemsize) / bandwidth,
                     batch * attention_flops(cfg, context) / speed)
     return products + attention
