@@ -79,3 +79,51 @@ def test_tensor_parallel_engine_matches_single_device(tmp_path):
 
     a, b = np.array(single["logits"]), np.array(sharded["logits"])
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+
+
+INT8_SCRIPT = r"""
+import json, sys
+import jax
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.models.loader import load_model
+from worker.models.sharding import make_mesh
+
+class Ids:
+    eos_token_id = None
+    def decode(self, ids, **kw): return " ".join(map(str, ids))
+
+prompts = [[(7 * i + j) % 256 for j in range(n)] for i, n in enumerate((5, 17, 30))]
+out = {}
+for parallel in (1, 2):  # XLA's int8 dot on both (the VNNI kernel runs on one device only)
+    model = load_model(sys.argv[1], mesh=make_mesh(parallel) if parallel > 1 else None)
+    engine = LLMEngine(model, Ids(), EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, num_pages=64,
+                                                  tensor_parallel=parallel, quantization="int8", matmul="xla"))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] += o.token_ids
+    layer = model.model.layers[0]  # quantized in place
+    specs = [str(v[...].sharding.spec) if parallel > 1 else None for v in (layer.self_attn.q_proj.weight,
+             layer.self_attn.q_proj.scale, layer.mlp.down_proj.weight, layer.mlp.down_proj.scale)]
+    out[parallel] = {"tokens": tokens, "quantization": engine.quantization, "specs": specs}
+print(json.dumps(out))
+"""
+
+
+def test_int8_projections_split_over_the_mesh(tmp_path):
+    # q/k/v and gate/up by output columns with their scales, o and down by input rows (their int32
+    # partial sums added exactly across devices): the single device's tokens
+    make_hf_model("llama", tmp_path)
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-c", INT8_SCRIPT, str(tmp_path)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["1"]["quantization"] == out["2"]["quantization"] == "int8 (xla)"
+    assert out["2"]["specs"] == ["P(None, 'tp')", "P('tp',)", "P('tp', None)", "P()"]
+    assert out["2"]["tokens"] == out["1"]["tokens"]
