@@ -183,16 +183,19 @@ def test_settings():
 
 
 def test_bench_offline_reports_int8_against_its_own_roofline(tmp_path):
-    # the projections' weights a byte each at the int8 probe's speed, the head and attention as before
+    # against transformers with torchao's int8, and its own roofline: the projections' weights a byte each at the int8 probe's speed, the head and attention as before
     from tests.bench_support import run_bench
     from worker.bench import roofline
     from worker.models.config import ModelConfig
 
     make_hf_model("llama", tmp_path)
     code, out = run_bench("offline", "--model", str(tmp_path), "--num-prompts", "4", "--input-len", "8",
-                          "--output-len", "8", "--quantization", "int8", "--json")
+                          "--output-len", "8", "--quantization", "int8", "--compare", "hf", "--json")
     report = json.loads(out)
     assert code == 0 and report["output_tokens"] == 4 * 8
+    # the baseline runs the same int8 model: transformers with torchao's quantization
+    assert "torchao int8" in report["baseline"] and report["ratio"] > 0
+    assert report["greedy_first_token_match_fraction"] >= 0.5
     assert report["quantization"] == f"int8 ({'kernel' if VNNI else 'xla'})"
     assert report["engine"]["quantization"] == "int8" and report["matmul_gflops_int8"] > 0
     cfg = ModelConfig.from_dir(tmp_path)

@@ -15,7 +15,7 @@ def hf_device() -> str:
 
 def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | list[int], batch_size: int,
            dtype: str = "float32", temperature: float = 0.0, top_p: float = 1.0,
-           top_k: int = 0, logprobs: int | None = None) -> tuple[float, list[list[int]]]:
+           top_k: int = 0, logprobs: int | None = None, quantization: str | None = None) -> tuple[float, list[list[int]]]:
     """Generation of exactly `output_len` tokens per prompt (one for all, or each prompt's), in
     batches, greedy or sampled with the engine's settings; -> (seconds, outputs in prompt order).
 
@@ -26,7 +26,9 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
     length for all, that is the prompts' own order and no padding. A short warmup call is excluded.
     With `logprobs`, each batch also gives every new token's log-probability and the `logprobs` most
     likely alternatives, read to the host as the engine reads its own (the work a transformers user
-    does for the same answer: the raw logits of each step, log-softmax, top-k).
+    does for the same answer: the raw logits of each step, log-softmax, top-k). With `quantization`
+    "int8" the layers' projections are quantized by torchao (`Int8DynamicActivationInt8WeightConfig`,
+    the scheme the engine's int8 follows; the LM head left as it is), the same model as the engine's.
     """
     import torch
     import transformers
@@ -35,6 +37,8 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
     ).eval().to(device)
+    if quantization == "int8":
+        quantize_int8(model)
     sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature
                 else dict(do_sample=False, top_p=None, top_k=None, temperature=None))
     lens = [output_len] * len(prompts) if isinstance(output_len, int) else list(output_len)
@@ -65,3 +69,24 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
         for i, out in zip(batch, generate([prompts[i] for i in batch], max(lens[i] for i in batch))):
             outputs[i] = out[: lens[i]]
     return time.perf_counter() - t0, outputs
+
+
+def quantize_int8(model) -> None:
+    """torchao's int8 dynamic quantization on every projection of `model`'s layers, in place."""
+    import logging
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # its CUDA extensions do not load on a CPU host, and it says so
+        warnings.simplefilter("ignore")
+        level = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:
+            from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+        except ImportError as exc:
+            raise RuntimeError("--compare hf with --quantization int8 needs torchao (pip install -e '.[dev]')") from exc
+        finally:
+            logging.disable(level)
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(),
+              filter_fn=lambda module, name: isinstance(module, torch.nn.Linear) and "lm_head" not in name)

@@ -283,7 +283,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
                "draft_tokens": engine.num_draft_tokens - drafted, "accepted_tokens": engine.num_accepted_tokens - stood}
         if compare_hf:
             sizes = [hf_batch_size] if hf_batch_size else auto_batch_sizes(work.num_prompts)
-            hf_seconds, hf_outputs, hf_batch_size, trials = _fastest_baseline(weights_dir, prompts, work, dtype, sizes)
+            hf_seconds, hf_outputs, hf_batch_size, trials = _fastest_baseline(weights_dir, prompts, work, dtype, sizes,
+                                                                              engine.config.quantization)
             # torch and transformers stay imported: out of the collector's walks in the engine's next rounds,
             # as a worker, which never holds them, would be (a walk of them took ~50 ms a collection)
             freeze_startup_heap()
@@ -328,7 +329,8 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     report |= _host_and_roofline(probe, cfg, itemsize, dtype, kv_itemsize, engine.quantization)
     if compare_hf:
         report |= {
-            "baseline": f"transformers generate (torch {hf_baseline_device().upper()}, batch {hf_batch_size})",
+            "baseline": f"transformers generate (torch {hf_baseline_device().upper()}, batch {hf_batch_size}"
+                        + (", torchao int8 projections)" if engine.config.quantization else ")"),
             "baseline_batch_size": hf_batch_size, "baseline_batch_trials": first_trials,
             "baseline_seconds": median("baseline_seconds"),
             "baseline_output_tokens_per_s": median("baseline_output_tokens_per_s"), "ratio": median("ratio"),
@@ -368,13 +370,13 @@ def greedy_agreement(outputs: list[list[int]], baseline: list[list[int]]) -> dic
             "greedy_mean_common_tokens": float(np.mean(common))}
 
 
-def _fastest_baseline(weights_dir, prompts, work: Workload, dtype: str, sizes: list[int]):
-    """transformers on `prompts` at each batch size -> (seconds, outputs, size) of the fastest, and
-    {size: output tokens/s} of every size tried."""
+def _fastest_baseline(weights_dir, prompts, work: Workload, dtype: str, sizes: list[int], quantization: str | None):
+    """transformers on `prompts` at each batch size (quantized as the engine is) -> (seconds, outputs,
+    size) of the fastest, and {size: output tokens/s} of every size tried."""
     best, trials = None, {}
     for size in sizes:
         seconds, outputs = run_hf_baseline(weights_dir, prompts, work.output_lens, size, dtype, work.temperature,
-                                           work.top_p, work.top_k, work.logprobs)
+                                           work.top_p, work.top_k, work.logprobs, quantization)
         trials[size] = sum(len(o) for o in outputs) / seconds
         if best is None or seconds < best[0]:
             best = (seconds, outputs, size)
