@@ -182,19 +182,27 @@ def test_settings():
         int8_linear.uses_kernel("kernel", 2)
 
 
-def test_bench_offline_reports_int8_against_its_own_roofline(tmp_path):
+def test_bench_offline_reports_int8_against_its_own_roofline(tmp_path, monkeypatch):
     # against transformers with torchao's int8, and its own roofline: the projections' weights a byte each at the int8 probe's speed, the head and attention as before
     from tests.bench_support import run_bench
     from worker.bench import roofline
     from worker.models.config import ModelConfig
 
+    from worker.bench import hf_baseline
+
+    baselines = []  # the transformers models the baseline ran, after torchao's quantization
+    quantize_int8 = hf_baseline.quantize_int8
+    monkeypatch.setattr(hf_baseline, "quantize_int8", lambda model: (quantize_int8(model), baselines.append(model)))
     make_hf_model("llama", tmp_path)
     code, out = run_bench("offline", "--model", str(tmp_path), "--num-prompts", "4", "--input-len", "8",
                           "--output-len", "8", "--quantization", "int8", "--compare", "hf", "--json")
     report = json.loads(out)
     assert code == 0 and report["output_tokens"] == 4 * 8
     # the baseline runs the same int8 model: transformers with torchao's quantization
-    assert "torchao int8" in report["baseline"] and report["ratio"] > 0
+    assert "torchao int8" in report["baseline"] and report["ratio"] > 0 and baselines
+    for model in baselines:
+        assert type(model.model.layers[1].mlp.down_proj.weight).__name__ == "Int8Tensor"
+        assert type(model.lm_head.weight).__name__ != "Int8Tensor"  # the head stays float
     assert report["greedy_first_token_match_fraction"] >= 0.5
     assert report["quantization"] == f"int8 ({'kernel' if VNNI else 'xla'})"
     assert report["engine"]["quantization"] == "int8" and report["matmul_gflops_int8"] > 0

@@ -28,7 +28,6 @@ from worker.models.llama import LlamaForCausalLM, Linear
 
 W8A8_TARGET = "redjax_panel_matmul_w8a8"  # cpu_kernels/panel_matmul.cc's PanelMatmulW8A8
 EPS = float(np.finfo(np.float32).eps)  # the smallest scale (torchao's, for float32 and bfloat16 alike)
-METHODS = ("int8",)
 
 
 class Quantized(nnx.Variable):
@@ -110,9 +109,7 @@ class Int8Linear(nnx.Module):
 def quantize_model(model: LlamaForCausalLM, kernel: bool) -> LlamaForCausalLM:
     """`model` with every projection of its layers (not the LM head) int8, in place; `kernel`: on
     the VNNI kernel (`uses_kernel`)."""
-    for path, module in list(nnx.iter_modules(model)):
-        if not path or path[0] != "model":
-            continue
+    for _, module in list(nnx.iter_modules(model.model)):  # the layers (the head is the model's own child)
         for name, child in list(vars(module).items()):
             if isinstance(child, Linear):
                 setattr(module, name, Int8Linear(child, kernel))
