@@ -9,8 +9,9 @@ quantized values to torchao's and the logits to a torchao-quantized transformers
 head and the embeddings stay in the model's dtype.
 
 Two paths compute the same numbers bit for bit: XLA's int8 dot (any backend; on GPUs cuBLAS's int8
-products), and on a CPU with AVX512-VNNI `cpu_kernels/panel_matmul.cc`'s VPDPBUSD panels. Both
-take the int32 sums exactly and scale them as float32(sum) * (row scale * column scale); a bias
+products), and on a CPU with AVX512-VNNI `cpu_kernels/panel_matmul.cc`'s VPDPBUSD panels, which
+quantize the rows themselves (`quantize_row_w8a8` in cpu_kernels/i8_rows.h: the same float32
+operations, its divisions kept IEEE divisions under -ffast-math). Both take the int32 sums exactly and scale them as float32(sum) * (row scale * column scale); a bias
 is added after, which XLA may fuse into a multiply-add (one rounding fewer).
 """
 
@@ -91,14 +92,12 @@ class Int8Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         *lead, k = x.shape
-        q, row_scale = quantize(x.reshape(-1, k), axis=1)  # i8[M, in], f32[M]
-        if self.kernel:
-            steps = -(-k // 4)
-            words = jnp.pad((q.astype(jnp.int32) + 128).astype(jnp.uint8), ((0, 0), (0, 4 * steps - k)),
-                            constant_values=128)  # u8[M, 4 * steps]: q + 128, a zero past `in`
-            call = jax.ffi.ffi_call(W8A8_TARGET, jax.ShapeDtypeStruct((q.shape[0], self.d_out), jnp.float32))
-            y = call(words, row_scale, self.panels[...], self.scale[...], self.sums[...])
+        rows = x.reshape(-1, k).astype(jnp.float32)  # [M, in]
+        if self.kernel:  # quantizes each row itself, as `quantize` does
+            call = jax.ffi.ffi_call(W8A8_TARGET, jax.ShapeDtypeStruct((rows.shape[0], self.d_out), jnp.float32))
+            y = call(rows, self.panels[...], self.scale[...], self.sums[...])
         else:
+            q, row_scale = quantize(rows, axis=1)  # i8[M, in], f32[M]
             sums = jax.lax.dot_general(q, self.weight[...], (((1,), (0,)), ((), ())),
                                        preferred_element_type=jnp.int32)  # i32[M, out], exact
             y = sums.astype(jnp.float32) * (row_scale[:, None] * self.scale[...][None, :])

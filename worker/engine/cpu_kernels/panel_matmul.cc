@@ -142,10 +142,9 @@ struct I8 {
   static Acc madd(Acc acc, X x, W w) { return __builtin_ia32_vpdpbusd_v16si(acc, i32xN{} + static_cast<int32_t>(x), w); }
 };
 
-// The int8 projections (PanelMatmulW8A8, int8_linear.py): the same product on x quantized by the
-// caller, read in place, with one scale a row.
+// The int8 projections (PanelMatmulW8A8, int8_linear.py): the same product, x quantized by torchao's
+// scheme (quantize_row_w8a8), one scale a row.
 struct W8A8 : I8 {
-  static constexpr bool kInPlace = true;
   // as I8's, with the scales' product rounded first, as XLA rounds it: -ffast-math may otherwise
   // reassociate the two multiplications
   static void put(float* p, Acc v, const Scales& sc, int64_t m, int64_t n) {
@@ -404,25 +403,28 @@ ffi::Error PanelMatmulI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
-// x quantized by the caller (int8_linear.py): xq u8[M, 4 * ceil(K / 4)], each q + 128 (128 past
-// K), and each row's scale f32[M]; w, scales and sums as PanelMatmulI8's -> y f32[M, N] = the
-// int32 product of the quantized vectors, in float32, times (row scale * column scale): what
-// int8_linear.py computes with XLA's int8 dot, bit for bit
-ffi::Error PanelMatmulW8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> xq, ffi::Buffer<ffi::F32> rows,
-                               ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> sums,
-                               ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = check(xq.dimensions(), w.dimensions(), y->dimensions(), 4); e.failure()) return e;
-  const int64_t m = xq.dimensions()[0], n = y->dimensions()[1], steps = w.dimensions()[1];
+// x f32[M, K] quantized a row at a time (redjax::quantize_row_w8a8, int8_linear.py's scheme to the
+// bit), times int8 weights w with their columns' scales and quantized sums (as PanelMatmulI8's) ->
+// y f32[M, N] = the int32 product of the quantized vectors, in float32, times (row scale * column
+// scale): what int8_linear.py computes with XLA's int8 dot, bit for bit
+ffi::Error PanelMatmulW8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                               ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> sums, ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = check(x.dimensions(), w.dimensions(), y->dimensions(), 4); e.failure()) return e;
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = y->dimensions()[1], steps = (k + 3) / 4;
   const int64_t columns = w.dimensions()[0] * kPanel;
-  if (xq.dimensions()[1] != 4 * steps || rows.element_count() != m || scales.element_count() != columns ||
-      sums.element_count() != columns)
-    return ffi::Error::InvalidArgument("panel_matmul_w8a8: expected xq [M, 4 * steps], rows [M], scales and sums [P * 32]");
+  if (scales.element_count() != columns || sums.element_count() != columns)
+    return ffi::Error::InvalidArgument("panel_matmul_w8a8: expected scales and sums [P * 32]");
   if (m == 0 || n == 0) return ffi::Error::Success();
+  thread_local std::vector<float> row_scales;  // the calling thread's, reused across calls
+  row_scales.resize(m);
+  float* rs = row_scales.data();
   const Problem<W8A8> pb{nullptr, reinterpret_cast<const char*>(w.typed_data()), y->typed_data(), m, n, steps,
-                         {rows.typed_data(), scales.typed_data(), sums.typed_data()}};
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(xq.typed_data());
-  run_product(pool, tile_plan(m), pb, w.dimensions()[0],
-              [=](int64_t m0, int64_t, uint32_t*) { return words + m0 * steps; });
+                         {rs, scales.typed_data(), sums.typed_data()}};
+  const float* xs = x.typed_data();
+  run_product(pool, tile_plan(m), pb, w.dimensions()[0], [=](int64_t m0, int64_t count, uint32_t* to) {
+    for (int64_t r = 0; r < count; ++r) rs[m0 + r] = redjax::quantize_row_w8a8(xs + (m0 + r) * k, k, to + r * steps);
+    return static_cast<const uint32_t*>(to);
+  });
   return ffi::Error::Success();
 }
 #endif
@@ -461,7 +463,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulI8, PanelMatmulI8Impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulW8A8, PanelMatmulW8A8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
