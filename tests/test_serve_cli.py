@@ -29,6 +29,8 @@ SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page
     (["serve"], {"REDJAX_MAX_NUM_SEQS": "many"}, "REDJAX_MAX_NUM_SEQS='many' is not a number"),
     (["serve", "--workers", "0"], {}, "--workers must be at least 1"),
     (["worker", "--page-size", "3"], {}, "page_size must be a power of two"),
+    (["serve"], {"REDJAX_QUANTIZATION": "int4"}, "quantization must be int8"),
+    (["serve", "--quantization", "fp8"], {}, "invalid choice: 'fp8'"),
     (["generate", "--prompt", "x", "--max-num-batched-tokens", "4"], {}, "max_num_batched_tokens must be >= max_num_seqs"),
     (["bench", "offline", "--dummy", "llama-tiny", "--max-num-batched-tokens", "4"], {},
      "max_num_batched_tokens must be >= max_num_seqs"),
