@@ -19,14 +19,35 @@
 
 namespace redjax {
 
+// max_k |x_k| over x f32[K], and whether every x_k is finite (16 lanes at a time where AVX-512 is:
+// GCC leaves the scalar loop, with its `finite &=`, unvectorized)
+inline float largest_magnitude(const float* x, int64_t k, bool& finite) {
+  float most = 0.0f;
+  finite = true;
+  int64_t j = 0;
+#ifdef __AVX512F__
+  __m512 widest = _mm512_setzero_ps();
+  __mmask16 odd = 0;  // lanes that met an infinity or NaN (all exponent bits set)
+  const __m512i exponent = _mm512_set1_epi32(static_cast<int32_t>(kExponentBits));
+  for (; j + 16 <= k; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    odd |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
+    widest = _mm512_max_ps(widest, _mm512_abs_ps(v));
+  }
+  finite = odd == 0;
+  most = _mm512_reduce_max_ps(widest);
+#endif
+  for (; j < k; ++j) {
+    finite &= !not_finite(x[j]);
+    most = std::max(most, std::fabs(x[j]));
+  }
+  return most;
+}
+
 // x f32[K] -> to u32[ceil(K / 4)], stats f32[3] = {s, |x - s q|_2, |s q|_2} (the norms rounded up)
 inline void quantize_row_i8(const float* x, int64_t k, uint32_t* to, float* stats) {
-  float most = 0.0f;
-  bool finite = true;
-  for (int64_t i = 0; i < k; ++i) {
-    finite &= !not_finite(x[i]);
-    most = std::max(most, std::fabs(x[i]));
-  }
+  bool finite;
+  const float most = largest_magnitude(x, k, finite);
   uint8_t* out = reinterpret_cast<uint8_t*>(to);
   const int64_t padded = (k + 3) / 4 * 4;
   if (!finite) {
@@ -65,25 +86,8 @@ inline float divide_exactly(float a, float b) {
 // s)) in [-128, 127] and s = max(max_k |x_k| / 127.5, FLT_EPSILON); returns s, or NaN for a row
 // holding a value that is not finite (its products NaN)
 inline float quantize_row_w8a8(const float* x, int64_t k, uint32_t* to) {
-  float most = 0.0f;
-  bool finite = true;
-  int64_t j = 0;
-#ifdef __AVX512F__
-  __m512 widest = _mm512_setzero_ps();
-  __mmask16 odd = 0;  // lanes that met an infinity or NaN (all exponent bits set)
-  const __m512i exponent = _mm512_set1_epi32(static_cast<int32_t>(kExponentBits));
-  for (; j + 16 <= k; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    odd |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
-    widest = _mm512_max_ps(widest, _mm512_abs_ps(v));
-  }
-  finite = odd == 0;
-  most = _mm512_reduce_max_ps(widest);
-#endif
-  for (; j < k; ++j) {
-    finite &= !not_finite(x[j]);
-    most = std::max(most, std::fabs(x[j]));
-  }
+  bool finite;
+  const float most = largest_magnitude(x, k, finite);
   uint8_t* out = reinterpret_cast<uint8_t*>(to);
   const int64_t padded = (k + 3) / 4 * 4;
   if (!finite) {
