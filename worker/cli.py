@@ -33,8 +33,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, help="share of free memory for KV pages (default 0.5)")
     g.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"],
-                   help="KV page dtype (default: the compute dtype); bfloat16 halves KV memory and traffic")
+    g.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "int8"],
+                   help="KV page dtype (default: the compute dtype); bfloat16 halves KV memory and traffic, int8 "
+                        "quarters it (each token's key and value by its own scale per KV head)")
     g.add_argument("--quantization", choices=["int8"],
                    help="int8: the layers' projections in int8, weights quantized at load by output column and "
                         "activations by token as each step runs (W8A8, torchao's int8 dynamic scheme); faster, "

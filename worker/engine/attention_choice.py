@@ -3,7 +3,7 @@
 - "kernel": the compiled C++ kernel (cpu_attention.py): CPU backend, no tensor parallelism.
 - "pallas": the Pallas/Triton decode kernel (gpu_attention.py): GPU backend, no tensor
   parallelism, head dim and page size powers of two >= 16.
-- "jnp": pure jax.numpy (paged_attention.py), anywhere.
+- "jnp": pure jax.numpy (paged_attention.py), anywhere; on accelerators, the one for int8 KV pages.
 - "auto": the kernel for the backend where it applies (and, for Pallas, compiles on this GPU),
   else jnp. A kernel that does not apply or fails is logged, never silent.
 
@@ -65,6 +65,12 @@ def _choose(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtyp
             return cpu_attention.KERNEL
         if mode == "kernel":
             raise RuntimeError("the CPU attention kernel could not be built (see the log)")
+        return JNP
+    if jnp.dtype(kv_dtype) == jnp.int8:  # the Pallas kernels read float32 or bfloat16 pages
+        if mode == "pallas":
+            raise AttentionUnavailable("int8 KV pages are read by the CPU kernel or the jnp path, not by attention='pallas'")
+        log.warning("int8 KV pages on %s: the jnp attention reads them (the Pallas kernels take float32 or bfloat16)",
+                    backend)
         return JNP
     usable = backend == "gpu" and tensor_parallel == 1 and gpu_attention.supported(head_dim, page_size)
     if mode == "pallas" and not usable:

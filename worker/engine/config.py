@@ -37,8 +37,9 @@ class EngineConfig:
     # 128/128's host share went 15 -> 6 % and batch 1's 11 -> 3 % (session 46). A CPU launch is ~0.3 ms
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
-    kv_cache_dtype: str | None = None  # KV page dtype ("float32", "bfloat16"); None: the compute dtype.
-    # bfloat16 pages with float32 compute: half the KV memory and traffic, attention inputs rounded
+    kv_cache_dtype: str | None = None  # KV page dtype ("float32", "bfloat16", "int8"); None: the compute dtype.
+    # bfloat16 pages with float32 compute: half the KV memory and traffic, attention inputs rounded;
+    # int8: a quarter, each token's key and value by its own scale per KV head (kv_quant.py)
     quantization: str | None = None  # "int8": every layer's projections int8, weights quantized at load
     # by output column and activations at run time by token (W8A8, torchao's int8 dynamic scheme;
     # int8_linear.py); the LM head and embeddings stay in the model's dtype. None: off
@@ -86,7 +87,7 @@ class EngineConfig:
             "decode_steps must be >= 1": self.decode_steps is None or self.decode_steps >= 1,
             "decode_window_ms must be > 0": self.decode_window_ms > 0,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
-            "kv_cache_dtype must be float32 or bfloat16": self.kv_cache_dtype in (None, "float32", "bfloat16"),
+            "kv_cache_dtype must be float32, bfloat16 or int8": self.kv_cache_dtype in (None, "float32", "bfloat16", "int8"),
             "quantization must be int8 or None": self.quantization in (None, "int8"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
             f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]":

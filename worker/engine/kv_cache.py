@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.engine.config import EngineConfig
+from worker.engine.kv_quant import QuantizedPages
 from worker.engine.paged_attention import BF16_BITS, storage_dtype
 from worker.models.config import ModelConfig
 
@@ -18,8 +19,9 @@ RESERVED_PAGES = 1  # page 0: padding tokens have slot 0 (and write nothing); pa
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    keys: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, head_dim, page_size] (transposed pages)
-    values: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, page_size, head_dim]
+    # int8 pages (kv_quant.py) are QuantizedPages of these shapes, with their scales
+    keys: tuple[jax.Array | QuantizedPages, ...]  # per layer [kv_heads, num_pages, head_dim, page_size] (transposed pages)
+    values: tuple[jax.Array | QuantizedPages, ...]  # per layer [kv_heads, num_pages, page_size, head_dim]
 
     @classmethod
     def create(cls, model: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> "KVCache":
@@ -28,13 +30,18 @@ class KVCache:
         pages misses its cache once they are committed, and compiles the same variant again."""
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         out = (sharding,) * model.num_layers
-        stored = storage_dtype(dtype)
 
-        def make(shape):
+        def make(shape, stored):
             return jax.jit(lambda: tuple(jnp.zeros(shape, stored) for _ in range(model.num_layers)), out_shardings=out)()
 
+        def layers(shape):
+            if jnp.dtype(dtype) == jnp.int8:  # int8 pages and a scale per slot [KV, N, ps]
+                data, scales = make(shape, jnp.int8), make(shape[:2] + (page_size,), jnp.float32)
+                return tuple(QuantizedPages(d, s) for d, s in zip(data, scales))
+            return make(shape, storage_dtype(dtype))
+
         kv, d = model.num_kv_heads, model.head_dim
-        return cls(make((kv, num_pages, d, page_size)), make((kv, num_pages, page_size, d)))
+        return cls(layers((kv, num_pages, d, page_size)), layers((kv, num_pages, page_size, d)))
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -46,13 +53,24 @@ class KVCache:
     def num_pages(self) -> int:
         return self.keys[0].shape[1]
 
+    @property
+    def bytes_per_element(self) -> float:
+        """Bytes a key or value element takes, its share of an int8 page's scales included."""
+        return element_bytes(self.dtype, self.keys[0].shape[2])
 
-def page_bytes(model: ModelConfig, page_size: int, itemsize: int) -> int:
-    """Bytes one page takes across all layers, keys and values."""
-    return 2 * model.num_layers * page_size * model.num_kv_heads * model.head_dim * itemsize
+
+def element_bytes(dtype, head_dim: int) -> float:
+    """Bytes per stored key or value element of `dtype`: int8 pages add a float32 scale per
+    head_dim elements."""
+    return 1 + 4 / head_dim if jnp.dtype(dtype) == jnp.int8 else jnp.dtype(dtype).itemsize
 
 
-def choose_num_pages(engine: EngineConfig, model: ModelConfig, max_model_len: int, itemsize: int, shards: int = 1) -> int:
+def page_bytes(model: ModelConfig, page_size: int, itemsize: float) -> int:
+    """Bytes one page takes across all layers, keys and values (`itemsize`: `element_bytes`)."""
+    return int(2 * model.num_layers * page_size * model.num_kv_heads * model.head_dim * itemsize)
+
+
+def choose_num_pages(engine: EngineConfig, model: ModelConfig, max_model_len: int, itemsize: float, shards: int = 1) -> int:
     """Pages to allocate: the configured number, or a share of free device memory.
 
     Never more than every sequence at full context could use, never fewer than one

@@ -26,7 +26,7 @@ from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, int8_linear, 
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import detokenizers
 from worker.engine.draft_gate import DraftGate
-from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages
+from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages, element_bytes
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.request_output import RequestOutput
 from worker.engine.runner import COMPILE_THREADS, InFlight, ModelRunner, to_host
@@ -40,6 +40,7 @@ from worker.models.sharding import kv_sharding, make_mesh
 
 log = logging.getLogger("redjax.engine")
 
+KV_DTYPES = DTYPES | {"int8": jnp.int8}  # int8 pages: kv_quant.py
 CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_steps)
 
 
@@ -51,7 +52,7 @@ class LLMEngine:
         self.model_config = cfg
         self.tokenizer = tokenizer
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        kv_dtype = DTYPES[config.kv_cache_dtype or config.dtype or cfg.dtype]
+        kv_dtype = KV_DTYPES[config.kv_cache_dtype or config.dtype or cfg.dtype]
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         if mesh is not None:
             model = shard_model(model, mesh)
@@ -64,7 +65,7 @@ class LLMEngine:
         if self.matmul == "kernel":  # before sizing the KV pages: the packed weights are new memory
             model = cpu_layer_ops.with_kernels(cpu_matmul.pack_model(model))
         self.greedy_head = screened_head.choose(config.greedy_head, self.matmul, model)  # "screened-int8", "screened-bf16" or "full"
-        num_pages = choose_num_pages(config, cfg, self.max_model_len, jnp.dtype(kv_dtype).itemsize, mesh.size if mesh else 1)
+        num_pages = choose_num_pages(config, cfg, self.max_model_len, element_bytes(kv_dtype, cfg.head_dim), mesh.size if mesh else 1)
         self.allocator = PageAllocator(num_pages, config.page_size, config.enable_prefix_cache, RESERVED_PAGES)
         self.scheduler = Scheduler(config, self.allocator, self.max_model_len)
         kv = KVCache.create(cfg, num_pages, config.page_size, kv_dtype, kv_sharding(mesh) if mesh else None)

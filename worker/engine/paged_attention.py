@@ -28,6 +28,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from worker.engine import kv_quant
+from worker.engine.kv_quant import QuantizedPages
+
 MASKED = -1e30  # finite, so an all-masked padding row gives garbage instead of NaN
 # bfloat16 pages are stored as their bit patterns: XLA's CPU backend widens a bfloat16 scatter's
 # whole operand to float32 and back (466 us vs 5 us per layer write of a 4 x 257 x 64 x 32 cache),
@@ -43,6 +46,16 @@ def storage_dtype(dtype) -> jnp.dtype:
 def page_values(x: jax.Array) -> jax.Array:
     """Gathered page data as numbers: bfloat16 bit patterns reinterpreted as bfloat16."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
+
+
+def gather_keys(pages: jax.Array | QuantizedPages, index) -> jax.Array:
+    """Key pages `index` (an index array into the pages axis) as numbers: [KV, *index.shape, D, ps]."""
+    return kv_quant.key_numbers(pages, index) if isinstance(pages, QuantizedPages) else page_values(pages[:, index])
+
+
+def gather_values(pages: jax.Array | QuantizedPages, index) -> jax.Array:
+    """Value pages `index` as numbers: [KV, *index.shape, ps, D]."""
+    return kv_quant.value_numbers(pages, index) if isinstance(pages, QuantizedPages) else page_values(pages[:, index])
 
 
 BLOCK_BYTES = 2 << 20  # gathered keys per decode block: one block stays in a core's L2 cache
@@ -69,11 +82,16 @@ def distinct_slots(slots: jax.Array, capacity: int) -> jax.Array:
 
 
 def write_kv(
-    pages: jax.Array,  # [KV, num_pages, page_size, D]
+    pages: jax.Array | QuantizedPages,  # [KV, num_pages, page_size, D]
     new: jax.Array,  # [T, KV, D]
     slots: jax.Array,  # i32[T]: page * page_size + offset for each token
-) -> jax.Array:
+) -> jax.Array | QuantizedPages:
     """Scatter one layer's new values into their slots; returns the updated pages."""
+    if isinstance(pages, QuantizedPages):
+        q, scales = kv_quant.quantize_tokens(new)  # [T, KV, D], [T, KV]
+        capacity = pages.shape[1] * pages.shape[2]
+        return QuantizedPages(write_kv(pages.data, q, slots),
+                              kv_quant.write_scales(pages.scales, scales, distinct_slots(slots, capacity), UNIQUE))
     kv, n, ps, d = pages.shape
     rows = stored(new.transpose(1, 0, 2), pages.dtype)  # [KV, T, D]
     flat = pages.reshape(kv, n * ps, d).at[:, distinct_slots(slots, n * ps)].set(rows, **UNIQUE)
@@ -81,12 +99,16 @@ def write_kv(
 
 
 def write_keys(
-    pages: jax.Array,  # [KV, num_pages, D, page_size]
+    pages: jax.Array | QuantizedPages,  # [KV, num_pages, D, page_size]
     new: jax.Array,  # [T, KV, D]
     slots: jax.Array,  # i32[T]
-) -> jax.Array:
+) -> jax.Array | QuantizedPages:
     """Scatter one layer's new keys into their slots of the transposed key pages."""
     n, ps = pages.shape[1], pages.shape[3]
+    if isinstance(pages, QuantizedPages):
+        q, scales = kv_quant.quantize_tokens(new)  # [T, KV, D], [T, KV]
+        return QuantizedPages(write_keys(pages.data, q, slots),
+                              kv_quant.write_scales(pages.scales, scales, distinct_slots(slots, n * ps), UNIQUE))
     slots = distinct_slots(slots, n * ps)
     # pages[:, page, :, offset] with the two index arrays apart: the token axis comes first, [T, KV, D]
     return pages.at[:, slots // ps, :, slots % ps].set(stored(new, pages.dtype), **UNIQUE)
@@ -115,8 +137,8 @@ def paged_attention(
     s, q_len, h, d = q.shape
     kv, _, ps, _ = v_pages.shape
     p = page_tables.shape[1]
-    keys = key_rows(k_pages[:, page_tables]).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
-    values = page_values(v_pages[:, page_tables]).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
+    keys = jnp.swapaxes(gather_keys(k_pages, page_tables), -1, -2).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
+    values = gather_values(v_pages, page_tables).reshape(kv, s, p * ps, d)  # [KV, S, L, D]
     qg = q.reshape(s, q_len, kv, h // kv, d)  # [S, Q, KV, G, D]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     scores = jnp.einsum("sqkgd,ksld->skgql", qg, keys, preferred_element_type=jnp.float32) * scale
@@ -161,8 +183,8 @@ def paged_decode_attention(
     def body(carry, xs):
         m, l, acc = carry  # [KV, S, G], [KV, S, G], [KV, S, G, D]
         idx, table = xs  # block index, i32[S, B]
-        keys = page_values(k_pages[:, table])  # [KV, S, B, D, ps]: contracted over D as stored, no transpose
-        values = page_values(v_pages[:, table]).reshape(kv, s, block * ps, d)
+        keys = gather_keys(k_pages, table)  # [KV, S, B, D, ps]: contracted over D as stored, no transpose
+        values = gather_values(v_pages, table).reshape(kv, s, block * ps, d)
         scores = jnp.einsum("ksgd,ksbdt->ksgbt", qg, keys, preferred_element_type=jnp.float32)
         scores = scores.reshape(kv, s, g, block * ps)  # [KV, S, G, B*ps]
         j = idx * block * ps + jnp.arange(block * ps)[None, :]  # [1, B*ps]

@@ -31,6 +31,20 @@ inline f32xN load(const uint16_t* p) {
   return reinterpret_cast<const f32xN&>(w);
 #endif
 }
+// int8 pages (kv_quant.py) hold q; the scales are applied to scores and probabilities, not here
+inline f32xN load(const int8_t* p) {
+#ifdef __AVX512F__
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return reinterpret_cast<const f32xN&>(v);
+#else
+  int8_t b[kLanes];
+  std::memcpy(b, p, sizeof b);
+  f32xN v;
+  for (int i = 0; i < kLanes; ++i) v[i] = b[i];
+  return v;
+#endif
+}
+inline float scalar(int8_t x) { return x; }
 inline float scalar(float x) { return x; }
 inline float scalar(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -45,6 +59,8 @@ struct Problem {
   const float* q;
   const void* k;
   const void* v;
+  const float* k_scales;  // int8 pages: f32[KV, N, ps], each slot's scale; else null
+  const float* v_scales;
   const int32_t* tables;
   const int32_t* positions;
   const int32_t* context_lens;
@@ -60,6 +76,23 @@ struct Block {
 inline int64_t page_at(const Problem& pb, int64_t s, int64_t col) {
   const int64_t page = pb.tables[s * pb.table_width + col];
   return page < 0 || page >= pb.num_pages ? int64_t{0} : page;  // never read outside the cache
+}
+
+// The scales [ps] of page `col` of row `s`'s table for KV head `kvh`, from `base` (k_scales or
+// v_scales, f32[KV, N, ps])
+inline const float* page_scales(const float* base, const Problem& pb, int64_t s, int64_t kvh, int64_t col) {
+  return base + (kvh * pb.num_pages + page_at(pb, s, col)) * pb.page_size;
+}
+
+// int8 pages: x[r * stride + t] *= scales[t] for r < rows, t < n (scores by their keys' scales,
+// probabilities by their values')
+inline void scale_columns(float* x, int64_t rows, int64_t stride, const float* scales, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * stride;
+    int64_t t = 0;
+    for (; t + kLanes <= n; t += kLanes) store(row + t, load(row + t) * load(scales + t));
+    for (; t < n; ++t) row[t] *= scales[t];
+  }
 }
 
 // The keys the query at `token` of row `s` sees: [lo, hi).

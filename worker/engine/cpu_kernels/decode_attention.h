@@ -5,8 +5,9 @@
 // requested while this one computes (`Ahead`, filled by `queue_pages`), and a partly filled last
 // page read only as far as its keys (`last_page_keys`).
 //
-// Shapes as in paged_attention.cc: key pages [D, ps], value pages [ps, D], float32 or bfloat16
-// (widened as loaded); DIM (the head dimension) and the page size multiples of 16.
+// Shapes as in paged_attention.cc: key pages [D, ps], value pages [ps, D], float32, bfloat16 or
+// int8 (widened as loaded; int8 pages' scales applied to each page's scores and probabilities);
+// DIM (the head dimension) and the page size multiples of 16.
 
 #pragma once
 
@@ -116,6 +117,10 @@ inline void load32(const float* p, f32xN& a, f32xN& b) {
   a = load(p);
   b = load(p + kLanes);
 }
+inline void load32(const int8_t* p, f32xN& a, f32xN& b) {
+  a = load(p);
+  b = load(p + kLanes);
+}
 inline void load32(const uint16_t* p, f32xN& a, f32xN& b) {
   u32xN w;
   std::memcpy(&w, p, sizeof w);
@@ -207,6 +212,7 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
     for (; t + 4 * kLanes <= keys; t += 4 * kLanes)
       key_step32<DIM, G, 2>(qt, kp + t, ps, out + t, span, scratch.ahead);
     for (; t < keys; t += kLanes) key_step16<DIM, G>(qt, kp + t, ps, out + t, span);
+    if (pb.k_scales != nullptr) scale_columns(out, G, span, page_scales(pb.k_scales, pb, s, kvh, col), keys);
   }
   const int64_t first = lo - c0 * ps;  // scores [first, first + n) of each head are visible
   for (int h = 0; h < G; ++h) {
@@ -214,6 +220,9 @@ void attend_decode(const Problem& pb, int64_t s, int64_t token, int64_t kvh, int
     const float mx = redjax::max_of(p + first, n, -1e30f);
     inv[h] = 1.0f / redjax::exp_and_sum(p, first, first + n, mx);
   }
+  if (pb.v_scales != nullptr)  // each key's probability times its value's scale
+    for (int64_t col = c0; col <= c1; ++col)
+      scale_columns(scores + (col - c0) * ps, G, span, page_scales(pb.v_scales, pb, s, kvh, col), ps);
   prime(value_page(c0));
   if constexpr (DIM % (2 * kLanes) == 0) {
     constexpr int NP = DIM / (2 * kLanes);  // 32-element pieces of a value row (load32)

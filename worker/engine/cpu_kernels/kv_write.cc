@@ -12,8 +12,9 @@
 // Padding tokens have slot 0 (in the reserved page 0) and write nothing, as in the jnp scatters
 // (paged_attention.write_pages).
 //
-// Shapes: k_pages [KV, N, D, page_size] and v_pages [KV, N, page_size, D], float32 or bfloat16 bits
-// (uint16); k, v [T, KV, D] in the pages' dtype; slots s32[T] (page * page_size + offset).
+// Shapes: k_pages [KV, N, D, page_size] and v_pages [KV, N, page_size, D], float32, bfloat16 bits
+// (uint16) or int8 (KvWriteI8, with the pages' scales f32[KV, N, page_size] and the new tokens'
+// f32[T, KV]); k, v [T, KV, D] in the pages' dtype; slots s32[T] (page * page_size + offset).
 
 #include <algorithm>
 #include <cstdint>
@@ -36,38 +37,57 @@ namespace {
 // writes are unchanged (17-38 us a layer either way).
 constexpr int64_t kPairsPerItem = 128;
 
+// int8 pages' scales: the new tokens' (f32[T, KV]) and the pages' (f32[KV, N, ps]) they go into
+struct Scales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* k_pages = nullptr;
+  float* v_pages = nullptr;
+};
+
 template <typename E>
 void write(ffi::ThreadPool& pool, const E* k, const E* v, const int32_t* slots, E* kp, E* vp, int64_t tokens,
-           int64_t kv_heads, int64_t num_pages, int64_t dim, int64_t ps) {
+           int64_t kv_heads, int64_t num_pages, int64_t dim, int64_t ps, Scales sc = {}) {
   const int64_t pairs = tokens * kv_heads;
   redjax::run_on_pool(pool, (pairs + kPairsPerItem - 1) / kPairsPerItem, [=](int64_t item) {
     for (int64_t pair = item * kPairsPerItem; pair < std::min(pairs, (item + 1) * kPairsPerItem); ++pair) {
       const int64_t t = pair % tokens, h = pair / tokens, at = (t * kv_heads + h) * dim;
       redjax::write_slot(kp, vp, num_pages, dim, ps, h, int64_t{slots[t]}, k + at, v + at);
+      if (sc.k != nullptr) {
+        redjax::write_scale(sc.k_pages, num_pages, ps, h, int64_t{slots[t]}, sc.k[t * kv_heads + h]);
+        redjax::write_scale(sc.v_pages, num_pages, ps, h, int64_t{slots[t]}, sc.v[t * kv_heads + h]);
+      }
     }
   });
+}
+
+// The operands' shapes: pages [KV,N,D,ps] and [KV,N,ps,D], k and v [T,KV,D], slots [T]
+bool shapes_fit(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                ffi::Buffer<ffi::S32> slots) {
+  auto kd = k_pages.dimensions(), vd = v_pages.dimensions(), nd = k.dimensions(), ud = v.dimensions();
+  return kd.size() == 4 && vd.size() == 4 && nd.size() == 3 && ud.size() == 3 && vd[0] == kd[0] && vd[1] == kd[1] &&
+         vd[2] == kd[3] && vd[3] == kd[2] && nd[1] == kd[0] && nd[2] == kd[2] && ud[0] == nd[0] && ud[1] == nd[1] &&
+         ud[2] == nd[2] && slots.element_count() == nd[0];
+}
+
+// The results alias their operands; should XLA ever hand over separate buffers, start from a copy
+void start_from(void* out, const void* in, size_t bytes) {
+  if (out != in) std::memcpy(out, in, bytes);
 }
 
 ffi::Error KvWriteImpl(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k,
                        ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> k_out,
                        ffi::Result<ffi::AnyBuffer> v_out) {
-  auto kd = k_pages.dimensions(), vd = v_pages.dimensions(), nd = k.dimensions();
-  if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || v.dimensions().size() != 3)
-    return ffi::Error::InvalidArgument("kv_write: expected pages [KV,N,D,ps] and [KV,N,ps,D], k and v [T,KV,D]");
+  if (!shapes_fit(k_pages, v_pages, k, v, slots))
+    return ffi::Error::InvalidArgument("kv_write: expected pages [KV,N,D,ps] and [KV,N,ps,D], k and v [T,KV,D], slots [T]");
   const auto type = k_pages.element_type();
   if (v_pages.element_type() != type || k.element_type() != type || v.element_type() != type ||
       (type != ffi::DataType::F32 && type != ffi::DataType::U16))
     return ffi::Error::InvalidArgument("kv_write: pages, k and v must share one dtype, float32 or uint16");
-  const int64_t kv_heads = kd[0], num_pages = kd[1], dim = kd[2], ps = kd[3], tokens = nd[0];
-  if (vd[0] != kv_heads || vd[1] != num_pages || vd[2] != ps || vd[3] != dim || nd[1] != kv_heads ||
-      nd[2] != dim || v.dimensions()[0] != tokens || v.dimensions()[1] != kv_heads || v.dimensions()[2] != dim ||
-      slots.element_count() != tokens)
-    return ffi::Error::InvalidArgument("kv_write: inconsistent shapes");
-  // the results alias the pages; should XLA ever hand over separate buffers, start from a copy
-  if (k_out->untyped_data() != k_pages.untyped_data())
-    std::memcpy(k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes());
-  if (v_out->untyped_data() != v_pages.untyped_data())
-    std::memcpy(v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes());
+  auto kd = k_pages.dimensions();
+  const int64_t kv_heads = kd[0], num_pages = kd[1], dim = kd[2], ps = kd[3], tokens = k.dimensions()[0];
+  start_from(k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes());
+  start_from(v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes());
   if (type == ffi::DataType::F32)
     write(pool, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
           slots.typed_data(), static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()),
@@ -76,6 +96,34 @@ ffi::Error KvWriteImpl(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuf
     write(pool, static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
           slots.typed_data(), static_cast<uint16_t*>(k_out->untyped_data()),
           static_cast<uint16_t*>(v_out->untyped_data()), tokens, kv_heads, num_pages, dim, ps);
+  return ffi::Error::Success();
+}
+
+// int8 pages (kv_quant.py): k and v quantized, with their scales k_scale, v_scale f32[T, KV],
+// which go into the pages' scales k_scales, v_scales f32[KV, N, ps] (outputs aliasing them too).
+ffi::Error KvWriteI8Impl(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k,
+                         ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k_scales,
+                         ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                         ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                         ffi::ResultBuffer<ffi::F32> ks_out, ffi::ResultBuffer<ffi::F32> vs_out) {
+  if (!shapes_fit(k_pages, v_pages, k, v, slots))
+    return ffi::Error::InvalidArgument("kv_write: expected pages [KV,N,D,ps] and [KV,N,ps,D], k and v [T,KV,D], slots [T]");
+  for (auto type : {k_pages.element_type(), v_pages.element_type(), k.element_type(), v.element_type()})
+    if (type != ffi::DataType::S8) return ffi::Error::InvalidArgument("kv_write: int8 pages, k and v expected");
+  auto kd = k_pages.dimensions(), sd = k_scales.dimensions();
+  const int64_t kv_heads = kd[0], num_pages = kd[1], dim = kd[2], ps = kd[3], tokens = k.dimensions()[0];
+  if (sd.size() != 3 || sd[0] != kv_heads || sd[1] != num_pages || sd[2] != ps ||
+      v_scales.element_count() != k_scales.element_count() || k_scale.element_count() != tokens * kv_heads ||
+      v_scale.element_count() != tokens * kv_heads)
+    return ffi::Error::InvalidArgument("kv_write: expected scales [KV,N,ps] and new scales [T,KV]");
+  start_from(k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes());
+  start_from(v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes());
+  start_from(ks_out->typed_data(), k_scales.typed_data(), k_scales.size_bytes());
+  start_from(vs_out->typed_data(), v_scales.typed_data(), v_scales.size_bytes());
+  write(pool, static_cast<const int8_t*>(k.untyped_data()), static_cast<const int8_t*>(v.untyped_data()),
+        slots.typed_data(), static_cast<int8_t*>(k_out->untyped_data()), static_cast<int8_t*>(v_out->untyped_data()),
+        tokens, kv_heads, num_pages, dim, ps,
+        Scales{k_scale.typed_data(), v_scale.typed_data(), ks_out->typed_data(), vs_out->typed_data()});
   return ffi::Error::Success();
 }
 
@@ -91,3 +139,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvWrite, KvWriteImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvWriteI8, KvWriteI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the pages' key scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // and value scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the new keys' scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the new values' scales
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

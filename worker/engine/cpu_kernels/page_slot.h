@@ -5,7 +5,8 @@
 // Key pages are transposed within the page ([D, page_size]), so the key goes down one column, D
 // values page_size apart; value pages are not ([page_size, D]), so the value is one contiguous
 // row. Slot 0 (in the reserved page 0: padding, or a fused decode row past its own steps) and
-// slots outside the cache write nothing.
+// slots outside the cache write nothing. int8 pages (kv_quant.py) also take the token's scale for the
+// head into the slot of their scales (`write_scale`).
 
 #pragma once
 
@@ -23,6 +24,12 @@ inline void write_slot(E* k_pages, E* v_pages, int64_t num_pages, int64_t dim, i
   E* column = k_pages + (kvh * num_pages + page) * page_elems + offset;  // dimension i at column[i * ps]
   for (int64_t i = 0; i < dim; ++i) column[i * ps] = key[i];
   std::memcpy(v_pages + (kvh * num_pages + page) * page_elems + offset * dim, value, dim * sizeof(E));
+}
+
+// int8 pages: the token's scale for KV head `kvh` into its slot of `scales` f32[KV, N, ps]
+inline void write_scale(float* scales, int64_t num_pages, int64_t ps, int64_t kvh, int64_t slot, float scale) {
+  if (slot <= 0 || slot / ps >= num_pages) return;
+  scales[kvh * num_pages * ps + slot] = scale;
 }
 
 }  // namespace redjax

@@ -24,8 +24,9 @@
 // the rest; `exp_and_sum` runs whole vectors), and the queries read cold while transposed (16 % of
 // the kernel's samples). 2 rows x 512 ending at 1024: 1.08x.
 //
-// Shapes as in paged_attention.cc: key pages [D, ps], value pages [ps, D], float32 or bfloat16
-// (widened as loaded); DIM (the head dimension) and the page size multiples of 16.
+// Shapes as in paged_attention.cc: key pages [D, ps], value pages [ps, D], float32, bfloat16 or
+// int8 (widened as loaded; int8 pages' scales applied to the scores and the probabilities); DIM
+// (the head dimension) and the page size multiples of 16.
 
 #pragma once
 
@@ -151,6 +152,14 @@ void attend_prefill(const Problem& pb, const Block& b, int64_t kvh, PrefillScrat
     }
   }
 
+  // int8 pages: scores by their keys' scales (below, probabilities by their values')
+  auto scale_pages = [&](const float* base) {
+    for (int64_t col = c0; col <= c1 && (col - c0) * ps < scored; ++col)
+      scale_columns(scores + (col - c0) * ps, nq, span, page_scales(base, pb, b.row, kvh, col),
+                    std::min(ps, scored - (col - c0) * ps));
+  };
+  if (pb.k_scales != nullptr) scale_pages(pb.k_scales);
+
   // each query's softmax over its own keys; probabilities elsewhere are zero
   scratch.inv.assign(nq, 0.0f);
   for (int64_t j = 0; j < nq; ++j) {
@@ -165,6 +174,8 @@ void attend_prefill(const Problem& pb, const Block& b, int64_t kvh, PrefillScrat
     std::fill(p + (to + kLanes - 1) / kLanes * kLanes, p + scored, 0.0f);
     scratch.inv[j] = 1.0f / exp_and_sum(p, from, to, mx);
   }
+
+  if (pb.v_scales != nullptr) scale_pages(pb.v_scales);
 
   // values, a tile of queries at a time over the keys any of them sees
   constexpr int R = value_rows(DIM);
