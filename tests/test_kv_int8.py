@@ -247,3 +247,73 @@ def test_engine_serves_as_transformers_with_an_int8_cache(tmp_path, tokenizer):
         assert len(ours_off) >= 30 and max(ours_off) < 5e-3, (attention, len(ours_off), max(ours_off))
         assert np.median(ours_off) < 0.4 * np.median(float_off), (attention, np.median(ours_off), np.median(float_off))
         assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
+
+
+def test_settings_and_what_int8_pages_cost():
+    from worker.engine.attention_choice import AttentionUnavailable, choose_attention
+    from worker.engine.kv_cache import element_bytes, page_bytes
+    from worker.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be float32, bfloat16 or int8"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(AttentionUnavailable, match="int8 KV pages are read by the CPU kernel or the jnp path"):
+        choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8)
+    assert choose_attention("jnp", 1, 64, 16, jnp.float32, jnp.int8) is pa.JNP
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    # a byte a value and a float32 scale per head_dim values: 3.2x float32's pages in the same memory at D = 16
+    assert element_bytes(jnp.int8, 16) == 1.25 and element_bytes(jnp.float32, 16) == 4
+    assert page_bytes(cfg, 8, element_bytes(jnp.int8, 16)) == 2 * 2 * 8 * 2 * (16 + 4)
+
+
+def test_engine_pages_and_bench_report_count_the_scales(tmp_path, tokenizer):
+    import json
+
+    from tests.bench_support import run_bench
+    from worker.bench import roofline
+    from worker.models.config import ModelConfig
+
+    make_hf_model("llama", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    code, out = run_bench("offline", "--model", str(tmp_path), "--num-prompts", "4", "--input-len", "8",
+                          "--output-len", "8", "--kv-cache-dtype", "int8", "--num-pages", "32", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["output_tokens"] == 4 * 8 and report["kv_cache_dtype"] == "int8"
+    batch, context = report["decode_mean_batch"], report["decode_mean_context"]
+    kv_bytes = 1 + 4 / cfg.head_dim
+    memory = roofline.decode_step_bytes(cfg, 4, batch, context, kv_bytes) / (report["memory_bandwidth_gbs"] * 1e9)
+    assert report["decode_memory_step_ms"] == pytest.approx(memory * 1e3)
+    engine = LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(kv_cache_dtype="int8", num_pages=32, page_size=8))
+    kv = engine.runner.kv
+    assert kv.dtype == jnp.int8 and kv.num_pages == 32 and kv.bytes_per_element == kv_bytes
+    assert kv.keys[0].data.shape == (cfg.num_kv_heads, 32, cfg.head_dim, 8) and kv.keys[0].scales.shape == (
+        cfg.num_kv_heads, 32, 8)
+
+
+def test_demo_model_keeps_its_text_with_int8_pages():
+    # real weights: the shipped demo model continues chapter openings with its book's next sentence
+    # and keeps its perplexity over book paragraphs (prompt logprobs, which read the prompt's own
+    # int8 pages) within half a percent of float32 pages'
+    import math
+
+    from worker.cli import DEMO_MODEL
+    from worker.demo_model import demo_passages, read_paragraphs
+    from worker.models.loader import load_tokenizer
+
+    tok = load_tokenizer(DEMO_MODEL)
+    passages = demo_passages(12)
+    windows = [tok(p).input_ids[:128] for p in read_paragraphs() if len(p) > 400][:24]
+    figures = {}
+    for kv_dtype in ("float32", "int8"):
+        engine = LLMEngine(load_model(DEMO_MODEL), tok, EngineConfig(kv_cache_dtype=kv_dtype, max_num_seqs=64))
+        for i, (prompt, want) in enumerate(passages):
+            budget = len(tok(want, add_special_tokens=False).input_ids) + 2
+            engine.add_request(f"p{i}", tok(prompt).input_ids, SamplingParams(temperature=0.0, max_tokens=budget))
+        for i, window in enumerate(windows):
+            engine.add_request(f"w{i}", window, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+        got = drain(engine)
+        kept = sum(got[(f"p{i}", 0)].text.startswith(want) for i, (_, want) in enumerate(passages))
+        logprobs = [e["logprob"] for i in range(len(windows)) for e in got[(f"w{i}", 0)].prompt_logprobs[1:]]
+        figures[kv_dtype] = kept, math.exp(-sum(logprobs) / len(logprobs))
+    assert figures["int8"][0] >= figures["float32"][0] - 1 >= len(passages) - 2, figures
+    assert figures["float32"][1] != figures["int8"][1] <= 1.005 * figures["float32"][1], figures

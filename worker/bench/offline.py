@@ -324,7 +324,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         "startup": startup,  # before the measured run: seconds, and the variants compiled ahead
         "cpu": per_round[0]["cpu"],  # the first round's core-seconds by thread group, and idle
     }
-    kv_itemsize = engine.runner.kv.dtype.itemsize
+    kv_itemsize = engine.runner.kv.bytes_per_element  # int8 pages: a byte and their scales' share
     report["kv_cache_dtype"] = str(engine.runner.kv.dtype)
     report |= _host_and_roofline(probe, cfg, itemsize, dtype, kv_itemsize, engine.quantization)
     if compare_hf:
@@ -395,7 +395,7 @@ def hf_baseline_device() -> str:
     return hf_device()
 
 
-def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: int,
+def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: float,
                        quantization: str | None = None) -> dict:
     """The machine's probes and the run against its roofline. With int8 projections (`quantization`
     "int8 (kernel)" or "int8 (xla)") their weights count a byte each and their products run at the

@@ -120,8 +120,9 @@ def int8_matmul_gflops(kernel: bool, n: int = 2048) -> float:
     return 2 * n**3 / seconds / 1e9
 
 
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
-    """Keys and values of one token across all layers."""
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: float) -> float:
+    """Keys and values of one token across all layers (`itemsize`: bytes an element, int8 pages'
+    scales included)."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
@@ -156,13 +157,13 @@ def prefill_token_s(cfg: ModelConfig, mean_context: float, gflops: float, projec
 
 
 def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float,
-                      kv_itemsize: int | None = None, projection_itemsize: int | None = None) -> float:
+                      kv_itemsize: float | None = None, projection_itemsize: int | None = None) -> float:
     """Bytes an ideal decode step reads: the weights of its products once, plus each sequence's KV."""
     return (weight_bytes(cfg, itemsize, projection_itemsize)
             + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize))
 
 
-def decode_serial_step_s(cfg: ModelConfig, itemsize: int, kv_itemsize: int, batch: float, context: float,
+def decode_serial_step_s(cfg: ModelConfig, itemsize: int, kv_itemsize: float, batch: float, context: float,
                          unique_context: float, bandwidth_gbs: float, gflops: float,
                          projection_itemsize: int | None = None, projection_gflops: float | None = None) -> float:
     """The ideal decode step when its products and its attention run one after another, as the
