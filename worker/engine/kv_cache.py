@@ -29,10 +29,14 @@ class KVCache:
         to their devices from the start, as every step's outputs are: a jit traced on uncommitted
         pages misses its cache once they are committed, and compiles the same variant again."""
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        out = (sharding,) * model.num_layers
 
         def make(shape, stored):
-            return jax.jit(lambda: tuple(jnp.zeros(shape, stored) for _ in range(model.num_layers)), out_shardings=out)()
+            split = sharding  # by KV head, the first axis, at any rank (int8 pages' scales are [KV, N, ps])
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                split = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+                    sharding.spec[0], *[None] * (len(shape) - 1)))
+            return jax.jit(lambda: tuple(jnp.zeros(shape, stored) for _ in range(model.num_layers)),
+                           out_shardings=(split,) * model.num_layers)()
 
         def layers(shape):
             if jnp.dtype(dtype) == jnp.int8:  # int8 pages and a scale per slot [KV, N, ps]
