@@ -316,12 +316,22 @@ inline void queue_pages(const Problem& pb, const std::vector<Block>& blocks, int
   const int64_t keys = last_page_keys(hi - c1 * ps, ps, elem), row_bytes = ps * elem;
   const char* k = static_cast<const char*>(pb.k) + head_bytes;
   const char* v = static_cast<const char*>(pb.v) + head_bytes;
-  for (int64_t col = c0; col < c1; ++col) ahead.add(k + page_at(pb, b.row, col) * page_bytes, page_bytes);
+  // int8 pages' scales (ps floats a page), each read once its page's scores or probabilities are
+  auto scales = [&](const float* base, int64_t col) {
+    if (base != nullptr) ahead.add(reinterpret_cast<const char*>(page_scales(base, pb, b.row, item % pb.kv_heads, col)),
+                                   (ps * 4 + 63) / 64 * 64);
+  };
+  for (int64_t col = c0; col < c1; ++col) {
+    ahead.add(k + page_at(pb, b.row, col) * page_bytes, page_bytes);
+    scales(pb.k_scales, col);
+  }
   const char* last = k + page_at(pb, b.row, c1) * page_bytes;
   if (keys == ps)
     ahead.add(last, page_bytes);
   else  // the first line of each of the D rows of the transposed page
     for (int64_t i = 0; i < pb.dim; ++i) ahead.add(last + i * row_bytes, 64);
+  scales(pb.k_scales, c1);
+  for (int64_t col = c0; col <= c1; ++col) scales(pb.v_scales, col);
   for (int64_t col = c0; col < c1; ++col) ahead.add(v + page_at(pb, b.row, col) * page_bytes, page_bytes);
   ahead.add(v + page_at(pb, b.row, c1) * page_bytes, (hi - c1 * ps) * pb.dim * elem);  // the rows it reads
 }
