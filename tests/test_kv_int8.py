@@ -276,9 +276,11 @@ def test_engine_pages_and_bench_report_count_the_scales(tmp_path, tokenizer):
     make_hf_model("llama", tmp_path)
     cfg = ModelConfig.from_dir(tmp_path)
     code, out = run_bench("offline", "--model", str(tmp_path), "--num-prompts", "4", "--input-len", "8",
-                          "--output-len", "8", "--kv-cache-dtype", "int8", "--num-pages", "32", "--json")
+                          "--output-len", "8", "--kv-cache-dtype", "int8", "--num-pages", "32", "--compare", "hf",
+                          "--hf-batch-size", "4", "--json")
     report = json.loads(out)
     assert code == 0 and report["output_tokens"] == 4 * 8 and report["kv_cache_dtype"] == "int8"
+    assert report["baseline"].endswith(", float32 KV)") and report["greedy_first_token_match_fraction"] >= 0.5
     batch, context = report["decode_mean_batch"], report["decode_mean_context"]
     kv_bytes = 1 + 4 / cfg.head_dim
     memory = roofline.decode_step_bytes(cfg, 4, batch, context, kv_bytes) / (report["memory_bandwidth_gbs"] * 1e9)

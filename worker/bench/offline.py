@@ -330,7 +330,9 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     if compare_hf:
         report |= {
             "baseline": f"transformers generate (torch {hf_baseline_device().upper()}, batch {hf_batch_size}"
-                        + (", torchao int8 projections)" if engine.config.quantization else ")"),
+                        + (", torchao int8 projections" if engine.config.quantization else "")
+                        # transformers keeps its KV in the model's dtype: int8 pages are the engine's alone
+                        + (f", {dtype} KV)" if report["kv_cache_dtype"] == "int8" else ")"),
             "baseline_batch_size": hf_batch_size, "baseline_batch_trials": first_trials,
             "baseline_seconds": median("baseline_seconds"),
             "baseline_output_tokens_per_s": median("baseline_output_tokens_per_s"), "ratio": median("ratio"),
