@@ -53,13 +53,13 @@ def model(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def running_serve(model: Path, workers: int = 1):
-    """`redjax serve` on a free port, ready (its workers serving, and the stack has said so on
-    stdout); yields (process, its worker's pid, or their pids with workers > 1, its embedded
-    redis-server's pid)."""
+def running_serve(model: Path, workers: int = 1, *extra: str):
+    """`redjax serve` on a free port (with `extra` arguments), ready (its workers serving, and the
+    stack has said so on stdout); yields (process, its worker's pid, or their pids with workers > 1,
+    its embedded redis-server's pid)."""
     port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "worker.cli", "serve", "--model", str(model), "--port", str(port),
-                              "--workers", str(workers), *SMALL_ENGINE], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                              "--workers", str(workers), *SMALL_ENGINE, *extra], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as in a terminal
     try:
         def up() -> bool:  # every worker's heartbeat in, and past loading and compiling
@@ -100,6 +100,20 @@ def test_serve_goes_on_while_a_worker_is_left_and_stops_when_none_is(model):
     assert serve.returncode == 1, err[-2000:]
     assert "exited (status -9); 1 still serving" in err and "exited (status -9); no worker left; stopping" in err
     assert "redjax: stopped" in out
+
+
+def test_serve_with_int8_kv_pages_answers_the_openai_client(model):
+    import openai
+
+    with running_serve(model, 1, "--kv-cache-dtype", "int8") as (serve, worker, redis):
+        port = serve.args[serve.args.index("--port") + 1]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model=model.name, prompt="hello world", max_tokens=6, temperature=0)
+        assert done.usage.completion_tokens == 6 and done.choices[0].finish_reason == "length"
+        os.killpg(serve.pid, signal.SIGINT)
+        out, err = serve.communicate(timeout=90)
+    assert serve.returncode == 0, err[-2000:]
+    assert re.search(r"KV pages: 64 of int8", err), err[-3000:]  # the worker says what it serves with
 
 
 def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_nothing_behind(model):

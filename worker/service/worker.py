@@ -77,10 +77,11 @@ class Worker:
         freeze_startup_heap()  # the model, tokenizer and compiled steps: out of the collector's walks
         if self.state is WorkerState.STARTING:  # not if a SIGTERM came during the warm-up (draining)
             self.state = WorkerState.SERVING
-        log.info("worker %s serving %s (attention: %s, matmul: %s, quantization: %s, greedy head: %s, sampler: %s, "
-                 "fused decode steps: %d)", self.config.name, self.config.model_name, self.engine.attention,
-                 self.engine.matmul, self.engine.quantization or "none", self.engine.greedy_head, self.engine.sampler,
-                 self.engine.decode_steps)
+        log.info("worker %s serving %s (attention: %s, matmul: %s, quantization: %s, KV pages: %d of %s, greedy head: "
+                 "%s, sampler: %s, fused decode steps: %d)", self.config.name, self.config.model_name,
+                 self.engine.attention, self.engine.matmul, self.engine.quantization or "none",
+                 self.engine.runner.kv.num_pages, self.engine.runner.kv.dtype, self.engine.greedy_head,
+                 self.engine.sampler, self.engine.decode_steps)
         try:
             while not self._done():
                 self._take_work()
