@@ -32,6 +32,9 @@ import numpy as np
 from worker.bench import roofline
 from worker.engine import cpu_attention, gpu_attention, gpu_prefill, paged_attention as pa
 from worker.engine.config import parse_tuning
+from worker.engine.int8_linear import quantize
+from worker.engine.kv_cache import element_bytes
+from worker.engine.kv_quant import QuantizedPages
 from worker.models.config import ModelConfig, ModelConfigError
 
 # the work splits a sweep tries by default: session 17's (1:512), the default (4:1024:4:2, the
@@ -49,8 +52,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=1552, help="tokens each row attends to (default 1552: the mean of "
                    "a 64 x 1024/1024 run)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="KV page dtype (the queries are float32, as the model hands them to attention)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="bfloat16",
+                   help="KV page dtype (the queries are float32, as the model hands them to attention); int8: the "
+                        "pages quantized by token and KV head with their scales (kv_quant.py), which the Pallas "
+                        "kernels do not read")
     p.add_argument("--tuning", action="append", metavar="PAGES:PROGRAMS:WARPS:STAGES",
                    help="a Pallas work split to time (repeatable; default: a sweep of "
                         f"{len(SWEEP)} around the default)")
@@ -106,22 +111,33 @@ def make_inputs(cfg: ModelConfig, batch: int, context: int, page_size: int, dtyp
     pages = -(-context // page_size)
     width = 1 << (pages - 1).bit_length()
     num_pages = batch * pages + 1 + batch  # page 0 unused, a little slack
-    kv, d, stored = cfg.num_kv_heads, cfg.head_dim, pa.storage_dtype(dtype)
-    k = jnp.asarray(rng.standard_normal((kv, num_pages, d, page_size), np.float32), dtype)  # [KV, N, D, ps]
-    v = jnp.asarray(rng.standard_normal((kv, num_pages, page_size, d), np.float32), dtype)  # [KV, N, ps, D]
+    k, v = random_pages(rng, cfg, num_pages, page_size, dtype)
     tables = np.zeros((batch, width), np.int32)
     tables[:, :pages] = rng.permutation(np.arange(1, num_pages))[: batch * pages].reshape(batch, pages)
     lens = jnp.full((batch,), context, jnp.int32)
     return {
         # float32 queries whatever the pages' dtype, as the model's projections hand them over
-        "q": jnp.asarray(rng.standard_normal((batch, cfg.num_heads, d), np.float32)),  # f32[S, H, D]
-        "k": pa.stored(k, stored), "v": pa.stored(v, stored), "tables": jnp.asarray(tables),  # i32[S, P]
+        "q": jnp.asarray(rng.standard_normal((batch, cfg.num_heads, cfg.head_dim), np.float32)),  # f32[S, H, D]
+        "k": k, "v": v, "tables": jnp.asarray(tables),  # i32[S, P]
         "positions": lens - 1, "lens": lens, "width": width,
     }
 
 
-def implementations(tunings: list[str], interpret: bool) -> dict:
-    """name -> decode(q, k, v, tables, positions, lens), for what this backend runs."""
+def random_pages(rng, cfg: ModelConfig, num_pages: int, page_size: int, dtype: str):
+    """Standard normal keys [KV, N, D, ps] and values [KV, N, ps, D] as the engine stores them in
+    `dtype`: bfloat16 as its bits, int8 quantized by token and KV head (QuantizedPages)."""
+    kv, d = cfg.num_kv_heads, cfg.head_dim
+    k = jnp.asarray(rng.standard_normal((kv, num_pages, d, page_size), np.float32))
+    v = jnp.asarray(rng.standard_normal((kv, num_pages, page_size, d), np.float32))
+    if dtype == "int8":  # each slot's D values by their own scale: keys down a page's column, values along its row
+        return QuantizedPages(*quantize(k, axis=2)), QuantizedPages(*quantize(v, axis=3))
+    stored = pa.storage_dtype(dtype)
+    return pa.stored(k.astype(dtype), stored), pa.stored(v.astype(dtype), stored)
+
+
+def implementations(tunings: list[str], interpret: bool, int8: bool = False) -> dict:
+    """name -> decode(q, k, v, tables, positions, lens), for what this backend runs (over int8
+    pages: the jnp path and the CPU kernel)."""
     backend = jax.default_backend()
     impls = {"jnp": pa.paged_decode_attention}
     if backend == "cpu":
@@ -129,7 +145,7 @@ def implementations(tunings: list[str], interpret: bool) -> dict:
 
         if cpu_attention.load():
             impls["cpu-kernel"] = cpu_attention.paged_decode_attention
-    if backend == "gpu" or interpret:
+    if (backend == "gpu" or interpret) and not int8:
         for text in tunings:
             tuning = gpu_attention.Tuning(*parse_tuning(text))
             impls[f"pallas {text}"] = partial(gpu_attention.pallas_decode_attention, tuning=tuning, interpret=interpret)
@@ -182,14 +198,14 @@ def checked_and_timed(name: str, fn, args: tuple, reference: np.ndarray, repeats
 def bench_attention(cfg: ModelConfig, preset: str, batch: int, context: int, page_size: int, dtype: str,
                     tunings: list[str], interpret: bool, repeats: int, seed: int) -> dict:
     inputs = make_inputs(cfg, batch, context, page_size, dtype, seed)
-    itemsize = jnp.dtype(dtype).itemsize
-    kv_bytes = batch * context * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize  # one layer's keys and values
+    itemsize = element_bytes(dtype, cfg.head_dim)  # int8: a byte and the scales' share
+    kv_bytes = int(batch * context * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize)  # one layer's keys and values
     bandwidth = roofline.memory_bandwidth_gbs()
     base = (inputs["q"], inputs["k"], inputs["v"], inputs["tables"])
     with jax.default_matmul_precision("highest"):  # the reference at full float32 precision, also on a GPU
         reference = np.asarray(jax.jit(pa.paged_decode_attention)(*base, inputs["positions"], inputs["lens"]), np.float32)
     rows = []
-    for name, fn in implementations(tunings, interpret).items():
+    for name, fn in implementations(tunings, interpret, dtype == "int8").items():
         if name == "jax-pallas":
             args = (inputs["q"], *_jax_layout(inputs, dtype), inputs["tables"], inputs["positions"], inputs["lens"])
         else:
@@ -217,23 +233,23 @@ def bench_prefill(cfg: ModelConfig, rows: int, chunk: int, context: int, width: 
     rng = np.random.default_rng(seed + 1)
     pages = -(-context // page_size)
     num_pages = rows * width + 1
-    kv, d, stored = cfg.num_kv_heads, cfg.head_dim, pa.storage_dtype(dtype)
-    k = pa.stored(jnp.asarray(rng.standard_normal((kv, num_pages, d, page_size), np.float32)), stored)
-    v = pa.stored(jnp.asarray(rng.standard_normal((kv, num_pages, page_size, d), np.float32)), stored)
+    d = cfg.head_dim
+    k, v = random_pages(rng, cfg, num_pages, page_size, dtype)
     tables = np.zeros((rows, width), np.int32)
     tables[:, :pages] = rng.permutation(np.arange(1, num_pages))[: rows * pages].reshape(rows, pages)
     q = jnp.asarray(rng.standard_normal((rows, chunk, cfg.num_heads, d), np.float32))  # f32[S, Q, H, D]
     positions = jnp.asarray(np.broadcast_to(np.arange(context - chunk, context, dtype=np.int32), (rows, chunk)))
     lens = jnp.full((rows,), context, jnp.int32)
     args = (q, k, v, jnp.asarray(tables), positions, lens)
-    exact = [pa.page_values(x).astype(jnp.float32) for x in (k, v)]
+    every = np.arange(num_pages)
+    exact = [pa.gather_keys(k, every).astype(jnp.float32), pa.gather_values(v, every).astype(jnp.float32)]
     with jax.default_matmul_precision("highest"):
         reference = np.asarray(jax.jit(pa.paged_attention)(q, *exact, *args[3:]), np.float32)
     flops = 4 * cfg.num_heads * d * rows * sum(range(context - chunk + 1, context + 1))  # QK and PV, causal keys
     impls = {"reference": gpu_prefill.prefill_attention}
     if jax.default_backend() == "cpu" and cpu_attention.load():  # what a CPU engine runs for prefill rows
         impls["cpu-kernel"] = cpu_attention.paged_attention
-    if jax.default_backend() == "gpu" or interpret:
+    if (jax.default_backend() == "gpu" or interpret) and dtype != "int8":
         impls["pallas"] = partial(gpu_prefill.pallas_prefill_attention, interpret=interpret)
     results = []
     for name, fn in impls.items():
