@@ -71,3 +71,30 @@ def drain(engine: LLMEngine, before_step=None, results=None) -> dict[tuple[str, 
         k += 1
         assert k < 3000, "engine does not finish"
     return results
+
+
+def demo_text_figures(**engine_args) -> tuple[int, float]:
+    """The shipped demo model (real weights, its book nearly memorized) with these engine settings:
+    (how many of 12 chapter openings it continues with the book's next sentence, its perplexity
+    over 24 book paragraphs by prompt logprobs)."""
+    import math
+
+    from worker.cli import DEMO_MODEL
+    from worker.demo_model import demo_passages, read_paragraphs
+    from worker.engine.config import EngineConfig
+    from worker.engine.sampling_params import SamplingParams
+    from worker.models.loader import load_model, load_tokenizer
+
+    tok = load_tokenizer(DEMO_MODEL)
+    passages = demo_passages(12)
+    windows = [tok(p).input_ids[:128] for p in read_paragraphs() if len(p) > 400][:24]
+    engine = LLMEngine(load_model(DEMO_MODEL), tok, EngineConfig(max_num_seqs=64, **engine_args))
+    for i, (prompt, want) in enumerate(passages):
+        budget = len(tok(want, add_special_tokens=False).input_ids) + 2
+        engine.add_request(f"p{i}", tok(prompt).input_ids, SamplingParams(temperature=0.0, max_tokens=budget))
+    for i, window in enumerate(windows):
+        engine.add_request(f"w{i}", window, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    got = drain(engine)
+    kept = sum(got[(f"p{i}", 0)].text.startswith(want) for i, (_, want) in enumerate(passages))
+    logprobs = [e["logprob"] for i in range(len(windows)) for e in got[(f"w{i}", 0)].prompt_logprobs[1:]]
+    return kept, math.exp(-sum(logprobs) / len(logprobs))

@@ -114,6 +114,20 @@ def test_compiled_cpu_kernel_matches_the_reference_on_prefill_rows(window, dtype
     assert not out[4].any()  # a padding row sees no key: zeros
 
 
+def packed_rows(rng, spans: list[tuple[int, int]], n: int, p: int, trailing: int):
+    """Rows packed back to back, row r's queries at positions [first, first + length) of `spans[r]`
+    (length 0: a padding row), tables `p` random pages of `n` wide, `trailing` padding tokens after
+    them -> (tables i32[R, P], q_starts, q_lens, context_lens i32[R], positions i32[T])."""
+    lengths = [length for _, length in spans]
+    tables = rng.integers(1, n, size=(len(spans), p)).astype(np.int32)
+    q_starts = np.cumsum([0] + lengths[:-1]).astype(np.int32)
+    ctx = np.asarray([first + length for first, length in spans], np.int32)
+    positions = np.zeros(sum(lengths) + trailing, np.int32)
+    for (first, length), start in zip(spans, q_starts):
+        positions[start : start + length] = np.arange(first, first + length)
+    return tables, q_starts, np.asarray(lengths, np.int32), ctx, positions
+
+
 @pytest.mark.parametrize("heads", [(4, 2), (3, 1), (8, 2)], ids=["g2", "g3", "g4"])
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("window", [None, 5])
@@ -134,15 +148,8 @@ def test_compiled_cpu_kernel_on_packed_rows_equals_the_reference_row_by_row(wind
     v_pages = jnp.asarray(rng.normal(size=(kv, n, ps, d)), dtype)
     # (first position, query tokens) per row: 2 decode rows, chunks of 37, 3 and 20 tokens, 2 padding rows
     spans = [(9, 1), (30, 1), (0, 37), (21, 3), (11, 20), (0, 0), (0, 0)]
-    r, t = len(spans), sum(length for _, length in spans) + 7  # 7 trailing padding tokens
-    tables = rng.integers(1, n, size=(r, p)).astype(np.int32)
-    q_starts = np.cumsum([0] + [length for _, length in spans[:-1]]).astype(np.int32)
-    q_lens = np.asarray([length for _, length in spans], np.int32)
-    ctx = np.asarray([first + length for first, length in spans], np.int32)
-    positions = np.zeros(t, np.int32)
-    for (first, length), start in zip(spans, q_starts):
-        positions[start : start + length] = np.arange(first, first + length)
-    q = jnp.asarray(rng.normal(size=(t, h, d)), jnp.float32)
+    tables, q_starts, q_lens, ctx, positions = packed_rows(rng, spans, n, p, trailing=7)
+    q = jnp.asarray(rng.normal(size=(len(positions), h, d)), jnp.float32)
     kernel = jax.jit(cpu_attention.ragged_paged_attention, static_argnames="window")
     out = np.asarray(kernel(q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(q_starts),
                             jnp.asarray(q_lens), jnp.asarray(ctx), window))

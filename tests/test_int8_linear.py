@@ -16,7 +16,7 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.engine_support import drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
+from tests.engine_support import demo_text_figures, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import checkpoint, make_hf_model  # noqa: F401 (a fixture)
 from worker.engine import cpu_matmul, int8_linear
 from worker.engine.config import EngineConfig
@@ -222,27 +222,7 @@ def test_demo_model_keeps_its_text_in_int8():
     # continues chapter openings with the book's next sentence, and its perplexity over book
     # paragraphs (prompt logprobs) stays within a percent of float32's (all 53 passages and 200
     # paragraphs, session 66: 50 of 53 against 51, perplexity 1.0918 against 1.0914)
-    import math
-
-    from worker.cli import DEMO_MODEL
-    from worker.demo_model import demo_passages, read_paragraphs
-    from worker.models.loader import load_tokenizer
-
-    tok = load_tokenizer(DEMO_MODEL)
-    passages = demo_passages(12)
-    windows = [tok(p).input_ids[:128] for p in read_paragraphs() if len(p) > 400][:24]
-    figures = {}
-    for quantization in (None, "int8"):
-        engine = LLMEngine(load_model(DEMO_MODEL), tok, EngineConfig(quantization=quantization, max_num_seqs=64))
-        for i, (prompt, want) in enumerate(passages):
-            budget = len(tok(want, add_special_tokens=False).input_ids) + 2
-            engine.add_request(f"p{i}", tok(prompt).input_ids, SamplingParams(temperature=0.0, max_tokens=budget))
-        for i, window in enumerate(windows):
-            engine.add_request(f"w{i}", window, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
-        got = drain(engine)
-        kept = sum(got[(f"p{i}", 0)].text.startswith(want) for i, (_, want) in enumerate(passages))
-        logprobs = [e["logprob"] for i in range(len(windows)) for e in got[(f"w{i}", 0)].prompt_logprobs[1:]]
-        figures[quantization] = kept, math.exp(-sum(logprobs) / len(logprobs))
-    assert figures["int8"][0] >= figures[None][0] - 1 >= len(passages) - 2, figures
+    figures = {value: demo_text_figures(quantization=value) for value in (None, "int8")}
+    assert figures["int8"][0] >= figures[None][0] - 1 >= 12 - 2, figures
     assert figures["int8"][1] <= 1.01 * figures[None][1], figures
     assert figures["int8"][1] != figures[None][1]  # int8 ran: its logits are not float32's

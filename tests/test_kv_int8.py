@@ -15,8 +15,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tests.engine_support import drain, tokenizer  # noqa: F401 (a fixture)
+from tests.engine_support import demo_text_figures, drain, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
+from tests.test_cpu_attention import packed_rows
 from tests.test_paged_attention import KERNEL_SHAPES
 from worker.engine import cpu_attention, kv_quant
 from worker.engine import paged_attention as pa
@@ -120,15 +121,8 @@ def test_kernel_on_packed_int8_rows_equals_the_reference_row_by_row(window, shap
     rng = np.random.default_rng(5)
     (kq, vq), (kf, vf) = int8_pages(rng, kv, n, d, ps)
     spans = [(9, 1), (30, 1), (0, 37), (21, 3), (11, 20), (0, 0)]  # (first position, query tokens) per row
-    r, t = len(spans), sum(length for _, length in spans) + 5
-    tables = rng.integers(1, n, size=(r, p)).astype(np.int32)
-    q_starts = np.cumsum([0] + [length for _, length in spans[:-1]]).astype(np.int32)
-    q_lens = np.asarray([length for _, length in spans], np.int32)
-    ctx = np.asarray([first + length for first, length in spans], np.int32)
-    positions = np.zeros(t, np.int32)
-    for (first, length), start in zip(spans, q_starts):
-        positions[start : start + length] = np.arange(first, first + length)
-    q = jnp.asarray(rng.normal(size=(t, h, d)), jnp.float32)
+    tables, q_starts, q_lens, ctx, positions = packed_rows(rng, spans, n, p, trailing=5)
+    q = jnp.asarray(rng.normal(size=(len(positions), h, d)), jnp.float32)
     kernel = jax.jit(cpu_attention.ragged_paged_attention, static_argnames="window")
     out = np.asarray(kernel(q, kq, vq, jnp.asarray(tables), jnp.asarray(positions), jnp.asarray(q_starts),
                             jnp.asarray(q_lens), jnp.asarray(ctx), window))
@@ -296,26 +290,6 @@ def test_demo_model_keeps_its_text_with_int8_pages():
     # real weights: the shipped demo model continues chapter openings with its book's next sentence
     # and keeps its perplexity over book paragraphs (prompt logprobs, which read the prompt's own
     # int8 pages) within half a percent of float32 pages'
-    import math
-
-    from worker.cli import DEMO_MODEL
-    from worker.demo_model import demo_passages, read_paragraphs
-    from worker.models.loader import load_tokenizer
-
-    tok = load_tokenizer(DEMO_MODEL)
-    passages = demo_passages(12)
-    windows = [tok(p).input_ids[:128] for p in read_paragraphs() if len(p) > 400][:24]
-    figures = {}
-    for kv_dtype in ("float32", "int8"):
-        engine = LLMEngine(load_model(DEMO_MODEL), tok, EngineConfig(kv_cache_dtype=kv_dtype, max_num_seqs=64))
-        for i, (prompt, want) in enumerate(passages):
-            budget = len(tok(want, add_special_tokens=False).input_ids) + 2
-            engine.add_request(f"p{i}", tok(prompt).input_ids, SamplingParams(temperature=0.0, max_tokens=budget))
-        for i, window in enumerate(windows):
-            engine.add_request(f"w{i}", window, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
-        got = drain(engine)
-        kept = sum(got[(f"p{i}", 0)].text.startswith(want) for i, (_, want) in enumerate(passages))
-        logprobs = [e["logprob"] for i in range(len(windows)) for e in got[(f"w{i}", 0)].prompt_logprobs[1:]]
-        figures[kv_dtype] = kept, math.exp(-sum(logprobs) / len(logprobs))
-    assert figures["int8"][0] >= figures["float32"][0] - 1 >= len(passages) - 2, figures
+    figures = {value: demo_text_figures(kv_cache_dtype=value) for value in ("float32", "int8")}
+    assert figures["int8"][0] >= figures["float32"][0] - 1 >= 12 - 2, figures
     assert figures["float32"][1] != figures["int8"][1] <= 1.005 * figures["float32"][1], figures

@@ -127,27 +127,24 @@ ffi::Error KvWriteI8Impl(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// The operands both handlers take first: the pool, the key and value pages, the new keys and
+// values, their slots
+auto write_operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvWrite, KvWriteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvWrite, KvWriteImpl, write_operands().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvWriteI8, KvWriteI8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              write_operands()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // the pages' key scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // and value scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // the new keys' scales
