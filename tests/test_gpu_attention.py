@@ -89,6 +89,28 @@ def test_bfloat16_pages_and_padding_rows():
     assert not got[1].any()
 
 
+@pytest.mark.parametrize("tuning", TUNINGS[:2], ids=lambda t: f"{t.pages_per_block}x{t.target_programs}")
+def test_int8_pages_with_their_scales(tuning):
+    """int8 pages (kv_quant.py): the scales multiply each page's scores and, in the weighted sum, its
+    weights; the products in bfloat16 (int8 values are exact in it), so the result is the
+    reference's over the dequantized pages to bfloat16 rounding; a padding row gets zeros."""
+    from worker.engine.int8_linear import quantize
+    from worker.engine.kv_quant import QuantizedPages
+
+    rng = np.random.default_rng(6)
+    q, k, v, tables = pages_and_queries(rng, 8, 2, 32, 16, 48, 6, 4)
+    k, v = QuantizedPages(*quantize(k, axis=2)), QuantizedPages(*quantize(v, axis=3))
+    lens = jnp.asarray([37, 0, 96, 5], jnp.int32)
+    positions = jnp.maximum(lens - 1, 0)
+    got = np.asarray(decode(q, k, v, tables, positions, lens, tuning=tuning))
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(pa.paged_attention(q[:, None], k, v, tables, positions[:, None], lens)[:, 0])
+    live = [0, 2, 3]
+    # bfloat16 weights and products: within a percent of the largest output (0.4 % in session 67)
+    assert np.abs(got[live] - ref[live]).max() < 0.01 * np.abs(ref[live]).max()
+    assert not got[1].any()
+
+
 def kernel_products(q: jax.Array, stored, fn=gpu_attention.pallas_decode_attention) -> list:
     """The operand dtypes and precision of every matrix product inside `fn` (the decode kernel),
     for a query of q's dtype over llama3-8b-shaped pages held as `stored`."""
@@ -160,15 +182,25 @@ def test_prefill_rows_over_bfloat16_pages_multiply_in_bfloat16():
 @pytest.mark.parametrize("dtype,stored,s,n,p", [(jnp.float32, jnp.float32, 64, 1024, 64),
                                                (jnp.bfloat16, pa.BF16_BITS, 64, 1024, 64),
                                                (jnp.bfloat16, pa.BF16_BITS, 1, 1024, 64),
-                                               (jnp.bfloat16, pa.BF16_BITS, 64, 3000, 130)])
+                                               (jnp.bfloat16, pa.BF16_BITS, 64, 3000, 130),
+                                               (jnp.float32, jnp.int8, 64, 1024, 64)])
 def test_lowers_to_one_triton_kernel_for_cuda(dtype, stored, s, n, p, tuning):
     """The llama3-8b decode shape (32 heads, 8 KV heads, head dim 128, pages of 16) lowers for CUDA
     to a Triton custom call (a primitive Triton cannot express fails here, not on the GPU); at
     batch 1 with its context split over many programs per KV head; with a page pool and a page table
-    whose sizes are not powers of two (the pool's size follows the GPU's free memory)."""
+    whose sizes are not powers of two (the pool's size follows the GPU's free memory); int8 pages
+    with their scales."""
+    from worker.engine.kv_quant import QuantizedPages
+
     kv = 8
-    args = (jax.ShapeDtypeStruct((s, 32, 128), dtype), jax.ShapeDtypeStruct((kv, n, 128, 16), stored),
-            jax.ShapeDtypeStruct((kv, n, 16, 128), stored), *(jax.ShapeDtypeStruct(x, jnp.int32) for x in ((s, p), (s,), (s,))))
+
+    def pages(shape):
+        if stored == jnp.int8:
+            return QuantizedPages(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct((kv, n, 16), jnp.float32))
+        return jax.ShapeDtypeStruct(shape, stored)
+
+    args = (jax.ShapeDtypeStruct((s, 32, 128), dtype), pages((kv, n, 128, 16)), pages((kv, n, 16, 128)),
+            *(jax.ShapeDtypeStruct(x, jnp.int32) for x in ((s, p), (s,), (s,))))
     lowered = jax.jit(partial(gpu_attention.pallas_decode_attention, tuning=tuning)).trace(*args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and 'name = "redjax_paged_decode_attention"' in text
@@ -241,6 +273,28 @@ def test_engine_decodes_with_the_kernel_like_transformers(tokenizer, tmp_path, m
     results = drain(engine)
     for i, prompt in enumerate(prompts):
         assert results[(f"r{i}", 0)].token_ids == hf_greedy(hf, prompt, 10), i
+
+
+def test_int8_pages_with_the_kernel_track_the_jnp_path(tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """int8 KV pages served with the kernel in decode rows (fused steps) and the reference in prefill
+    rows, against the same pages through the jnp path: the kernel's bfloat16 products can split a
+    near tie the other way, so most prompts' greedy tokens are the same."""
+    make_hf_model("llama", tmp_path, vocab_size=len(tokenizer))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (3, 17, 30, 45)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for name, ops in (("kernel", KERNEL), ("jnp", pa.JNP)):
+        monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args, ops=ops: ops)
+        engine = LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(
+            max_num_seqs=4, page_size=16, num_pages=24, max_num_batched_tokens=64, decode_steps=4,
+            kv_cache_dtype="int8"))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        results = drain(engine)
+        tokens[name] = [results[(f"r{i}", 0)].token_ids for i in range(len(prompts))]
+    same = [a == b for a, b in zip(tokens["kernel"], tokens["jnp"])]
+    assert sum(same) >= 3, tokens
 
 
 def test_bfloat16_engine_with_the_kernel_tracks_the_jnp_path(tokenizer, tmp_path, monkeypatch):  # noqa: F811

@@ -243,16 +243,22 @@ def test_engine_serves_as_transformers_with_an_int8_cache(tmp_path, tokenizer):
         assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
 
 
-def test_settings_and_what_int8_pages_cost():
+def test_settings_and_what_int8_pages_cost(monkeypatch):
+    from worker.engine import attention_choice, gpu_attention, gpu_prefill
     from worker.engine.attention_choice import AttentionUnavailable, choose_attention
     from worker.engine.kv_cache import element_bytes, page_bytes
     from worker.models.config import ModelConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be float32, bfloat16 or int8"):
         EngineConfig(kv_cache_dtype="fp8")
-    with pytest.raises(AttentionUnavailable, match="int8 KV pages are read by the CPU kernel or the jnp path"):
-        choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8)
     assert choose_attention("jnp", 1, 64, 16, jnp.float32, jnp.int8) is pa.JNP
+    # where the Pallas decode kernel runs (a GPU), int8 pages take it and prefill rows the reference:
+    # the Pallas prefill kernel reads float32 and bfloat16 pages only
+    monkeypatch.setattr(attention_choice, "_choose", lambda *args: gpu_attention.PALLAS)
+    ops = choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8)
+    assert ops.decode is gpu_attention.pallas_decode_attention and ops.prefill is gpu_prefill.prefill_attention
+    with pytest.raises(AttentionUnavailable, match="the Pallas prefill kernel reads float32 or bfloat16 pages"):
+        choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8, prefill_kernel=True)
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
     # a byte a value and a float32 scale per head_dim values: 3.2x float32's pages in the same memory at D = 16

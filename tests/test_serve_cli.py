@@ -33,8 +33,6 @@ SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page
     (["serve", "--quantization", "fp8"], {}, "invalid choice: 'fp8'"),
     (["serve", "--kv-cache-dtype", "int4"], {}, "invalid choice: 'int4'"),
     (["serve"], {"REDJAX_KV_CACHE_DTYPE": "fp8"}, "kv_cache_dtype must be float32, bfloat16 or int8"),
-    (["generate", "--prompt", "x", "--kv-cache-dtype", "int8", "--attention", "pallas"], {},
-     "int8 KV pages are read by the CPU kernel or the jnp path"),
     (["generate", "--prompt", "x", "--max-num-batched-tokens", "4"], {}, "max_num_batched_tokens must be >= max_num_seqs"),
     (["bench", "offline", "--dummy", "llama-tiny", "--max-num-batched-tokens", "4"], {},
      "max_num_batched_tokens must be >= max_num_seqs"),

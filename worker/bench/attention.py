@@ -54,8 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default="bfloat16",
                    help="KV page dtype (the queries are float32, as the model hands them to attention); int8: the "
-                        "pages quantized by token and KV head with their scales (kv_quant.py), which the Pallas "
-                        "kernels do not read")
+                        "pages quantized by token and KV head with their scales (kv_quant.py)")
     p.add_argument("--tuning", action="append", metavar="PAGES:PROGRAMS:WARPS:STAGES",
                    help="a Pallas work split to time (repeatable; default: a sweep of "
                         f"{len(SWEEP)} around the default)")
@@ -137,7 +136,7 @@ def random_pages(rng, cfg: ModelConfig, num_pages: int, page_size: int, dtype: s
 
 def implementations(tunings: list[str], interpret: bool, int8: bool = False) -> dict:
     """name -> decode(q, k, v, tables, positions, lens), for what this backend runs (over int8
-    pages: the jnp path and the CPU kernel)."""
+    pages not JAX's own Pallas kernel)."""
     backend = jax.default_backend()
     impls = {"jnp": pa.paged_decode_attention}
     if backend == "cpu":
@@ -145,11 +144,12 @@ def implementations(tunings: list[str], interpret: bool, int8: bool = False) -> 
 
         if cpu_attention.load():
             impls["cpu-kernel"] = cpu_attention.paged_decode_attention
-    if (backend == "gpu" or interpret) and not int8:
+    if backend == "gpu" or interpret:
         for text in tunings:
             tuning = gpu_attention.Tuning(*parse_tuning(text))
             impls[f"pallas {text}"] = partial(gpu_attention.pallas_decode_attention, tuning=tuning, interpret=interpret)
-        impls["jax-pallas"] = partial(_jax_pallas, interpret=interpret)
+        if not int8:
+            impls["jax-pallas"] = partial(_jax_pallas, interpret=interpret)
     return impls
 
 

@@ -3,7 +3,7 @@
 - "kernel": the compiled C++ kernel (cpu_attention.py): CPU backend, no tensor parallelism.
 - "pallas": the Pallas/Triton decode kernel (gpu_attention.py): GPU backend, no tensor
   parallelism, head dim and page size powers of two >= 16.
-- "jnp": pure jax.numpy (paged_attention.py), anywhere; on accelerators, the one for int8 KV pages.
+- "jnp": pure jax.numpy (paged_attention.py), anywhere.
 - "auto": the kernel for the backend where it applies (and, for Pallas, compiles on this GPU),
   else jnp. A kernel that does not apply or fails is logged, never silent.
 
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from worker.engine import cpu_attention, gpu_attention, gpu_prefill
+from worker.engine.kv_quant import QuantizedPages
 from worker.engine.paged_attention import JNP, AttentionOps, storage_dtype
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,10 @@ def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: 
     for asked, name in ((tuning is not None, "pallas_tuning"), (prefill_kernel is True, "pallas_prefill")):
         if asked and not pallas:
             raise AttentionUnavailable(f"{name} applies to the Pallas decode kernel, and this engine runs {ops.name} attention")
-    if pallas and prefill_kernel is not False:
+    int8 = jnp.dtype(kv_dtype) == jnp.int8
+    if pallas and int8 and prefill_kernel:
+        raise AttentionUnavailable("the Pallas prefill kernel reads float32 or bfloat16 pages, not int8 ones")
+    if pallas and prefill_kernel is not False and not int8:  # int8 pages: prefill rows on the reference
         if prefill_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name):
             return replace(ops, prefill=gpu_prefill.pallas_prefill_attention)
         if prefill_kernel:
@@ -66,12 +70,6 @@ def _choose(mode: str, tensor_parallel: int, head_dim: int, page_size: int, dtyp
         if mode == "kernel":
             raise RuntimeError("the CPU attention kernel could not be built (see the log)")
         return JNP
-    if jnp.dtype(kv_dtype) == jnp.int8:  # the Pallas kernels read float32 or bfloat16 pages
-        if mode == "pallas":
-            raise AttentionUnavailable("int8 KV pages are read by the CPU kernel or the jnp path, not by attention='pallas'")
-        log.warning("int8 KV pages on %s: the jnp attention reads them (the Pallas kernels take float32 or bfloat16)",
-                    backend)
-        return JNP
     usable = backend == "gpu" and tensor_parallel == 1 and gpu_attention.supported(head_dim, page_size)
     if mode == "pallas" and not usable:
         raise AttentionUnavailable("attention='pallas' needs the GPU backend, tensor_parallel 1, and head dim and page size "
@@ -90,11 +88,10 @@ def pallas_compiles(head_dim: int, page_size: int, dtype: str, kv_dtype: str,
     """Compile and run the kernel once on a small problem of the model's shapes and dtypes and
     the engine's work split (tables two blocks of pages wide, so a block is as many pages as it
     will be): a GPU or Triton version it does not build for costs a log line, not the engine."""
-    stored = storage_dtype(kv_dtype)
     kv, s, width = 1, 2, 2 * tuning.pages_per_block
     q = jnp.zeros((s, 4, head_dim), dtype)
-    k = jnp.zeros((kv, s * width, head_dim, page_size), stored)
-    v = jnp.zeros((kv, s * width, page_size, head_dim), stored)
+    k, v = (zero_pages((kv, s * width) + shape, page_size, kv_dtype)
+            for shape in ((head_dim, page_size), (page_size, head_dim)))
     tables = jnp.asarray(np.arange(s * width, dtype=np.int32).reshape(s, width))
     lens = jnp.asarray([width * page_size, 1], jnp.int32)
     try:
@@ -104,6 +101,13 @@ def pallas_compiles(head_dim: int, page_size: int, dtype: str, kv_dtype: str,
     except Exception:  # noqa: BLE001: whatever Triton or the driver reports, the engine keeps jnp
         log.warning("the Pallas attention kernel failed to compile or run here; using the jnp path", exc_info=True)
         return False
+
+
+def zero_pages(shape: tuple[int, ...], page_size: int, kv_dtype: str):
+    """Zeroed pages of `shape` [KV, N, ...] as the engine stores `kv_dtype` (int8 with their scales)."""
+    if kv_dtype == "int8":
+        return QuantizedPages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:2] + (page_size,), jnp.float32))
+    return jnp.zeros(shape, storage_dtype(kv_dtype))
 
 
 @lru_cache(maxsize=8)

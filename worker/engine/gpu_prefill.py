@@ -54,23 +54,30 @@ def prefill_attention(
     return out.astype(q.dtype)
 
 
+def page_at(tables_ref, num_pages: int, i):
+    """Inside a kernel: the i-th page of a table; an index past the table or the cache gives a page
+    that exists (the caller masks its keys)."""
+    return jnp.clip(tables_ref[jnp.minimum(i, tables_ref.shape[0] - 1)], 0, num_pages - 1)  # never outside the cache
+
+
 def load_page(tables_ref, k_ref, v_ref, i, bits: bool):
     """Inside a kernel: the keys [D, ps] and values [ps, D] of the i-th page of a table, as numbers
-    (bfloat16 bit patterns reinterpreted); an index past the table or the cache reads a page that
-    exists (the caller masks its keys)."""
-    n, width = k_ref.shape[0], tables_ref.shape[0]
-    p = jnp.clip(tables_ref[jnp.minimum(i, width - 1)], 0, n - 1)  # never read outside the cache
+    (bfloat16 bit patterns reinterpreted; int8 pages as their int8 values, scales apart)."""
+    p = page_at(tables_ref, k_ref.shape[0], i)
     k, v = k_ref[p], v_ref[p]
     if bits:
         k, v = (jax.lax.bitcast_convert_type(x, jnp.bfloat16) for x in (k, v))
     return k, v
 
 
-def online_softmax(m, l, acc, scores: list, values: list, precision, masks: list | None = None):
+def online_softmax(m, l, acc, scores: list, values: list, precision, masks: list | None = None,
+                   value_scales: list | None = None):
     """Inside a kernel: one online-softmax update over a block of pages. m, l f32[R] (running max,
     sum of weights), acc f32[R, D]; scores f32[R, ps] per page (MASKED where hidden), values [ps, D]
     per page in the products' dtype; masks bool[R, ps] per page where a row may see none of the
-    block's keys (its weights must then be 0 however its running max stands) -> (m, l, acc)."""
+    block's keys (its weights must then be 0 however its running max stands); value_scales f32[ps]
+    per page of int8 values (a key's weight times its value's scale enters the weighted sum, its
+    weight alone the sum of weights) -> (m, l, acc)."""
     m_new = m
     for s in scores:
         m_new = jnp.maximum(m_new, s.max(axis=-1))
@@ -81,6 +88,8 @@ def online_softmax(m, l, acc, scores: list, values: list, precision, masks: list
         if masks is not None:
             w = jnp.where(masks[r], w, 0.0)
         l = l + w.sum(axis=-1)
+        if value_scales is not None:
+            w = w * value_scales[r][None, :]
         acc = acc + jnp.dot(w.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
     return m_new, l, acc
 
