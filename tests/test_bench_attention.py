@@ -46,6 +46,25 @@ def test_reports_each_implementation_against_the_reference(capsys):
     assert "the reference prefill attention is faster here" in attention.table(report)
 
 
+def test_int8_pages_through_every_implementation(capsys):
+    """`--dtype int8`: pages of int8 values with a float32 scale per token and KV head, through the
+    jnp reference, the CPU kernel and the Pallas decode and prefill kernels (JAX's own Pallas kernel
+    reads no int8 pages), each against the reference over the dequantized pages."""
+    assert main(["bench", "attention", "--dummy", "llama-100m", "--batch", "3", "--context", "70", "--dtype",
+                 "int8", "--tuning", "4:2048:4:2", "--interpret", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # a byte a value and a float32 scale per 64 values, keys and values of 4 KV heads
+    assert report["kv_bytes_per_call"] == int(3 * 70 * 2 * 4 * 64 * (1 + 4 / 64))
+    rows = {r["name"]: r for r in report["results"]}
+    assert list(rows) == ["jnp", "cpu-kernel", "pallas 4:2048:4:2"]
+    assert rows["jnp"]["max_abs_error"] == 0.0 and rows["cpu-kernel"]["max_abs_error"] < 1e-5
+    assert rows["pallas 4:2048:4:2"]["max_abs_error"] < 2e-2  # bfloat16 products
+    prefill = {r["name"]: r for r in report["prefill"]["results"]}
+    assert list(prefill) == ["reference", "cpu-kernel", "pallas"]
+    assert prefill["reference"]["max_abs_error"] < 1e-5 and prefill["cpu-kernel"]["max_abs_error"] < 1e-5
+    assert prefill["pallas"]["max_abs_error"] < 2e-2  # bfloat16 query, weights and products
+
+
 def test_the_table_and_usage_errors(capsys):
     assert main(["bench", "attention", "--dummy", "llama-tiny", "--batch", "2", "--context", "33", "--repeats", "1",
                  "--dtype", "float32"]) == 0

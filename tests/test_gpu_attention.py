@@ -276,15 +276,16 @@ def test_engine_decodes_with_the_kernel_like_transformers(tokenizer, tmp_path, m
 
 
 def test_int8_pages_with_the_kernel_track_the_jnp_path(tokenizer, tmp_path, monkeypatch):  # noqa: F811
-    """int8 KV pages served with the kernel in decode rows (fused steps) and the reference in prefill
-    rows, against the same pages through the jnp path: the kernel's bfloat16 products can split a
-    near tie the other way, so most prompts' greedy tokens are the same."""
+    """int8 KV pages served with the kernel in decode rows (fused steps) and, in prefill rows, the
+    reference or the Pallas prefill kernel (a 70-token prompt chunked over steps of 64 tokens), against
+    the same pages through the jnp path: the kernels' bfloat16 products can split a near tie the
+    other way, so most prompts' greedy tokens are the same."""
     make_hf_model("llama", tmp_path, vocab_size=len(tokenizer))
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (3, 17, 30, 45)]
+    prompts = [rng.integers(1, len(tokenizer), n).tolist() for n in (3, 17, 30, 45, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = {}
-    for name, ops in (("kernel", KERNEL), ("jnp", pa.JNP)):
+    for name, ops in (("kernel", KERNEL), ("prefill-kernel", replace(KERNEL, prefill=PREFILL_KERNEL)), ("jnp", pa.JNP)):
         monkeypatch.setattr("worker.engine.llm_engine.choose_attention", lambda *args, ops=ops: ops)
         engine = LLMEngine(load_model(tmp_path), tokenizer, EngineConfig(
             max_num_seqs=4, page_size=16, num_pages=24, max_num_batched_tokens=64, decode_steps=4,
@@ -293,8 +294,10 @@ def test_int8_pages_with_the_kernel_track_the_jnp_path(tokenizer, tmp_path, monk
             engine.add_request(f"r{i}", prompt, params)
         results = drain(engine)
         tokens[name] = [results[(f"r{i}", 0)].token_ids for i in range(len(prompts))]
-    same = [a == b for a, b in zip(tokens["kernel"], tokens["jnp"])]
-    assert sum(same) >= 3, tokens
+        assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
+    for name in ("kernel", "prefill-kernel"):
+        same = [a == b for a, b in zip(tokens[name], tokens["jnp"])]
+        assert sum(same) >= 4, (name, tokens)
 
 
 def test_bfloat16_engine_with_the_kernel_tracks_the_jnp_path(tokenizer, tmp_path, monkeypatch):  # noqa: F811

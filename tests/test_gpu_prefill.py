@@ -71,6 +71,34 @@ def test_bfloat16_pages_round_like_the_reference_on_a_rounded_query():
     np.testing.assert_allclose(np.asarray(got)[keep], ref[keep], rtol=2e-2, atol=2e-2)  # bfloat16 weights, rounded apart
 
 
+@pytest.mark.parametrize("window", [None, 21])
+def test_int8_pages_with_their_scales(window):
+    """int8 pages (kv_quant.py): each key's scale multiplies its scores and each value's its weight
+    in the weighted sum; the products in bfloat16 (the int8 values exact, the query and weights
+    rounded), so the result is the reference's over the dequantized pages to bfloat16 rounding."""
+    from worker.engine.int8_linear import quantize
+    from worker.engine.kv_quant import QuantizedPages
+
+    rng = np.random.default_rng(3)
+    q, k, v, tables, positions, lens = rows_of_chunks(rng, 8, 2, 32, 16, 40, 8, [70, 16, 33, 0], 16)
+    k, v = QuantizedPages(*quantize(k, axis=2)), QuantizedPages(*quantize(v, axis=3))
+    got = np.asarray(prefill(q, k, v, tables, positions, lens, window))
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(pa.paged_attention(q, k, v, tables, positions, lens, window))
+    keep = valid(positions, lens)
+    # bfloat16 weights and products: within a percent of the largest output
+    assert np.abs(got[keep] - ref[keep]).max() < 0.01 * np.abs(ref[keep]).max()
+    assert not got[3].any()
+    # the scales are read per page: the same pages with every scale doubled double each output
+    # (values' scales) and sharpen the softmax (keys'), which the reference sees alike
+    k2 = QuantizedPages(k.data, k.scales * 2)
+    got2 = np.asarray(prefill(q, k2, v, tables, positions, lens, window))
+    with jax.default_matmul_precision("highest"):
+        ref2 = np.asarray(pa.paged_attention(q, k2, v, tables, positions, lens, window))
+    assert np.abs(got2[keep] - ref2[keep]).max() < 0.01 * np.abs(ref2[keep]).max()
+    assert np.abs(got2[keep] - got[keep]).max() > 0.1 * np.abs(got[keep]).max()
+
+
 def test_a_long_context_over_many_blocks_of_pages():
     """A chunk of 32 tokens at the end of a 1000-token context: 63 pages of 16, over 16 loop
     iterations of 4 pages, the last one partly past the row's table."""
@@ -84,14 +112,23 @@ def test_a_long_context_over_many_blocks_of_pages():
 
 @pytest.mark.parametrize("stored,rows,chunk,n,p", [(pa.BF16_BITS, 1, 1024, 1024, 128),
                                                    (pa.BF16_BITS, 16, 64, 3000, 130),
-                                                   (jnp.float32, 4, 256, 1024, 64)])
+                                                   (jnp.float32, 4, 256, 1024, 64),
+                                                   (jnp.int8, 1, 1024, 1024, 128)])
 def test_lowers_to_one_triton_kernel_for_cuda(stored, rows, chunk, n, p):
     """The llama3-8b prefill shapes of a 1024-token step (32 heads, 8 KV heads, head dim 128, pages
     of 16: one row of 1024 tokens, or 16 rows of 64), with the model's float32 queries, lower for
-    CUDA to a single Triton kernel (a primitive Triton cannot express fails here, not on the GPU)."""
+    CUDA to a single Triton kernel (a primitive Triton cannot express fails here, not on the GPU);
+    int8 pages with their scales too."""
+    from worker.engine.kv_quant import QuantizedPages
+
+    def pages(shape):
+        if stored == jnp.int8:
+            return QuantizedPages(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct((8, n, 16), jnp.float32))
+        return jax.ShapeDtypeStruct(shape, stored)
+
     q = jax.ShapeDtypeStruct((rows, chunk, 32, 128), jnp.float32)
-    k = jax.ShapeDtypeStruct((8, n, 128, 16), stored)
-    v = jax.ShapeDtypeStruct((8, n, 16, 128), stored)
+    k = pages((8, n, 128, 16))
+    v = pages((8, n, 16, 128))
     ints = [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in ((rows, p), (rows, chunk), (rows,))]
     fn = jax.jit(gpu_prefill.pallas_prefill_attention)
     text = fn.trace(q, k, v, *ints).lower(lowering_platforms=("cuda",)).as_text()
@@ -127,3 +164,21 @@ def test_the_choice(monkeypatch):
         else:
             with pytest.raises(RuntimeError, match="the Pallas prefill kernel did not compile"):
                 choose_attention("auto", 1, 128, 16, jnp.bfloat16, jnp.bfloat16, None, True)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_the_startup_probe_runs_the_kernel_over_the_engines_pages(monkeypatch, kv_dtype):
+    """`prefill_compiles` runs the kernel once over pages as the engine stores them (int8 with
+    their scales); here through the interpreter (a CPU cannot compile it, and says so with False)."""
+    seen, kernel = [], gpu_prefill.pallas_prefill_attention
+
+    def interpreted(q, k, *args, **kwargs):
+        seen.append((type(k).__name__, str(k.dtype)))
+        return kernel(q, k, *args, interpret=True, **kwargs)
+
+    if not ON_GPU:
+        assert not attention_choice.prefill_compiles.__wrapped__(32, 16, "float32", kv_dtype)
+    monkeypatch.setattr(gpu_prefill, "pallas_prefill_attention", interpreted)
+    assert attention_choice.prefill_compiles.__wrapped__(32, 16, "float32", kv_dtype)
+    pages = ("QuantizedPages", "int8") if kv_dtype == "int8" else ("DynamicJaxprTracer", "uint16")  # bfloat16 bits
+    assert seen == [pages]

@@ -245,19 +245,25 @@ def test_engine_serves_as_transformers_with_an_int8_cache(tmp_path, tokenizer):
 
 def test_settings_and_what_int8_pages_cost(monkeypatch):
     from worker.engine import attention_choice, gpu_attention, gpu_prefill
-    from worker.engine.attention_choice import AttentionUnavailable, choose_attention
+    from worker.engine.attention_choice import choose_attention
     from worker.engine.kv_cache import element_bytes, page_bytes
     from worker.models.config import ModelConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be float32, bfloat16 or int8"):
         EngineConfig(kv_cache_dtype="fp8")
     assert choose_attention("jnp", 1, 64, 16, jnp.float32, jnp.int8) is pa.JNP
-    # where the Pallas decode kernel runs (a GPU), int8 pages take it and prefill rows the reference:
-    # the Pallas prefill kernel reads float32 and bfloat16 pages only
+    # where the Pallas decode kernel runs (a GPU), int8 pages take it, and prefill rows the Pallas
+    # prefill kernel where it compiles over int8 pages (probed with int8 pages and their scales)
     monkeypatch.setattr(attention_choice, "_choose", lambda *args: gpu_attention.PALLAS)
+    probed = []
+    monkeypatch.setattr(attention_choice, "prefill_compiles", lambda *args: probed.append(args) or True)
     ops = choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8)
-    assert ops.decode is gpu_attention.pallas_decode_attention and ops.prefill is gpu_prefill.prefill_attention
-    with pytest.raises(AttentionUnavailable, match="the Pallas prefill kernel reads float32 or bfloat16 pages"):
+    assert ops.decode is gpu_attention.pallas_decode_attention and ops.prefill is gpu_prefill.pallas_prefill_attention
+    assert probed == [(64, 16, "float32", "int8")]
+    assert choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8, prefill_kernel=False).prefill is gpu_prefill.prefill_attention
+    monkeypatch.setattr(attention_choice, "prefill_compiles", lambda *args: False)
+    assert choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8).prefill is gpu_prefill.prefill_attention
+    with pytest.raises(RuntimeError, match="the Pallas prefill kernel did not compile"):
         choose_attention("pallas", 1, 64, 16, jnp.float32, jnp.int8, prefill_kernel=True)
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)

@@ -249,7 +249,7 @@ def bench_prefill(cfg: ModelConfig, rows: int, chunk: int, context: int, width: 
     impls = {"reference": gpu_prefill.prefill_attention}
     if jax.default_backend() == "cpu" and cpu_attention.load():  # what a CPU engine runs for prefill rows
         impls["cpu-kernel"] = cpu_attention.paged_attention
-    if (jax.default_backend() == "gpu" or interpret) and dtype != "int8":
+    if jax.default_backend() == "gpu" or interpret:
         impls["pallas"] = partial(gpu_prefill.pallas_prefill_attention, interpret=interpret)
     results = []
     for name, fn in impls.items():

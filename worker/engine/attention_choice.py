@@ -45,10 +45,7 @@ def choose_attention(mode: str, tensor_parallel: int, head_dim: int, page_size: 
     for asked, name in ((tuning is not None, "pallas_tuning"), (prefill_kernel is True, "pallas_prefill")):
         if asked and not pallas:
             raise AttentionUnavailable(f"{name} applies to the Pallas decode kernel, and this engine runs {ops.name} attention")
-    int8 = jnp.dtype(kv_dtype) == jnp.int8
-    if pallas and int8 and prefill_kernel:
-        raise AttentionUnavailable("the Pallas prefill kernel reads float32 or bfloat16 pages, not int8 ones")
-    if pallas and prefill_kernel is not False and not int8:  # int8 pages: prefill rows on the reference
+    if pallas and prefill_kernel is not False:
         if prefill_compiles(head_dim, page_size, jnp.dtype(dtype).name, jnp.dtype(kv_dtype).name):
             return replace(ops, prefill=gpu_prefill.pallas_prefill_attention)
         if prefill_kernel:
@@ -114,11 +111,10 @@ def zero_pages(shape: tuple[int, ...], page_size: int, kv_dtype: str):
 def prefill_compiles(head_dim: int, page_size: int, dtype: str, kv_dtype: str) -> bool:
     """Compile and run the prefill kernel once on a small problem of the model's shapes and dtypes
     (two rows of 16 queries over tables of 4 pages)."""
-    stored = storage_dtype(kv_dtype)
     kv, s, width = 1, 2, 4
     q = jnp.zeros((s, 16, 4, head_dim), dtype)
-    k = jnp.zeros((kv, s * width, head_dim, page_size), stored)
-    v = jnp.zeros((kv, s * width, page_size, head_dim), stored)
+    k, v = (zero_pages((kv, s * width) + shape, page_size, kv_dtype)
+            for shape in ((head_dim, page_size), (page_size, head_dim)))
     tables = jnp.asarray(np.arange(s * width, dtype=np.int32).reshape(s, width))
     lens = jnp.asarray([width * page_size, 16], jnp.int32)
     positions = lens[:, None] - 16 + jnp.arange(16, dtype=jnp.int32)[None, :]

@@ -12,7 +12,9 @@ tokens): the block's queries for the KV head's G query heads are one [tokens x G
 walks the row's pages up to the block's last visible key, a few pages per loop iteration, with an
 online softmax in float32 and each query's own causal (and sliding-window) range. Nothing is
 gathered and no score leaves the chip. Over bfloat16 pages its products take bfloat16 operands
-(the query and the softmax weights rounded), float32 sums, as the decode kernel's.
+(the query and the softmax weights rounded), float32 sums, as the decode kernel's; over int8
+pages (kv_quant.py) too, their values widened exactly to bfloat16 and each key's and value's scale
+applied to its scores and its weights, as the decode kernel applies them.
 
 `interpret=True` runs it through Pallas's interpreter on any backend (the tests on the CPU).
 `bench attention` times it against the reference on the GPU at hand; an engine takes it with
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from worker.engine.kv_quant import QuantizedPages
 from worker.engine.paged_attention import BF16_BITS, MASKED, paged_attention
 
 MIN_TILE = 16  # rows of Triton's smallest dot
@@ -94,11 +97,13 @@ def online_softmax(m, l, acc, scores: list, values: list, precision, masks: list
     return m_new, l, acc
 
 
-def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window: int, bits: bool,
+def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, *refs, window: int, bits: bool, int8: bool,
             pages_per_block: int):
     # one program: prefill row pl.program_id(0), KV head pl.program_id(1), block of query tokens pl.program_id(2)
     # tables_ref i32[P]; pos_ref i32[R]: each query row's position (R = tokens x padded group, token-major);
-    # ctx_ref i32[1]; q_ref [R, D]; k_ref [N, D, ps]; v_ref [N, ps, D]; out: o_ref f32[R, D] (normalized)
+    # ctx_ref i32[1]; q_ref [R, D]; k_ref [N, D, ps]; v_ref [N, ps, D]; int8 pages: then ks_ref, vs_ref
+    # f32[N, ps] (each slot's scale); out: o_ref f32[R, D] (normalized)
+    ks_ref, vs_ref, o_ref = refs if int8 else (None, None, *refs)
     rows, d = q_ref.shape
     ps, width = k_ref.shape[-1], tables_ref.shape[0]
     pos = pos_ref[...]
@@ -114,18 +119,22 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window:
 
     def block(b, carry):
         m, l, acc = carry  # f32[R], f32[R], f32[R, D]
-        scores, masks, values = [], [], []
+        scores, masks, values, value_scales = [], [], [], []
         for r in range(pages_per_block):  # every page's loads before any softmax update needs them
             i = begin + b * pages_per_block + r
             k, v = load_page(tables_ref, k_ref, v_ref, i, bits)  # [D, ps], [ps, D]
             s = jnp.dot(q, k.astype(q.dtype), precision=precision, preferred_element_type=jnp.float32) * scale
+            if int8:  # int8 values are exact in bfloat16; the scales apply to scores and weights
+                page = page_at(tables_ref, k_ref.shape[0], i)
+                s = s * ks_ref[page][None, :]
+                value_scales.append(vs_ref[page])
             j = (i * ps + jnp.arange(ps))[None, :]  # [1, ps]
             visible = (j >= lo[:, None]) & (j < hi[:, None]) & (i < stop)  # [R, ps]
             scores.append(jnp.where(visible, s, MASKED))
             masks.append(visible)
             values.append(v.astype(q.dtype))
         # a row may see none of a block's keys (its window starts later, or it ends earlier)
-        return online_softmax(m, l, acc, scores, values, precision, masks)
+        return online_softmax(m, l, acc, scores, values, precision, masks, value_scales if int8 else None)
 
     init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, d), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, pl.cdiv(stop - begin, pages_per_block), block, init)
@@ -135,8 +144,8 @@ def _kernel(tables_ref, pos_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, *, window:
 
 def pallas_prefill_attention(
     q: jax.Array,  # [S, Q, H, D]
-    k_pages: jax.Array,  # [KV, N, D, page_size]
-    v_pages: jax.Array,  # [KV, N, page_size, D]
+    k_pages: jax.Array | QuantizedPages,  # [KV, N, D, page_size]
+    v_pages: jax.Array | QuantizedPages,  # [KV, N, page_size, D]
     page_tables: jax.Array,  # i32[S, P]
     positions: jax.Array,  # i32[S, Q]
     context_lens: jax.Array,  # i32[S]
@@ -155,8 +164,9 @@ def pallas_prefill_attention(
     gp = 1 << (g - 1).bit_length()  # the group padded to a power of two (Triton's tiles)
     bt = 1 << (max(block_tokens, -(-MIN_TILE // gp)) - 1).bit_length()  # tokens a program: bt * gp >= 16 rows
     qpad = -(-qn // bt) * bt
+    int8 = isinstance(k_pages, QuantizedPages)
     bits = k_pages.dtype == BF16_BITS
-    compute = jnp.bfloat16 if bits else q.dtype
+    compute = jnp.bfloat16 if bits or int8 else q.dtype  # int8 values are exact in bfloat16
     qg = q.astype(compute).reshape(s, qn, kv, g, d)
     qg = jnp.pad(qg, ((0, 0), (0, qpad - qn), (0, 0), (0, gp - g), (0, 0)))  # [S, Qpad, KV, Gp, D]
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(s, kv, qpad * gp, d)  # [S, KV, Qpad * Gp, D], token-major
@@ -164,8 +174,10 @@ def pallas_prefill_attention(
     pos = jnp.repeat(pos, gp, axis=1)  # [S, Qpad * Gp]
     p = page_tables.shape[1]
     rows = bt * gp
+    pages = (k_pages.data, v_pages.data, k_pages.scales, v_pages.scales) if int8 else (k_pages, v_pages)
+    scales = [pl.BlockSpec((None, n, ps), lambda i, j, c: (j, 0, 0))] * 2 if int8 else []  # this KV head's
     out = pl.pallas_call(
-        partial(_kernel, window=int(window or 0), bits=bits, pages_per_block=pages_per_block),
+        partial(_kernel, window=int(window or 0), bits=bits, int8=int8, pages_per_block=pages_per_block),
         grid=(s, kv, qpad // bt),
         in_specs=[
             pl.BlockSpec((None, p), lambda i, j, c: (i, 0)),  # the row's page table
@@ -174,12 +186,13 @@ def pallas_prefill_attention(
             pl.BlockSpec((None, None, rows, d), lambda i, j, c: (i, j, c, 0)),  # the block's queries for this KV head
             pl.BlockSpec((None, n, d, ps), lambda i, j, c: (j, 0, 0, 0)),  # this KV head's key pages
             pl.BlockSpec((None, n, ps, d), lambda i, j, c: (j, 0, 0, 0)),  # and value pages
+            *scales,  # int8 pages: their key and value scales
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda i, j, c: (i, j, c, 0)),
         out_shape=jax.ShapeDtypeStruct((s, kv, qpad * gp, d), jnp.float32),
         interpret=interpret,
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="redjax_paged_prefill_attention",
-    )(page_tables.astype(jnp.int32), pos, context_lens.astype(jnp.int32), qg, k_pages, v_pages)
+    )(page_tables.astype(jnp.int32), pos, context_lens.astype(jnp.int32), qg, *pages)
     out = out.reshape(s, kv, qpad, gp, d)[:, :, :qn, :g]  # [S, KV, Q, G, D]
     return out.transpose(0, 2, 1, 3, 4).reshape(s, qn, h, d).astype(q.dtype)
