@@ -13,7 +13,7 @@ from flax import nnx
 from tests.hf_models import checkpoint  # noqa: F401 (a fixture)
 from worker.engine import cpu_layer_ops, cpu_matmul
 from worker.models.config import ModelConfig
-from worker.models.llama import RMSNorm, Rotary
+from worker.models.llama import Embedding, RMSNorm, Rotary
 from worker.models.loader import load_model
 from worker.models.rope import apply_rope, rope_table
 
@@ -117,6 +117,15 @@ def test_a_bfloat16_model_on_the_kernels_matches_its_plain_self(checkpoint):
     assert isinstance(fast.model.layers[0].post_attention_layernorm, cpu_layer_ops.KernelRMSNorm)
     assert fast.model.norm.weight[...].dtype == jnp.bfloat16
     tokens = np.random.default_rng(6).integers(0, model.cfg.vocab_size, (2, 13)).astype(np.int32)
+    # the embedding table as its bits: the same rows, and a loop over its rows (as fused decode steps
+    # take them) never widens the whole table, as XLA's bfloat16 gather does
+    embed = fast.model.embed_tokens
+    assert isinstance(embed, cpu_layer_ops.BitsEmbedding) and isinstance(model.model.embed_tokens, Embedding)
+    np.testing.assert_array_equal(np.asarray(embed(jnp.asarray(tokens))), np.asarray(model.model.embed_tokens(jnp.asarray(tokens))))
+    table = f"f32[{model.cfg.vocab_size},{model.cfg.hidden_size}]"
+    for module, widens in ((model.model.embed_tokens, True), (embed, False)):
+        steps = jax.jit(lambda t, m=module: jax.lax.fori_loop(0, 2, lambda i, a: a + m(t + i).sum(), 0.0))
+        assert (table in steps.lower(jnp.asarray(tokens)).compile().as_text()) == widens
     ours = np.asarray(jax.jit(lambda t: fast(t))(jnp.asarray(tokens)))
     plain = np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(tokens)))
     # a sum in another order can round an activation to the neighbouring bfloat16 at the next product

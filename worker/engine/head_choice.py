@@ -31,7 +31,8 @@ def next_tokens(model, rows: jax.Array, st: SamplingTensors, flags: SamplerFlags
     f32[R, N]) as sampler.sample gives them over the float32 head's logits; from the model's
     screened head (`greedy_head`) where it has one and the step's flags allow (`screened_head.serves`)."""
     head = getattr(model, "greedy_head", None)
-    if head is None or not (flags.apart or screened_head.serves(flags)):
+    if (head is None or not (flags.apart or screened_head.serves(flags))
+            or (flags.needs_cut and not head.cuts_top_k)):  # (a bfloat16 head's screen: no top-k)
         return sample(model.logits(rows), st, flags, kernels)
     r = rows.shape[0]
     keys = (jnp.zeros((r, 2), jnp.uint32) if flags.all_greedy  # (no row takes noise)

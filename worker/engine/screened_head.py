@@ -23,6 +23,13 @@ its rows in float32, and their norms) or `Int8Head` (int8 panels beside those, f
 rows have no outliers); the step takes tokens from it for the rows it can serve (`serves`,
 head_choice.py), from the full head and the sampler for the rest. Each takes (x f32[R, K], temperature f32[R],
 noise keys u32[R, 2]) -> tokens i32[R].
+
+A bfloat16 model's head is the bfloat16 panel product itself, so only the int8 screen can save on
+it: `Int8Head` with `exact` set screens the int8 product of x rounded to bfloat16 and computes each
+candidate's logit as the panel kernel's own VDPBF16PS chain over the head's panels (no float32 copy
+of the weight), giving the bfloat16 head's tokens bit for bit. It serves greedy and plain sampled
+rows; a top-k cut would need the narrowing that float32 rows give, so such steps take the head
+itself (`cuts_top_k`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from worker.models.llama import LlamaForCausalLM
 TARGET = "redjax_screened_argmax"
 I8_MATMUL = "redjax_panel_matmul_i8"  # cpu_kernels/panel_matmul.cc's PanelMatmulI8
 I8_TARGET = "redjax_screened_argmax_i8"
+I8_BF16_TARGET = "redjax_screened_argmax_i8_bf16"  # a bfloat16 model's: ScreenedArgmaxI8Bf16
 KINDS = ("screened-int8", "screened-bf16")  # the approximations, fastest first
 # the int8 screen serves a step where each row's bound is at most this many times the bfloat16 one:
 # 1.9x for Gaussian rows (int8 1.55x faster than bfloat16 at llama-100m's shape), about even at 4.4x
@@ -69,6 +77,13 @@ def load_int8() -> bool:
             and cpu_build.register("screened_argmax.cc", "ScreenedArgmaxI8", I8_TARGET))
 
 
+@lru_cache(maxsize=1)
+def load_int8_bf16() -> bool:
+    """The int8 screen of a bfloat16 model's head (AVX512-VNNI and AVX512-BF16), built and registered."""
+    return (load_int8() and cpu_matmul.load(jnp.bfloat16)
+            and cpu_build.register("screened_argmax.cc", "ScreenedArgmaxI8Bf16", I8_BF16_TARGET))
+
+
 def screen(approx: jax.Array, x: jax.Array, rows: jax.Array, norms: jax.Array, temperature: jax.Array,
            keys: jax.Array, top_k: jax.Array | None = None):
     """approx f32[R, V] (a bfloat16 product of x and the head), x f32[R, K], rows f32[V, K] (the
@@ -91,8 +106,8 @@ def _sampling(temperature: jax.Array, keys: jax.Array, top_k: jax.Array | None):
 def row_norms(rows: jax.Array) -> jax.Array:
     """f32[V, K] -> f32[V]: each row's 2-norm, summed in float64 and rounded up to float32 (4096
     rows at a time: a float64 copy of a large vocabulary's head would be gigabytes)."""
-    host = np.asarray(rows)
-    norms = np.concatenate([np.sqrt(np.square(host[i:i + 4096], dtype=np.float64).sum(axis=1))
+    host = np.asarray(rows)  # (bfloat16 rows: each block as float32)
+    norms = np.concatenate([np.sqrt(np.square(np.asarray(host[i:i + 4096], np.float32), dtype=np.float64).sum(axis=1))
                             for i in range(0, host.shape[0], 4096)])
     return jnp.asarray(np.nextafter(norms.astype(np.float32), np.float32(np.inf)))
 
@@ -104,7 +119,7 @@ def quantize(rows: np.ndarray):
     v = rows.shape[0]
     q, scales, lost = np.empty(rows.shape, np.int8), np.empty(v, np.float32), np.empty(v, np.float64)
     for i in range(0, v, 4096):
-        part = rows[i:i + 4096]
+        part = np.asarray(rows[i:i + 4096], np.float32)  # (bfloat16 rows: a block at a time as float32)
         scale = (np.abs(part).max(axis=1) / np.float32(127)).astype(np.float32)
         q[i:i + 4096] = np.clip(np.rint(part / np.where(scale > 0, scale, 1)[:, None]), -127, 127)
         error = part - scale[:, None].astype(np.float64) * q[i:i + 4096]  # exact: 24 bits times 8
@@ -124,8 +139,11 @@ def pack_int8(q: np.ndarray) -> np.ndarray:
 
 
 class FullHead(nnx.Module):
-    """The float32 head, the sampler's top-k cut and its draw (`sampler.gumbel_draw`: the first
-    argmax for greedy rows): the int8 head's fallback on a CPU without AVX512-BF16."""
+    """The model's own head, the sampler's top-k cut and its draw (`sampler.gumbel_draw`: the first
+    argmax for greedy rows): the int8 head's fallback on a CPU without AVX512-BF16, and for a
+    bfloat16 model."""
+
+    cuts_top_k = True
 
     def __init__(self, head: cpu_matmul.PanelLinear):  # the model's own (shared, not copied)
         self.head = head
@@ -146,13 +164,21 @@ class Int8Head(nnx.Module):
     """The LM head for greedy and plain sampled rows: int8 panels with their scales, the float32 rows, their norms; and
     the bfloat16 head (or `fallback`) for steps whose rows int8 would screen poorly (`takes_int8`)."""
 
-    def __init__(self, rows: jax.Array, fallback: nnx.Module | None = None):  # f32[V, K]: a row per token
-        q, scales, totals, lost = quantize(np.asarray(rows))
+    def __init__(self, rows: jax.Array, fallback: nnx.Module | None = None, exact: jax.Array | None = None):
+        # rows f32[V, K], a row per token; or a bfloat16 model's bf16[V, K] with `exact` its head's
+        # panels bf16[P, K / 2, 2 * PANEL] (shared, not a copy), whose product the tokens must be, and
+        # its `fallback`
+        host = np.asarray(rows)
+        q, scales, totals, lost = quantize(host)
         self.panels = nnx.Param(jnp.asarray(pack_int8(q)))  # i8[P, K / 4, 4 * PANEL]
         pad = self.panels.shape[0] * cpu_matmul.PANEL - rows.shape[0]  # columns past V: zeros
         self.scales = nnx.Param(jnp.asarray(np.pad(scales, (0, pad))))  # f32[P * PANEL]
         self.totals = nnx.Param(jnp.asarray(np.pad(totals, (0, pad))))  # i32[P * PANEL]
-        self.rows, self.norms = nnx.Param(rows), nnx.Param(row_norms(rows))  # f32[V, K] (not a copy), f32[V]
+        self.norms = nnx.Param(row_norms(host))  # f32[V]
+        self.rows = nnx.Param(rows) if exact is None else None  # f32[V, K] (not a copy)
+        self.exact = nnx.Param(exact) if exact is not None else None
+        if exact is not None and fallback is None:
+            raise ValueError("a bfloat16 head's int8 screen needs the head itself as its fallback")
         self.fallback = fallback if fallback is not None else ScreenedHead(rows, self.norms[...])
         self.lost = nnx.Param(jnp.asarray(lost))  # f32[V]
         # the weights' share of the int8 bound, |W_j - q(W_j)| / |W_j| over the tokens (a Python float)
@@ -164,6 +190,12 @@ class Int8Head(nnx.Module):
                  top_k: jax.Array | None = None) -> jax.Array:  # -> i32[R]
         return jax.lax.cond(self.takes_int8(x), lambda *a: self.screen(*a)[0], self.fallback, x, temperature, keys,
                             top_k)
+
+    @property
+    def cuts_top_k(self) -> bool:
+        """Whether it draws rows cut to a top-k: not over a bfloat16 head (no float32 rows narrow the
+        ~12k candidates such a row keeps)."""
+        return self.exact is None
 
     def takes_int8(self, x: jax.Array) -> jax.Array:
         """Whether the int8 screen serves this step's rows x f32[R, K] (a bool on the device): the
@@ -183,15 +215,20 @@ class Int8Head(nnx.Module):
         r, x = x.shape[0], x.astype(jnp.float32)
         product = jax.ffi.ffi_call(I8_MATMUL, (jax.ShapeDtypeStruct((r, self.vocab), jnp.float32),
                                                jax.ShapeDtypeStruct((r, 3), jnp.float32)))
-        approx, stats = product(x, self.panels[...], self.scales[...], self.totals[...])  # f32[R, V], f32[R, 3]
-        call = jax.ffi.ffi_call(I8_TARGET, (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
-                                            jax.ShapeDtypeStruct((r,), jnp.int32)))
-        return call(approx, stats, x, self.rows[...], self.norms[...], self.lost[...],
-                    *_sampling(temperature, keys, top_k))
+        # a bfloat16 head multiplies x rounded to bfloat16: the int8 product approximates that
+        screened = x if self.exact is None else x.astype(jnp.bfloat16).astype(jnp.float32)
+        approx, stats = product(screened, self.panels[...], self.scales[...], self.totals[...])  # f32[R, V], f32[R, 3]
+        results = (jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.float32),
+                   jax.ShapeDtypeStruct((r,), jnp.int32))
+        target, weights = (I8_TARGET, self.rows) if self.exact is None else (I8_BF16_TARGET, self.exact)
+        return jax.ffi.ffi_call(target, results)(approx, stats, x, weights[...], self.norms[...], self.lost[...],
+                                                 *_sampling(temperature, keys, top_k))
 
 
 class ScreenedHead(nnx.Module):
     """The LM head for greedy and plain sampled rows: bfloat16 panels, the float32 rows, their norms."""
+
+    cuts_top_k = True
 
     def __init__(self, rows: jax.Array, norms: jax.Array | None = None):  # f32[V, K]: a row per token
         self.panels = nnx.Param(cpu_matmul.pack(rows.T.astype(jnp.bfloat16)))  # bf16[P, K / 2, 2 * PANEL]
@@ -220,14 +257,17 @@ def choose(mode: str, matmul: str, model: LlamaForCausalLM) -> str:
             return kind
     if mode != "auto":
         raise ValueError(f"greedy_head={mode!r} needs a float32 model on the CPU matmul kernel and a CPU with "
-                         "AVX512-VNNI (screened-int8) or AVX512-BF16 (screened-bf16): the product it screens")
+                         "AVX512-VNNI (screened-int8) or AVX512-BF16 (screened-bf16): the product it screens; "
+                         "or a bfloat16 model there and a CPU with both (screened-int8)")
     return "full"
 
 
 def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
     """Give `model` (packed by cpu_matmul.pack_model, float32) a `greedy_head` of `kind` (KINDS), in
     place, where the CPU and compiler allow; -> whether it has one. A tied head's rows are the
-    embedding table itself."""
+    embedding table itself. A bfloat16 model takes the int8 screen alone (`attach_bf16`)."""
+    if cpu_matmul.kernel_dtype(model) == jnp.dtype(jnp.bfloat16):
+        return kind == KINDS[0] and attach_bf16(model)
     if cpu_matmul.kernel_dtype(model) != jnp.dtype(jnp.float32) or not (load_int8() if kind == KINDS[0] else load()):
         return False
     if model.lm_head.bias is not None:
@@ -241,6 +281,24 @@ def attach(model: LlamaForCausalLM, kind: str = "screened-bf16") -> bool:
         model.greedy_head = nnx.data(ScreenedHead(rows))
     else:  # steps with outlier rows: the bfloat16 head, or without AVX512-BF16 the float32 one
         model.greedy_head = nnx.data(Int8Head(rows, None if load() else FullHead(model.lm_head)))
+    return True
+
+
+def attach_bf16(model: LlamaForCausalLM) -> bool:
+    """Give `model` (packed, bfloat16) the int8 screen of its head (`Int8Head` with `exact`), where
+    the CPU has AVX512-VNNI and AVX512-BF16, the head's product runs on the bfloat16 panel kernel
+    (not on AMX tiles, whose sums run in another order) and its panels hold under 2^31 pairs (the
+    screen's gather offsets); -> whether it has it."""
+    head = model.lm_head
+    k = model.cfg.hidden_size
+    if head.bias is not None or not load_int8_bf16() or (k % cpu_matmul.AMX_K == 0 and cpu_matmul.amx()):
+        return False
+    panels = head.panels[...]  # bf16[P, ceil(K / 2), 2 * PANEL]
+    p, steps, _ = panels.shape
+    if p * steps * cpu_matmul.PANEL >= 2**31:
+        return False
+    rows = panels.reshape(p, steps, cpu_matmul.PANEL, 2).transpose(0, 2, 1, 3).reshape(p * cpu_matmul.PANEL, 2 * steps)
+    model.greedy_head = nnx.data(Int8Head(rows[: model.cfg.vocab_size, :k], FullHead(head), exact=panels))
     return True
 
 

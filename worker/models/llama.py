@@ -47,6 +47,9 @@ class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, param_dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(weight_init(rngs.params(), (vocab, dim), param_dtype))  # [vocab, dim]
 
+    def __call__(self, tokens: jax.Array) -> jax.Array:  # i32[...] -> f32[..., dim]
+        return jnp.take(self.weight[...], tokens, axis=0).astype(jnp.float32)
+
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, param_dtype):
@@ -173,7 +176,7 @@ class LlamaForCausalLM(nnx.Module):
         A prefill chunk needs only its last row's logits, so a step of long chunks skips most of
         one layer."""
         # the residual stream is float32 in every compute dtype
-        x = jnp.take(self.model.embed_tokens.weight[...], tokens, axis=0).astype(jnp.float32)  # [..., T, hidden]
+        x = self.model.embed_tokens(tokens)  # f32[..., T, hidden]
         rope = rope_table(positions, self.cfg)
         last, delta = len(self.model.layers) - 1, None
         for i, layer in enumerate(self.model.layers):

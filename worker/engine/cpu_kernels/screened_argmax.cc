@@ -23,6 +23,13 @@
 // more than two are left, `refine` first narrows them with float32 dot products vectorized along
 // k (within 2 gamma_K |x|_2 |W_j|_2 of the chain), so that about one gets the chain.
 //
+// ScreenedArgmaxI8Bf16 serves a bfloat16 model, whose head is the bfloat16 panel product itself
+// (panel_matmul.cc's PanelMatmulBf16): the int8 product of x rounded to bfloat16 is screened with the
+// same bound (the bfloat16 product is K float32 additions of exact products, within gamma_K of the
+// real dot product as the float32 chain is), and each candidate's logit is the panel kernel's
+// VDPBF16PS chain over the model's own panels, run again for that token's column (`bf16_chains`), so
+// the tokens are the bfloat16 head's bit for bit, with no float32 copy of its weight.
+//
 // Sampled rows (temperature T > 0, nothing cut) take the token the sampler's draw gives over the
 // float32 logits: the first largest of l_j + n_j, n_j = T g_j the token's Gumbel noise
 // (gumbel_noise.h, the same bits here as there). Rounding is monotone, so where l_j lies in [lo_j,
@@ -41,12 +48,15 @@
 // (sampled rows' cut, 0: none) -> tokens s32[R],
 // their exact logits f32[R] (without noise), candidates s32[R] (exact logits computed per row).
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
 #include <vector>
 
+#include "bf16_rows.h"
 #include "gumbel_noise.h"
 #include "pool_work.h"
 #include "vectors.h"
@@ -119,7 +129,49 @@ struct Problem {
   const uint32_t* keys;      // [R, 2]: a sampled row's noise key
   const int32_t* top_k;      // [R]: a sampled row's top-k cut (0: none)
   const float* lost = nullptr;  // [V], the int8 screen's: |W_j - q(W_j)|_2, rounded up
+  // a bfloat16 head (rows null): x rounded to bfloat16 pairs [R, steps], and the head's panels as
+  // pairs [P, steps, kPanel] (panel_matmul.cc's layout)
+  const uint32_t* pairs = nullptr;
+  const uint32_t* panels = nullptr;
+  int64_t steps = 0;
 };
+
+#ifdef __AVX512BF16__
+constexpr int64_t kPanel = 32;  // columns per panel: panel_matmul.cc's kPanel
+
+// The bfloat16 panel kernel's logits of tokens t[0..n) for x's pairs xp [steps]: each token's column
+// in a lane of its own, the kernel's VDPBF16PS chain over k from zero, in order (a lane's sums never
+// depend on the others'), 16 tokens at a time, their panel pairs gathered.
+void bf16_chains(const uint32_t* xp, const uint32_t* panels, int64_t steps, const int32_t* t, int64_t n, float* out) {
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const int64_t lanes = std::min<int64_t>(kLanes, n - c);
+    alignas(64) int32_t at[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const int32_t token = t[c + std::min(l, lanes - 1)];
+      at[l] = static_cast<int32_t>(token / kPanel * steps * kPanel + token % kPanel);
+    }
+    __m512i index = _mm512_load_si512(at);
+    const __m512i stride = _mm512_set1_epi32(static_cast<int32_t>(kPanel));
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < steps; ++i, index = _mm512_add_epi32(index, stride)) {
+      const __m512i w = _mm512_i32gather_epi32(index, panels, 4);
+      acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(xp[i]))),
+                             reinterpret_cast<__m512bh>(w));
+    }
+    alignas(64) float sums[kLanes];
+    _mm512_store_ps(sums, acc);
+    for (int64_t l = 0; l < lanes; ++l) out[c + l] = sums[l];
+  }
+}
+#endif
+
+// Row r's exact logits of tokens t[0..n): the float32 chains over the rows, or the bfloat16 head's
+void exact_of(const Problem& pb, int64_t r, const float* x, const int32_t* t, int64_t n, float* out) {
+#ifdef __AVX512BF16__
+  if (pb.panels != nullptr) return bf16_chains(pb.pairs + r * pb.steps, pb.panels, pb.steps, t, n, out);
+#endif
+  exact_chains(x, pb.rows, pb.k, t, n, out);
+}
 
 // |x|_2 in double
 double row_norm(const float* x, int64_t k) {
@@ -173,7 +225,7 @@ void refine(const Problem& pb, const float* x, float s2, float t, const float* n
 void no_number(const Problem& pb, int64_t r, const float* x, int64_t candidates) {
   const int32_t last = static_cast<int32_t>(pb.v - 1);
   pb.tokens[r] = last;
-  exact_logits<1>(x, pb.rows, pb.k, &last, &pb.values[r]);
+  exact_of(pb, r, x, &last, 1, &pb.values[r]);
   pb.candidates[r] = static_cast<int32_t>(candidates);
 }
 
@@ -271,10 +323,10 @@ void screen_row(const Problem& pb, int64_t r, const float* a, float s, float b, 
     }
     picked.resize(kept);
   }
-  if (ok && picked.size() > 2) refine(pb, x, s2, t, noise, picked);
+  if (ok && picked.size() > 2 && pb.rows != nullptr) refine(pb, x, s2, t, noise, picked);  // (a bfloat16 head: no rows)
   const int64_t n = static_cast<int64_t>(picked.size());
   exact.resize(n + 4);
-  exact_chains(x, pb.rows, pb.k, picked.data(), n, exact.data());
+  exact_of(pb, r, x, picked.data(), n, exact.data());
   int64_t best = 0, c;  // the first largest (n >= 1: the largest lower bound's token is always kept)
   bool nan = false;
   for (c = 0; c < n; ++c) nan |= is_nan(exact[c]);
@@ -331,25 +383,29 @@ void screen_top_k(const Problem& pb, int64_t r, const float* a, float s, float b
     for (; j < pb.v; ++j)
       if (ups[j] >= reach) picked[wide++] = static_cast<int32_t>(j);
     picked.resize(wide);
-    // narrowed as `refine` narrows: float32 dot products within s2 |W_j| + t of the chains
-    for (int64_t c = 0; c < wide; ++c) {
+    // narrowed as `refine` narrows: float32 dot products within s2 |W_j| + t of the chains (a
+    // bfloat16 head has no float32 rows: its top-k rows take the chains of every candidate, which
+    // costs about the whole head, so the engine sends them to the head itself, head_choice.py)
+    for (int64_t c = 0; c < (pb.rows != nullptr ? wide : 0); ++c) {
       if (c + 1 < wide)  // the next candidate's row, while this one's is summed
         for (int64_t i = 0; i < pb.k; i += 16) __builtin_prefetch(pb.rows + picked[c + 1] * pb.k + i, 0, 3);
       const float d = dot(x, pb.rows + picked[c] * pb.k, pb.k), e = s2 * pb.norms[picked[c]] + t;
       lows[c] = d - e, ups[c] = d + e;
     }
-    redjax::largest_values(lows.data(), wide, top_k, largest.data());
-    const float narrow = below(largest[top_k - 1]);
-    int64_t kept = 0;
-    for (int64_t c = 0; c < wide; ++c)
-      if (ups[c] >= narrow) picked[kept++] = picked[c];
-    picked.resize(kept);
+    if (pb.rows != nullptr) {
+      redjax::largest_values(lows.data(), wide, top_k, largest.data());
+      const float narrow = below(largest[top_k - 1]);
+      int64_t kept = 0;
+      for (int64_t c = 0; c < wide; ++c)
+        if (ups[c] >= narrow) picked[kept++] = picked[c];
+      picked.resize(kept);
+    }
   } else {
     for (int64_t j = 0; j < pb.v; ++j) picked.push_back(static_cast<int32_t>(j));
   }
   const int64_t n = static_cast<int64_t>(picked.size());
   exact.resize(n + 4);
-  exact_chains(x, pb.rows, pb.k, picked.data(), n, exact.data());
+  exact_of(pb, r, x, picked.data(), n, exact.data());
   bool nan = false;
   for (int64_t c = 0; c < n; ++c) nan |= is_nan(exact[c]);
   if (nan) return no_number(pb, r, x, n);
@@ -473,6 +529,59 @@ ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> appr
   return ffi::Error::Success();
 }
 
+#ifdef __AVX512BF16__
+// A bfloat16 model's head: the int8 product of x rounded to bfloat16 (x') and its stats, x (float32,
+// rounded here as the panel kernel rounds it), the head's bfloat16 panels (as 32-bit pairs), the
+// norms and `lost` of its rows (as float32). The bound is ScreenedArgmaxI8's for x': the bfloat16
+// product of x' and W_j, K float32 additions of exact products (flushed where subnormal, as that
+// bound's absolute terms allow), is within gamma_K |x'| |W_j| of x'.W_j as the float32 chain is.
+ffi::Error ScreenedArgmaxI8Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx, ffi::Buffer<ffi::F32> stats,
+                                    ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> panels, ffi::Buffer<ffi::F32> norms,
+                                    ffi::Buffer<ffi::F32> lost, ffi::Buffer<ffi::F32> temperature,
+                                    ffi::Buffer<ffi::U32> keys, ffi::Buffer<ffi::S32> top_k,
+                                    ffi::ResultBuffer<ffi::S32> tokens,
+                                    ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> candidates) {
+  const auto ad = approx.dimensions(), xd = x.dimensions(), pd = panels.dimensions();
+  if (ad.size() != 2 || xd.size() != 2 || pd.size() != 3 || xd[0] != ad[0] || pd[1] != (xd[1] + 1) / 2 ||
+      pd[2] != 2 * kPanel || pd[0] * kPanel < ad[1] || pd[0] * pd[1] * kPanel > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("screened_argmax_i8_bf16: expected approx [R, V], x [R, K] and panels "
+                                       "[ceil(V / 32), ceil(K / 2), 64] of under 2^31 pairs");
+  const int64_t r_count = ad[0], v = ad[1], k = xd[1], steps = pd[1];
+  if (stats.element_count() != 3 * r_count || lost.element_count() != v || norms.element_count() != v ||
+      tokens->element_count() != r_count || values->element_count() != r_count ||
+      candidates->element_count() != r_count || temperature.element_count() != r_count ||
+      keys.element_count() != 2 * r_count || top_k.element_count() != r_count)
+    return ffi::Error::InvalidArgument("screened_argmax_i8_bf16: expected stats [R, 3], norms and lost [V], "
+                                       "temperature [R], keys [R, 2], top_k [R]");
+  if (v == 0 || v > std::numeric_limits<int32_t>::max())
+    return ffi::Error::InvalidArgument("screened_argmax_i8_bf16: the vocabulary must hold 1 to 2^31 - 1 tokens");
+  std::vector<uint32_t> pairs(r_count * steps);  // x as the panel kernel rounds it
+  uint32_t* rounded = pairs.data();
+  Problem pb{x.typed_data(),         nullptr,               norms.typed_data(),      v,
+             k,                      tokens->typed_data(),  values->typed_data(),    candidates->typed_data(),
+             temperature.typed_data(), keys.typed_data(),   top_k.typed_data(), lost.typed_data()};
+  pb.pairs = pairs.data(), pb.panels = reinterpret_cast<const uint32_t*>(panels.untyped_data()), pb.steps = steps;
+  const double gk = gamma(k), u3 = 3.01 * 0x1p-24;
+  const float *a = approx.typed_data(), *st = stats.typed_data();
+  screen_rows(pool, r_count, v, [=](int64_t r) {
+    uint32_t* xp = rounded + r * steps;
+    redjax::round_rows_bf16(pb.x + r * k, 1, k, xp);
+    double sq = 0.0;  // |x'|, from the pairs
+    for (int64_t i = 0; i < steps; ++i) {
+      const float lo = std::bit_cast<float>(xp[i] << 16), hi = std::bit_cast<float>(xp[i] & 0xffff0000u);
+      sq += double{lo} * lo + double{hi} * hi;
+    }
+    const float* row_stats = st + 3 * r;  // x''s scale, |x' - q(x')|, |q(x')|: not finite where x' is not
+    const double xn = std::sqrt(sq), kept = row_stats[2];
+    const float s = static_cast<float>((row_stats[1] + gk * xn + u3 * kept) * kWiden + subnormal_factor(k));
+    const float b = static_cast<float>(kept * (1.0 + u3) * kWiden);
+    const float t = static_cast<float>(absolute_term(xn, k) + 0x1p-100 * k);
+    screen_noisy<true>(pb, r, a + r * v, not_finite(row_stats[0]) ? row_stats[0] : s, b, refine_factor(xn, k), t);
+  });
+  return ffi::Error::Success();
+}
+#endif
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmax, ScreenedArgmaxImpl,
@@ -504,3 +613,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxI8, ScreenedArgmaxI8Impl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+#ifdef __AVX512BF16__
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxI8Bf16, ScreenedArgmaxI8Bf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+#endif
