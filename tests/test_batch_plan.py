@@ -317,3 +317,25 @@ def test_scored_slots_are_powers_of_four_from_64_within_the_step():
 
     assert [scored_slots(n, 4096) for n in (1, 64, 65, 256, 257, 1024, 1025)] == [64, 64, 256, 256, 1024, 1024, 4096]
     assert scored_slots(300, 384) == 384 and scored_slots(10, 40) == 40  # never more than the step's tokens
+
+
+def test_decode_rows_pad_to_one_on_the_cpu_and_to_eight_on_accelerators(model, tokenizer, prompts, greedy_refs):  # noqa: F811
+    """A decode step's rows go up a ladder of powers of two from `min_decode_rows`: 1 on the CPU,
+    where padded rows cost a step that streams its weights from memory, 8 on accelerators (a GPU
+    compiles each rung for 25-60 s). A lone request's decode steps then run one row, with the
+    same tokens as when padded to eight."""
+    from worker.engine.config import EngineConfig
+
+    assert EngineConfig().for_backend("cpu").min_decode_rows == 1
+    assert EngineConfig().for_backend("gpu").min_decode_rows == 8
+    assert EngineConfig(min_decode_rows=4).for_backend("gpu").min_decode_rows == 4
+    with pytest.raises(ValueError, match="min_decode_rows must be a power of two in"):
+        EngineConfig(min_decode_rows=3)
+    for minimum, rungs in ((None, [1, 2, 4, 8]), (8, [8])):
+        engine = make_engine(model, tokenizer, ROOMY, min_decode_rows=minimum, decode_steps=1)
+        assert engine._decode_rungs() == rungs
+        engine.add_request("solo", prompts[0], SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True))
+        out = drain(engine)
+        assert out[("solo", 0)].token_ids == greedy_refs[0]
+        decode = {shape.num_decode for shape, _ in engine.runner.compiled if shape.num_prefill == 0 and not shape.packed}
+        assert decode == {rungs[0]}, decode

@@ -249,7 +249,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
         # (3 compiles in llama-100m's 8 x 128/128 timed round): every rung, as a worker's warm-up
         mixes = [[work.params(1, 0)], [work.params(1, 1)], [work.params(1, 0), work.params(1, 1)]]
         for flags in {sampler_flags(mix, engine.config.max_logprobs) for mix in mixes}:
-            for shape in engine.draft_shapes():
+            for shape in engine.speculation_shapes():
                 engine.runner.precompile(shape, flags)
 
     ahead = engine.compile_ahead(plan)  # their variants, compiled together

@@ -12,7 +12,7 @@ from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 from worker.engine.sequence import IN_FLIGHT
 
 MIN_PREFILL_LEN = 8
-MIN_DECODE_ROWS = 8  # fewer compiled variants; padding decode rows costs next to nothing
+MIN_DECODE_ROWS = 8  # the default rung (accelerators': EngineConfig.min_decode_rows gives each backend's)
 MIN_PAGES = 4
 MIN_SCORED = 64  # scored-token slots of a step with prompt logprobs: powers of four from this (scored_slots)
 LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
@@ -98,10 +98,10 @@ def scored_slots(n: int, num_tokens: int) -> int:
     return min(slots, num_tokens)
 
 
-def decode_rows(n: int, max_rows: int) -> int:
-    """Padded decode row count for n decode rows: a power of two, at least MIN_DECODE_ROWS unless
-    that would take more than half of the runner's rows (prefill rows need the other half)."""
-    return bucket(n, min(MIN_DECODE_ROWS, max_rows // 2))
+def decode_rows(n: int, max_rows: int, minimum: int = MIN_DECODE_ROWS) -> int:
+    """Padded decode row count for n decode rows: a power of two, at least `minimum` unless that
+    would take more than half of the runner's rows (prefill rows need the other half)."""
+    return bucket(n, min(minimum, max_rows // 2))
 
 
 def mixed_decode_rows(max_rows: int) -> int:
@@ -240,7 +240,7 @@ def unpack(buf, shape: StepShape, flags: SamplerFlags) -> DeviceBatch:
 
 def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int, max_rows: int, max_logprobs: int,
                 fused_steps: int = 1, fixed_pages: int | None = None, packed: bool = False, split: bool = False,
-                choose=None):
+                choose=None, min_rows: int = MIN_DECODE_ROWS):
     """-> (DeviceBatch, StepShape, SamplerFlags, rows, starts).
 
     `rows[r]` is the chunk whose sampled token row r holds (None for padding and for the leading
@@ -267,7 +267,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
     if any(c.drafts for c in decode):
         ahead = [j for c in decode for j in range(1 + len(c.drafts))]
         decode = [c for c in decode for _ in range(1 + len(c.drafts))]
-    sd = mixed_decode_rows(max_rows) if decode and prefill and not packed else decode_rows(len(decode), max_rows)
+    sd = mixed_decode_rows(max_rows) if decode and prefill and not packed else decode_rows(len(decode), max_rows, min_rows)
     needed = bucket(max(len(c.seq.page_table) for c in batch.chunks), MIN_PAGES)
     pages = needed if fixed_pages is None else max(fixed_pages, needed)
     lengths = [c.num_tokens for c in prefill]

@@ -35,6 +35,10 @@ class EngineConfig:
     # engine thread reads back the step before and schedules the next; None: on accelerators, off on the
     # CPU. On an H200 the launch held the engine thread 4.4-7.8 ms a call (sessions 42, 46); on the thread,
     # 128/128's host share went 15 -> 6 % and batch 1's 11 -> 3 % (session 46). A CPU launch is ~0.3 ms
+    min_decode_rows: int | None = None  # a decode step's rows are padded to a power of two at least this
+    # (a compiled variant per rung). None: 1 on the CPU, where a step reads its weights from memory and
+    # padded rows' products held batch 1-4 of llama-100m 9-23 % slower (session 68); 8 on accelerators,
+    # where padding rows is free and each rung is another 25-60 s compile at warm-up
     max_logprobs: int = 20  # top-N alternatives computed on device
     dtype: str | None = None  # compute/param dtype override ("float32", "bfloat16"); None: checkpoint's
     kv_cache_dtype: str | None = None  # KV page dtype ("float32", "bfloat16", "int8"); None: the compute dtype.
@@ -85,6 +89,8 @@ class EngineConfig:
             "kv_cache_memory_fraction must be in (0, 1)": 0.0 < self.kv_cache_memory_fraction < 1.0,
             "max_model_len must be >= 1": self.max_model_len is None or self.max_model_len >= 1,
             "decode_steps must be >= 1": self.decode_steps is None or self.decode_steps >= 1,
+            "min_decode_rows must be a power of two in [1, 64]":
+                self.min_decode_rows is None or self.min_decode_rows in {2**i for i in range(7)},
             "decode_window_ms must be > 0": self.decode_window_ms > 0,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "kv_cache_dtype must be float32, bfloat16 or int8": self.kv_cache_dtype in (None, "float32", "bfloat16", "int8"),
@@ -113,7 +119,8 @@ class EngineConfig:
         """This config with the defaults that depend on the JAX backend ("cpu", "gpu", ...) filled in."""
         page_size = self.page_size or DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE)
         launch_thread = backend != "cpu" if self.launch_thread is None else self.launch_thread
-        return replace(self, page_size=page_size, launch_thread=launch_thread)
+        min_rows = self.min_decode_rows or (1 if backend == "cpu" else 8)
+        return replace(self, page_size=page_size, launch_thread=launch_thread, min_decode_rows=min_rows)
 
     def fused_steps_for(self, step_s: float) -> int:
         """Auto decode_steps for a full-batch decode step of `step_s` seconds: as many as fit in the

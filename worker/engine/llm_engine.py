@@ -13,6 +13,7 @@ import logging
 import statistics
 import time
 import zlib
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -82,7 +83,7 @@ class LLMEngine:
         self.sampler = "cpu-kernel" if kernels else "jnp"  # how sampled rows are filtered and drawn
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
                                   self.decode_steps, attention, widest if attention.reads_own_context else None,
-                                  kernels, config.launch_thread)
+                                  kernels, config.launch_thread, config.min_decode_rows)
         self.runner.background_compiles = config.compile_threads or COMPILE_THREADS
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self._groups: dict[str, SequenceGroup] = {}
@@ -362,7 +363,7 @@ class LLMEngine:
         widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
         steps = sorted({1, self.decode_steps}) if runner.fixed_pages is None else [1]
         long = [StepShape(sizes[-1], 0, 0, widest, k, False, self.config.page_size, runner.max_rows) for k in steps]
-        long += self.draft_shapes()
+        long += self.speculation_shapes()
 
         def drive():
             for k, params in enumerate(sampling):
@@ -381,20 +382,24 @@ class LLMEngine:
             drive()
         return len(runner.compiled) + len(runner.ready) - before
 
-    def draft_shapes(self) -> list[StepShape]:
-        """Speculation (none when off): single decode steps with drafts at every decode-row rung, at
-        the widest page table. How many rows a step has follows which drafts stood before, so any
-        rung may come; warm-up compiles them all."""
+    def speculation_shapes(self) -> list[StepShape]:
+        """Speculation (none when off): decode steps at every decode-row rung, at the widest page
+        table: single steps with drafts, and single and fused steps without. How many rows a step
+        has, and how many sequences are still running, follow which drafts stood before, so any rung
+        may come; warm-up compiles them all."""
         if not self.config.speculative_tokens:
             return []
         runner = self.runner
         widest = self.widest_pages if runner.fixed_pages is None else runner.fixed_pages
-        return [StepShape(n, 0, 0, widest, 1, False, self.config.page_size, runner.max_rows, drafts=True)
-                for n in self._decode_rungs()]
+        shape = partial(StepShape, num_prefill=0, prefill_len=0, pages=widest, page_size=self.config.page_size,
+                        max_rows=runner.max_rows)
+        return [shape(n, decode_steps=k, prompt_logprobs=False, drafts=drafts) for n in self._decode_rungs()
+                for k, drafts in ((1, True), *((k, False) for k in sorted({1, self.decode_steps})))]
 
     def _decode_rungs(self) -> list[int]:
         """The row counts a decode step's variants come in, for 1 .. max_num_seqs rows."""
-        return sorted({decode_rows(n, self.runner.max_rows) for n in range(1, self.config.max_num_seqs + 1)})
+        return sorted({decode_rows(n, self.runner.max_rows, self.config.min_decode_rows)
+                       for n in range(1, self.config.max_num_seqs + 1)})
 
     def compile_ahead(self, drive: Callable[[], object]) -> int:
         """Run `drive` (it adds requests and steps the engine until they finish) without the device:

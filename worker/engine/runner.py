@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 
 from worker.engine import head_choice
-from worker.engine.batch import (DeviceBatch, StepShape, build_batch, empty_batch, fits, needs_arrays, pack,
-                                 predicts_prompt, step_cost, unpack)
+from worker.engine.batch import (MIN_DECODE_ROWS, DeviceBatch, StepShape, build_batch, empty_batch, fits,
+                                 needs_arrays, pack, predicts_prompt, step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties, log_probs
@@ -93,7 +93,8 @@ class InFlight:
 class ModelRunner:
     def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
                  attention: AttentionOps = JNP, fixed_pages: int | None = None,
-                 sampling_kernels: SamplingKernels | None = None, launch_thread: bool = False):
+                 sampling_kernels: SamplingKernels | None = None, launch_thread: bool = False,
+                 min_decode_rows: int = MIN_DECODE_ROWS):
         self.graphdef, state = nnx.split(model)
         # a flat tuple of arrays: jit flattens an nnx.State through Python callbacks on every call
         # (~0.3 ms for 110 leaves), a tuple in C++
@@ -104,6 +105,7 @@ class ModelRunner:
         self.kv = kv
         self.page_size = page_size
         self.max_rows = max_rows  # sampled rows of any step fit here (fixed: no recompiles)
+        self.min_decode_rows = min_decode_rows  # a decode step's smallest rung (EngineConfig.min_decode_rows)
         self.max_logprobs = max_logprobs
         self.fused_steps = fused_steps  # steps of every fused decode call (LLMEngine.decode_steps)
         # last sampled token per row; committed like the pages (and like every step's outputs), so
@@ -144,17 +146,18 @@ class ModelRunner:
         batch's prompt chunks must wait for their variant, which is compiling in the background
         (`PromptsWait`; its compile starts once fewer than `background_compiles` run); dispatch its
         other chunks alone."""
-        args = (batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs, self.fused_steps,
-                self.fixed_pages, self.attention.ragged is not None, self.split)
+        build = partial(build_batch, batch, self.prev_rows, self.page_size, self.max_rows, self.max_logprobs,
+                        self.fused_steps, self.fixed_pages, self.attention.ragged is not None, self.split,
+                        min_rows=self.min_decode_rows)
         try:
-            db, shape, flags, rows, starts = build_batch(*args, self._choose_shape)
+            db, shape, flags, rows, starts = build(self._choose_shape)
         except PromptsWait as wait:
             self.wait_held = wait.held
             if wait.key not in self.compiling and len(self.compiling) < self.background_compiles:
                 log.info("%s wait for their step variant, compiling in the background; the others go on",
                          {"sampler": "penalty and logit-bias requests", "prompt logprobs": "prompt-logprob chunks",
                           "prompts": "prompt chunks"}[wait.held])
-                self._compile_in_background(wait.key, build_batch(*args)[0])
+                self._compile_in_background(wait.key, build()[0])
             return None
         key = (shape, flags)
         if self.planned is not None:
@@ -164,7 +167,7 @@ class ModelRunner:
         else:
             if self._compile_next is not None:  # this batch borrowed a variant; compile its own meanwhile
                 wanted, self._compile_next = self._compile_next, None
-                self._compile_in_background(wanted, build_batch(*args)[0])
+                self._compile_in_background(wanted, build()[0])
             out = self._launch(key, db)
         self.prev_rows = {c.seq.seq_id: r for r, c in enumerate(rows) if c is not None and c.samples}
         return InFlight(batch, rows, starts, shape, out)
