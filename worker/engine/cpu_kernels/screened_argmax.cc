@@ -488,6 +488,18 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> approx
   return ffi::Error::Success();
 }
 
+// Row r through the int8 screen's bound (ScreenedArgmaxI8Impl says what it is): approx f32[R, V],
+// stats f32[R, 3] (x's scale, |x - q(x)|, |q(x)|: not finite where x is not), xn = |x| (the x the
+// int8 product quantized)
+void screen_i8_row(const Problem& pb, int64_t r, const float* approx, const float* stats, double xn) {
+  const double gk = gamma(pb.k), u3 = 3.01 * 0x1p-24, kept = stats[3 * r + 2];
+  const float s = static_cast<float>((stats[3 * r + 1] + gk * xn + u3 * kept) * kWiden + subnormal_factor(pb.k));
+  const float b = static_cast<float>(kept * (1.0 + u3) * kWiden);
+  const float t = static_cast<float>(absolute_term(xn, pb.k) + 0x1p-100 * pb.k);
+  const float scale = stats[3 * r];
+  screen_noisy<true>(pb, r, approx + r * pb.v, not_finite(scale) ? scale : s, b, refine_factor(xn, pb.k), t);
+}
+
 // The int8 product's approximate logits f32[R, V] (PanelMatmulI8) and x's quantization stats
 // f32[R, 3] (i8_rows.h), x, the float32 rows and norms, and `lost` f32[V], |W_j - q(W_j)|_2 rounded up.
 //
@@ -516,16 +528,8 @@ ffi::Error ScreenedArgmaxI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> appr
   const Problem pb{x.typed_data(),         rows.typed_data(),     norms.typed_data(),      ad[1],
                    k,                      tokens->typed_data(),  values->typed_data(),    candidates->typed_data(),
                    temperature.typed_data(), keys.typed_data(),   top_k.typed_data(), lost.typed_data()};
-  const double gk = gamma(k), u3 = 3.01 * 0x1p-24;
   const float *a = approx.typed_data(), *st = stats.typed_data();
-  screen_rows(pool, ad[0], pb.v, [=](int64_t r) {
-    const float* row_stats = st + 3 * r;  // x's scale, |x - q(x)|, |q(x)|: not finite where x is not
-    const double xn = row_norm(pb.x + r * k, k), kept = row_stats[2];
-    const float s = static_cast<float>((row_stats[1] + gk * xn + u3 * kept) * kWiden + subnormal_factor(k));
-    const float b = static_cast<float>(kept * (1.0 + u3) * kWiden);
-    const float t = static_cast<float>(absolute_term(xn, k) + 0x1p-100 * k);
-    screen_noisy<true>(pb, r, a + r * pb.v, not_finite(row_stats[0]) ? row_stats[0] : s, b, refine_factor(xn, k), t);
-  });
+  screen_rows(pool, ad[0], pb.v, [=](int64_t r) { screen_i8_row(pb, r, a, st, row_norm(pb.x + r * k, k)); });
   return ffi::Error::Success();
 }
 
@@ -561,7 +565,6 @@ ffi::Error ScreenedArgmaxI8Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
              k,                      tokens->typed_data(),  values->typed_data(),    candidates->typed_data(),
              temperature.typed_data(), keys.typed_data(),   top_k.typed_data(), lost.typed_data()};
   pb.pairs = pairs.data(), pb.panels = reinterpret_cast<const uint32_t*>(panels.untyped_data()), pb.steps = steps;
-  const double gk = gamma(k), u3 = 3.01 * 0x1p-24;
   const float *a = approx.typed_data(), *st = stats.typed_data();
   screen_rows(pool, r_count, v, [=](int64_t r) {
     uint32_t* xp = rounded + r * steps;
@@ -571,12 +574,7 @@ ffi::Error ScreenedArgmaxI8Bf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       const float lo = std::bit_cast<float>(xp[i] << 16), hi = std::bit_cast<float>(xp[i] & 0xffff0000u);
       sq += double{lo} * lo + double{hi} * hi;
     }
-    const float* row_stats = st + 3 * r;  // x''s scale, |x' - q(x')|, |q(x')|: not finite where x' is not
-    const double xn = std::sqrt(sq), kept = row_stats[2];
-    const float s = static_cast<float>((row_stats[1] + gk * xn + u3 * kept) * kWiden + subnormal_factor(k));
-    const float b = static_cast<float>(kept * (1.0 + u3) * kWiden);
-    const float t = static_cast<float>(absolute_term(xn, k) + 0x1p-100 * k);
-    screen_noisy<true>(pb, r, a + r * v, not_finite(row_stats[0]) ? row_stats[0] : s, b, refine_factor(xn, k), t);
+    screen_i8_row(pb, r, a, st, std::sqrt(sq));
   });
   return ffi::Error::Success();
 }
