@@ -138,6 +138,7 @@ struct Problem {
 
 #ifdef __AVX512BF16__
 constexpr int64_t kPanel = 32;  // columns per panel: panel_matmul.cc's kPanel
+constexpr int64_t kAhead = 8;   // steps ahead the chains request their gathers' lines
 
 // The bfloat16 panel kernel's logits of tokens t[0..n) for x's pairs xp [steps]: each token's column
 // in a lane of its own, the kernel's VDPBF16PS chain over k from zero, in order (a lane's sums never
@@ -154,6 +155,8 @@ void bf16_chains(const uint32_t* xp, const uint32_t* panels, int64_t steps, cons
     const __m512i stride = _mm512_set1_epi32(static_cast<int32_t>(kPanel));
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < steps; ++i, index = _mm512_add_epi32(index, stride)) {
+      if (i + kAhead < steps)  // each lane's pair kAhead steps on: a line of its own (a panel row apart)
+        for (int64_t l = 0; l < lanes; ++l) __builtin_prefetch(panels + at[l] + (i + kAhead) * kPanel, 0, 3);
       const __m512i w = _mm512_i32gather_epi32(index, panels, 4);
       acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(xp[i]))),
                              reinterpret_cast<__m512bh>(w));
