@@ -191,8 +191,8 @@ def test_bench_offline_reports_int8_against_its_own_roofline(tmp_path, monkeypat
     from worker.bench import hf_baseline
 
     baselines = []  # the transformers models the baseline ran, after torchao's quantization
-    quantize_int8 = hf_baseline.quantize_int8
-    monkeypatch.setattr(hf_baseline, "quantize_int8", lambda model: (quantize_int8(model), baselines.append(model)))
+    quantize = hf_baseline.quantize_torchao
+    monkeypatch.setattr(hf_baseline, "quantize_torchao", lambda model, q: (quantize(model, q), baselines.append(model)))
     make_hf_model("llama", tmp_path)
     code, out = run_bench("offline", "--model", str(tmp_path), "--num-prompts", "4", "--input-len", "8",
                           "--output-len", "8", "--quantization", "int8", "--compare", "hf", "--json")

@@ -36,10 +36,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "int8"],
                    help="KV page dtype (default: the compute dtype); bfloat16 halves KV memory and traffic, int8 "
                         "quarters it (each token's key and value by its own scale per KV head)")
-    g.add_argument("--quantization", choices=["int8"],
+    g.add_argument("--quantization", choices=["int8", "int4"],
                    help="int8: the layers' projections in int8, weights quantized at load by output column and "
-                        "activations by token as each step runs (W8A8, torchao's int8 dynamic scheme); faster, "
-                        "outputs near but not equal to the unquantized model's. Default: off")
+                        "activations by token as each step runs (W8A8, torchao's int8 dynamic scheme); int4: "
+                        "weights in 4 bits by groups of 128 inputs (or 64, 32), activations int8 by token (W4A8, "
+                        "torchao's 8da4w), half int8's weight bytes; faster, outputs near but not equal to the "
+                        "unquantized model's. Default: off")
     g.add_argument("--decode-steps", type=_decode_steps,
                    help="decode steps fused per call when nothing waits: a number, or auto (default): as many "
                         f"as one call runs in --decode-window-ms, timed at warm-up, at most {MAX_AUTO_DECODE_STEPS}")

@@ -27,8 +27,8 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
     With `logprobs`, each batch also gives every new token's log-probability and the `logprobs` most
     likely alternatives, read to the host as the engine reads its own (the work a transformers user
     does for the same answer: the raw logits of each step, log-softmax, top-k). With `quantization`
-    "int8" the layers' projections are quantized by torchao (`Int8DynamicActivationInt8WeightConfig`,
-    the scheme the engine's int8 follows; the LM head left as it is), the same model as the engine's.
+    ("int8", "int4") the layers' projections are quantized by torchao (`quantize_torchao`: the scheme
+    the engine's follows; the LM head left as it is), the same model as the engine's.
     """
     import torch
     import transformers
@@ -37,8 +37,8 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=getattr(torch, dtype), local_files_only=True
     ).eval().to(device)
-    if quantization == "int8":
-        quantize_int8(model)
+    if quantization is not None:
+        quantize_torchao(model, quantization)
     sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature
                 else dict(do_sample=False, top_p=None, top_k=None, temperature=None))
     lens = [output_len] * len(prompts) if isinstance(output_len, int) else list(output_len)
@@ -71,8 +71,10 @@ def run_hf(model_dir: str | Path, prompts: list[list[int]], output_len: int | li
     return time.perf_counter() - t0, outputs
 
 
-def quantize_int8(model) -> None:
-    """torchao's int8 dynamic quantization on every projection of `model`'s layers, in place."""
+def quantize_torchao(model, quantization: str) -> None:
+    """torchao's dynamic quantization on every projection of `model`'s layers, in place: "int8"
+    (`Int8DynamicActivationInt8WeightConfig`) or "int4" (`Int8DynamicActivationIntxWeightConfig`
+    with int4 weights in groups of int4_linear.group_size: 8da4w)."""
     import logging
     import warnings
 
@@ -83,10 +85,19 @@ def quantize_int8(model) -> None:
         level = logging.root.manager.disable
         logging.disable(logging.WARNING)
         try:
-            from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+            from torchao.quantization import (Int8DynamicActivationInt8WeightConfig,
+                                              Int8DynamicActivationIntxWeightConfig, quantize_)
+            from torchao.quantization.granularity import PerGroup
         except ImportError as exc:
-            raise RuntimeError("--compare hf with --quantization int8 needs torchao (pip install -e '.[dev]')") from exc
+            raise RuntimeError(f"--compare hf with --quantization {quantization} needs torchao (pip install -e '.[dev]')") from exc
         finally:
             logging.disable(level)
-    quantize_(model, Int8DynamicActivationInt8WeightConfig(),
-              filter_fn=lambda module, name: isinstance(module, torch.nn.Linear) and "lm_head" not in name)
+    layers = lambda module, name: isinstance(module, torch.nn.Linear) and "lm_head" not in name  # noqa: E731
+    if quantization == "int8":
+        config = Int8DynamicActivationInt8WeightConfig()
+    else:
+        from worker.engine.int4_linear import group_size
+
+        group = group_size([m.in_features for name, m in model.named_modules() if layers(m, name)])
+        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group))
+    quantize_(model, config, filter_fn=layers)

@@ -330,7 +330,7 @@ def _bench(engine: LLMEngine, weights_dir, model_dir, preset, work: Workload, co
     if compare_hf:
         report |= {
             "baseline": f"transformers generate (torch {hf_baseline_device().upper()}, batch {hf_batch_size}"
-                        + (", torchao int8 projections" if engine.config.quantization else "")
+                        + (f", torchao {engine.config.quantization} projections" if engine.config.quantization else "")
                         # transformers keeps its KV in the model's dtype: int8 pages are the engine's alone
                         + (f", {dtype} KV)" if report["kv_cache_dtype"] == "int8" else ")"),
             "baseline_batch_size": hf_batch_size, "baseline_batch_trials": first_trials,
@@ -399,16 +399,17 @@ def hf_baseline_device() -> str:
 
 def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype: str, kv_itemsize: float,
                        quantization: str | None = None) -> dict:
-    """The machine's probes and the run against its roofline. With int8 projections (`quantization`
-    "int8 (kernel)" or "int8 (xla)") their weights count a byte each and their products run at the
-    int8 probe's speed; the LM head and attention keep the model dtype's."""
+    """The machine's probes and the run against its roofline. With quantized projections
+    (`quantization` "int8 (kernel)", "int4 (xla)"...) their weights count a byte each (int4: half a
+    byte and the scales) and their products run at that scheme's probe's speed; the LM head and
+    attention keep the model dtype's."""
     t0 = time.perf_counter()
     bandwidth = roofline.memory_bandwidth_gbs()
     xla = roofline.matmul_gflops(dtype=DTYPES[dtype])
     kernel = roofline.kernel_matmul_gflops(dtype=DTYPES[dtype])
     gflops = max(xla, kernel or 0.0)  # the machine's best measured product is the ceiling
-    int8 = roofline.int8_matmul_gflops("kernel" in quantization) if quantization else None
-    projection_itemsize = 1 if quantization else None
+    int8 = roofline.int8_matmul_gflops("kernel" in quantization, scheme=quantization.split()[0]) if quantization else None
+    projection_itemsize = roofline.quantized_itemsize(quantization, cfg)
     log.info("machine probes: %.0f GB/s, %.0f GFLOP/s (%.1f s)", bandwidth, gflops, time.perf_counter() - t0)
     d, p = probe.decode, probe.prefill
     out: dict = {"device_name": roofline.device_name(), "memory_bandwidth_gbs": bandwidth, "matmul_gflops": gflops,

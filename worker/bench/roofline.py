@@ -106,18 +106,33 @@ def kernel_matmul_gflops(n: int = 2048, dtype=jnp.float32) -> float | None:
     return 2 * n**3 / seconds / 1e9
 
 
-def int8_matmul_gflops(kernel: bool, n: int = 2048) -> float:
-    """The same product through an int8 projection (int8_linear.py: x quantized a row at a time,
-    then the VNNI kernel or, without `kernel`, XLA's int8 dot), counted as 2 n^3 operations."""
+def int8_matmul_gflops(kernel: bool, n: int = 2048, scheme: str = "int8") -> float:
+    """The same product through a quantized projection (`scheme` "int8": int8_linear.py, "int4":
+    int4_linear.py; x quantized a row at a time, then the VNNI kernel or, without `kernel`, XLA),
+    counted as 2 n^3 operations."""
     from flax import nnx
 
-    from worker.engine import int8_linear
+    from worker.engine import int4_linear, int8_linear
     from worker.models.llama import Linear
 
     linear = Linear(n, n, False, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    layer = int8_linear.Int8Linear(linear, kernel)
+    layer = (int8_linear.Int8Linear(linear, kernel) if scheme == "int8"
+             else int4_linear.Int4Linear(linear, int4_linear.group_size([n]), kernel))
     seconds = _best(jax.jit(lambda a: layer(a)), jnp.ones((n, n), jnp.float32))
     return 2 * n**3 / seconds / 1e9
+
+
+def quantized_itemsize(quantization: str | None, cfg: ModelConfig) -> float | None:
+    """Bytes a projection weight takes under `quantization` (an engine's "int8 (kernel)", "int4
+    (xla)"...; None: unquantized): int8 a byte, int4 half a byte and its group's float32 scale."""
+    if not quantization:
+        return None
+    if quantization.startswith("int4"):
+        from worker.engine import int4_linear
+
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return 0.5 + 4 / int4_linear.group_size([h, q, cfg.intermediate_size])
+    return 1
 
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: float) -> float:
@@ -137,7 +152,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     return projection_params(cfg) + cfg.vocab_size * cfg.hidden_size
 
 
-def weight_bytes(cfg: ModelConfig, itemsize: int, projection_itemsize: int | None = None) -> int:
+def weight_bytes(cfg: ModelConfig, itemsize: int, projection_itemsize: float | None = None) -> float:
     """Bytes of the weights a decode step multiplies by: the projections at `projection_itemsize`
     (int8 ones: 1) or `itemsize`, the LM head at `itemsize`."""
     return projection_params(cfg) * (projection_itemsize or itemsize) + (matmul_params(cfg) - projection_params(cfg)) * itemsize
@@ -157,7 +172,7 @@ def prefill_token_s(cfg: ModelConfig, mean_context: float, gflops: float, projec
 
 
 def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_context: float,
-                      kv_itemsize: float | None = None, projection_itemsize: int | None = None) -> float:
+                      kv_itemsize: float | None = None, projection_itemsize: float | None = None) -> float:
     """Bytes an ideal decode step reads: the weights of its products once, plus each sequence's KV."""
     return (weight_bytes(cfg, itemsize, projection_itemsize)
             + batch * mean_context * kv_bytes_per_token(cfg, kv_itemsize or itemsize))
@@ -165,7 +180,7 @@ def decode_step_bytes(cfg: ModelConfig, itemsize: int, batch: float, mean_contex
 
 def decode_serial_step_s(cfg: ModelConfig, itemsize: int, kv_itemsize: float, batch: float, context: float,
                          unique_context: float, bandwidth_gbs: float, gflops: float,
-                         projection_itemsize: int | None = None, projection_gflops: float | None = None) -> float:
+                         projection_itemsize: float | None = None, projection_gflops: float | None = None) -> float:
     """The ideal decode step when its products and its attention run one after another, as the
     calls of a step do (XLA runs them in turn; a kernel reading the KV does not multiply weights
     meanwhile): the products at the larger of reading their weights and computing their FLOPs, then

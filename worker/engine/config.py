@@ -46,7 +46,9 @@ class EngineConfig:
     # int8: a quarter, each token's key and value by its own scale per KV head (kv_quant.py)
     quantization: str | None = None  # "int8": every layer's projections int8, weights quantized at load
     # by output column and activations at run time by token (W8A8, torchao's int8 dynamic scheme;
-    # int8_linear.py); the LM head and embeddings stay in the model's dtype. None: off
+    # int8_linear.py); "int4": weights in 4 bits by groups of inputs, activations int8 by token with a
+    # zero point (W4A8, torchao's 8da4w; int4_linear.py); the LM head and embeddings stay in the
+    # model's dtype. None: off
     seed: int = 0  # seed for requests that carry none (offline API)
     tensor_parallel: int = 1  # devices one model spans (heads and MLP columns split over a mesh)
     attention: str = "auto"  # paged attention of decode and prefill rows: "auto": the compiled CPU kernel
@@ -94,7 +96,7 @@ class EngineConfig:
             "decode_window_ms must be > 0": self.decode_window_ms > 0,
             "dtype must be float32 or bfloat16": self.dtype in (None, "float32", "bfloat16"),
             "kv_cache_dtype must be float32, bfloat16 or int8": self.kv_cache_dtype in (None, "float32", "bfloat16", "int8"),
-            "quantization must be int8 or None": self.quantization in (None, "int8"),
+            "quantization must be int8, int4 or None": self.quantization in (None, "int8", "int4"),
             "tensor_parallel must be >= 1": self.tensor_parallel >= 1,
             f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]":
                 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
-from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, int8_linear, screened_head, speculation
+from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, int4_linear, int8_linear, screened_head, speculation
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import detokenizers
 from worker.engine.draft_gate import DraftGate
@@ -57,11 +57,12 @@ class LLMEngine:
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         if mesh is not None:
             model = shard_model(model, mesh)
-        self.quantization = None  # "int8 (kernel)", "int8 (xla)": how the projections run quantized
-        if config.quantization == "int8":
-            kernel = int8_linear.uses_kernel(config.matmul, config.tensor_parallel)
-            model = int8_linear.quantize_model(model, kernel)
-            self.quantization = f"int8 ({'kernel' if kernel else 'xla'})"
+        self.quantization = None  # "int8 (kernel)", "int4 (xla)"...: how the projections run quantized
+        if config.quantization is not None:
+            scheme = int8_linear if config.quantization == "int8" else int4_linear
+            kernel = scheme.uses_kernel(config.matmul, config.tensor_parallel)
+            model = scheme.quantize_model(model, kernel)
+            self.quantization = f"{config.quantization} ({'kernel' if kernel else 'xla'})"
         self.matmul = cpu_matmul.choose_matmul(config.matmul, config.tensor_parallel, model)
         if self.matmul == "kernel":  # before sizing the KV pages: the packed weights are new memory
             model = cpu_layer_ops.with_kernels(cpu_matmul.pack_model(model))

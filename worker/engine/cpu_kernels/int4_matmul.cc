@@ -1,0 +1,183 @@
+// int4 projections on AVX512-VNNI (PanelMatmulW4A8, int4_linear.py): weights quantized to 4 bits in
+// groups of G along K with a float32 scale per group and column (symmetric, [-8, 7]); activations
+// quantized per row to int8 with a scale and a zero point (asymmetric), at run time. The scheme is
+// torchao's Int8DynamicActivationIntxWeightConfig with int4 weights (8da4w).
+//
+// Layout. The weight lives as panels of kPanel = 32 columns, each panel one contiguous run of
+// ceil(K / 4) steps of 64 bytes: byte j of a step holds, in its low nibble, column j / 4's k + j % 4
+// and, in its high nibble, column 16 + j / 4's, each as q + 8 (0..15). Split into low and high
+// nibbles and less 8, a step is two VPDPBUSD operands of 16 columns x 4 k, the layout of the int8
+// kernels' panel rows (panel_matmul.cc). The group scales go panel by panel, [P, K / G, kPanel].
+//
+// A row of x is quantized to bytes u = q + 128 (unsigned; q in [-128, 127]) with scale s and zero
+// point z, so x ~ s (q - z). One VPDPBUSD adds 16 columns' four products u * w into int32, exactly.
+// After each group a tile folds its int32 sums into float32 ones, times the group's column scales:
+//   y[m, n] = s_m * (sum_g scale[g, n] * sum_{k in g} u_mk w_kn - (128 + z_m) * C[n]),
+// where C[n] = sum_g scale[g, n] * sum_{k in g} w_kn is computed once when the weight is packed.
+// A tile is kRows rows x one panel: 2 * kRows int32 and 2 * kRows float32 accumulators in registers.
+//
+// Shapes: x f32[M, K]; w u8[P, ceil(K / 4), 64]; scales f32[P, K / G, 32]; c f32[P * 32]; y f32[M, N]
+// with (P - 1) * 32 < N <= P * 32, G a multiple of 4 dividing K.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "i8_rows.h"
+#include "pool_work.h"
+#include "vectors.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using redjax::f32xN;
+using redjax::i32xN;
+using redjax::kLanes;
+
+#ifdef __AVX512VNNI__
+constexpr int64_t kPanel = 32;       // columns per panel (int4_linear.py: PANEL)
+constexpr int64_t kStepBytes = 64;   // one step: 32 columns x 4 k, a nibble each
+constexpr int kRows = 6;             // rows per tile: 24 accumulators, the rest for the step's operands
+constexpr int64_t kBlockRows = 96;   // rows per work item of a long product (prefill)
+
+// x f32[K] -> to u32[ceil(K / 4)] as unsigned bytes q + 128 (128 past K: q = 0, which adds
+// nothing as the weights there are 0); returns {s, 128 + z}. torchao's per-token asymmetric int8:
+// s = max((max(x, 0) - min(x, 0)) / 255, FLT_MIN), z = clamp(-128 - round(min(x, 0) / s), -128,
+// 127), q = clamp(round(x * (1 / s)) + z, -128, 127), rounding half to even. A row with a value
+// that is not finite gets s = NaN (its products NaN).
+struct RowScale {
+  float scale, offset;
+};
+RowScale quantize_row_a8(const float* x, int64_t k, uint32_t* to) {
+  uint8_t* out = reinterpret_cast<uint8_t*>(to);
+  const int64_t padded = (k + 3) / 4 * 4;
+  float lo = 0.0f, hi = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < k; ++i) {
+    finite &= !redjax::not_finite(x[i]);
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  if (!finite) {
+    std::fill(out, out + padded, uint8_t{128});
+    return {std::bit_cast<float>(0x7fc00000u), 128.0f};
+  }
+  const float s = std::max(redjax::divide_exactly(hi - lo, 255.0f), 0x1p-126f);
+  const float z = std::clamp(-128.0f - std::nearbyint(redjax::divide_exactly(lo, s)), -128.0f, 127.0f);
+  const float inv = redjax::divide_exactly(1.0f, s);
+  for (int64_t i = 0; i < k; ++i)
+    out[i] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(std::nearbyint(x[i] * inv) + z, -128.0f, 127.0f)) + 128);
+  std::fill(out + k, out + padded, uint8_t{128});
+  return {s, 128.0f + z};
+}
+
+struct Problem {
+  const uint32_t* x;     // [M, steps]: each row's quantized bytes, four k a word
+  const RowScale* rows;  // [M]
+  const uint8_t* w;      // [P, steps, 64]
+  const float* scales;   // [P, groups, 32]
+  const float* c;        // [P * 32]
+  float* y;              // [M, N]
+  int64_t m, n, steps, group_steps, groups;
+};
+
+// y[m0 : m0 + R, n0 : n0 + 32] (clipped at n) for panel p
+template <int R>
+inline void tile(const Problem& pb, int64_t p, int64_t m0) {
+  const uint8_t* panel = pb.w + p * pb.steps * kStepBytes;
+  const float* scales = pb.scales + p * pb.groups * kPanel;
+  const uint32_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = pb.x + (m0 + r) * pb.steps;
+  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  f32xN sums[R][2] = {};
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    i32xN acc[R][2] = {};
+    const int64_t k0 = g * pb.group_steps;
+    for (int64_t k = k0; k < k0 + pb.group_steps; ++k) {
+      const __m512i v = _mm512_loadu_si512(panel + k * kStepBytes);
+      const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nibble), eight);
+      const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), eight);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(rows[r][k]));
+        acc[r][0] = reinterpret_cast<i32xN>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc[r][0]), xv, lo));
+        acc[r][1] = reinterpret_cast<i32xN>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc[r][1]), xv, hi));
+      }
+    }
+    const f32xN s0 = redjax::load(scales + g * kPanel), s1 = redjax::load(scales + g * kPanel + kLanes);
+    for (int r = 0; r < R; ++r) {
+      sums[r][0] += __builtin_convertvector(acc[r][0], f32xN) * s0;
+      sums[r][1] += __builtin_convertvector(acc[r][1], f32xN) * s1;
+    }
+  }
+  const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, pb.n - n0);
+  const f32xN c0 = redjax::load(pb.c + n0), c1 = redjax::load(pb.c + n0 + kLanes);
+  for (int r = 0; r < R; ++r) {
+    const RowScale rs = pb.rows[m0 + r];
+    float full[kPanel];
+    redjax::store(full, (sums[r][0] - rs.offset * c0) * rs.scale);
+    redjax::store(full + kLanes, (sums[r][1] - rs.offset * c1) * rs.scale);
+    std::memcpy(pb.y + (m0 + r) * pb.n + n0, full, cols * sizeof(float));
+  }
+}
+
+// rows [m0, m0 + count) of panel p, in tiles of kRows and one shorter last tile
+template <int R = kRows>
+inline void any_tile(const Problem& pb, int64_t p, int64_t m0, int64_t count) {
+  if constexpr (R > 0) {
+    if (count == R) return tile<R>(pb, p, m0);
+    any_tile<R - 1>(pb, p, m0, count);
+  }
+}
+
+ffi::Error PanelMatmulW4A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                               ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> c, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("panel_matmul_w4a8: expected x [M,K], w [P,steps,64], scales [P,G,32], y [M,N]");
+  const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[0], steps = (k + 3) / 4, groups = sd[1];
+  if (wd[1] != steps || wd[2] != kStepBytes || yd[0] != m || n > panels * kPanel || n <= (panels - 1) * kPanel ||
+      sd[0] != panels || sd[2] != kPanel || c.element_count() != panels * kPanel || groups < 1 || k % groups != 0 ||
+      (k / groups) % 4 != 0)
+    return ffi::Error::InvalidArgument("panel_matmul_w4a8: inconsistent shapes");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  thread_local std::vector<uint32_t> quantized;  // the calling thread's, reused across calls
+  thread_local std::vector<RowScale> row_scales;
+  quantized.resize(m * steps);
+  row_scales.resize(m);
+  uint32_t* xq = quantized.data();
+  RowScale* rs = row_scales.data();
+  const float* xs = x.typed_data();
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
+  redjax::run_on_pool(pool, (m + kRows - 1) / kRows, [=](int64_t t) {
+    for (int64_t r = t * kRows; r < std::min(m, (t + 1) * kRows); ++r) rs[r] = quantize_row_a8(xs + r * k, k, xq + r * steps);
+  });
+  const Problem pb{xq, rs, w.typed_data(), scales.typed_data(), c.typed_data(), y->typed_data(),
+                   m, n, steps, steps / groups, groups};
+  // an item: one panel over a block of rows (decode: every row), each panel read once per block
+  redjax::run_on_pool(pool, blocks * panels, [pb, panels](int64_t item) {
+    const int64_t b = item / panels, p = item % panels;
+    const int64_t end = std::min(pb.m, (b + 1) * kBlockRows);
+    for (int64_t m0 = b * kBlockRows; m0 < end; m0 += kRows) any_tile(pb, p, m0, std::min<int64_t>(kRows, end - m0));
+  });
+  return ffi::Error::Success();
+}
+#endif
+
+}  // namespace
+
+#ifdef __AVX512VNNI__
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmulW4A8, PanelMatmulW4A8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+#endif
