@@ -6,15 +6,18 @@
 // Layout. The weight lives as panels of kPanel = 32 columns, each panel one contiguous run of
 // ceil(K / 4) steps of 64 bytes: byte j of a step holds, in its low nibble, column j / 4's k + j % 4
 // and, in its high nibble, column 16 + j / 4's, each as q + 8 (0..15). Split into low and high
-// nibbles and less 8, a step is two VPDPBUSD operands of 16 columns x 4 k, the layout of the int8
-// kernels' panel rows (panel_matmul.cc). The group scales go panel by panel, [P, K / G, kPanel].
+// nibbles, a step is two VPDPBUSD operands of 16 columns x 4 k, the layout of the int8 kernels'
+// panel rows (panel_matmul.cc); the 8 comes off each group's int32 sums as 8 times the sum of the
+// row's bytes over the group. The group scales go panel by panel, [P, K / G, kPanel].
 //
 // A row of x is quantized to bytes u = q + 128 (unsigned; q in [-128, 127]) with scale s and zero
-// point z, so x ~ s (q - z). One VPDPBUSD adds 16 columns' four products u * w into int32, exactly.
+// point z, so x ~ s (q - z). One VPDPBUSD adds 16 columns' four products u * (w + 8) into int32,
+// exactly.
 // After each group a tile folds its int32 sums into float32 ones, times the group's column scales:
 //   y[m, n] = s_m * (sum_g scale[g, n] * sum_{k in g} u_mk w_kn - (128 + z_m) * C[n]),
 // where C[n] = sum_g scale[g, n] * sum_{k in g} w_kn is computed once when the weight is packed.
-// A tile is kRows rows x one panel: 2 * kRows int32 and 2 * kRows float32 accumulators in registers.
+// A tile is kRows rows x one panel: 2 * kRows int32 accumulators, and as many float32 sums, which
+// the compiler keeps in L1 between groups.
 //
 // Shapes: x f32[M, K]; w u8[P, ceil(K / 4), 64]; scales f32[P, K / G, 32]; c f32[P * 32]; y f32[M, N]
 // with (P - 1) * 32 < N <= P * 32, G a multiple of 4 dividing K.
@@ -43,8 +46,9 @@ using redjax::kLanes;
 #ifdef __AVX512VNNI__
 constexpr int64_t kPanel = 32;       // columns per panel (int4_linear.py: PANEL)
 constexpr int64_t kStepBytes = 64;   // one step: 32 columns x 4 k, a nibble each
-constexpr int kRows = 6;             // rows per tile: 24 accumulators, the rest for the step's operands
+constexpr int64_t kRows = 12;        // rows per tile: 24 int32 accumulators (the float32 sums wait in L1)
 constexpr int64_t kBlockRows = 96;   // rows per work item of a long product (prefill)
+constexpr int64_t kAhead = 16;       // a tile requests the panel's line this many steps ahead (1 KB)
 
 // x f32[K] -> to u32[ceil(K / 4)] as unsigned bytes q + 128 (128 past K: q = 0, which adds
 // nothing as the weights there are 0); returns {s, 128 + z}. torchao's per-token asymmetric int8:
@@ -78,8 +82,12 @@ RowScale quantize_row_a8(const float* x, int64_t k, uint32_t* to) {
 }
 
 struct Problem {
-  const uint32_t* x;     // [M, steps]: each row's quantized bytes, four k a word
+  // each tile of kRows rows (the last: the rest) k-major, [steps, R]: row r's bytes for k .. k + 3
+  // as one word at [k / 4, r]; a step's R words are one read, where R rows K apart would share L1
+  // sets (4 KB apart at K = 4096: every row in one set)
+  const uint32_t* x;
   const RowScale* rows;  // [M]
+  const int32_t* usums;  // [M, groups]: each row's bytes summed over each group (the weights' offset's share)
   const uint8_t* w;      // [P, steps, 64]
   const float* scales;   // [P, groups, 32]
   const float* c;        // [P * 32]
@@ -87,32 +95,40 @@ struct Problem {
   int64_t m, n, steps, group_steps, groups;
 };
 
-// y[m0 : m0 + R, n0 : n0 + 32] (clipped at n) for panel p
+// y[m0 : m0 + R, n0 : n0 + 32] (clipped at n) for panel p. Each step requests the panel's line
+// kAhead steps on, and, past the panel's end, the lines of `next` (the panel this thread computes
+// after it, or null): a decode step's panels are read once, from memory, and a thread's panels are
+// not adjacent (the threads take them in turn), so the hardware's stream prefetch starts late.
 template <int R>
-inline void tile(const Problem& pb, int64_t p, int64_t m0) {
+inline void tile(const Problem& pb, int64_t p, int64_t m0, const uint8_t* next) {
   const uint8_t* panel = pb.w + p * pb.steps * kStepBytes;
   const float* scales = pb.scales + p * pb.groups * kPanel;
-  const uint32_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = pb.x + (m0 + r) * pb.steps;
-  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  const uint32_t* xt = pb.x + m0 * pb.steps;  // this tile, [steps, R]
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
   f32xN sums[R][2] = {};
   for (int64_t g = 0; g < pb.groups; ++g) {
     i32xN acc[R][2] = {};
     const int64_t k0 = g * pb.group_steps;
     for (int64_t k = k0; k < k0 + pb.group_steps; ++k) {
+      const int64_t ahead = k + kAhead;
+      if (ahead < pb.steps)
+        __builtin_prefetch(panel + ahead * kStepBytes, 0, 3);
+      else if (next != nullptr)
+        __builtin_prefetch(next + (ahead - pb.steps) * kStepBytes, 0, 3);
       const __m512i v = _mm512_loadu_si512(panel + k * kStepBytes);
-      const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nibble), eight);
-      const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), eight);
+      // the nibbles as they are, q + 8 (0..15): the 8 comes off once a group, below
+      const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(rows[r][k]));
+        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(xt[k * R + r]));
         acc[r][0] = reinterpret_cast<i32xN>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc[r][0]), xv, lo));
         acc[r][1] = reinterpret_cast<i32xN>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc[r][1]), xv, hi));
       }
     }
     const f32xN s0 = redjax::load(scales + g * kPanel), s1 = redjax::load(scales + g * kPanel + kLanes);
-    for (int r = 0; r < R; ++r) {
-      sums[r][0] += __builtin_convertvector(acc[r][0], f32xN) * s0;
-      sums[r][1] += __builtin_convertvector(acc[r][1], f32xN) * s1;
+    for (int r = 0; r < R; ++r) {  // sum u (q + 8) - 8 sum u = sum u q, exactly
+      const int32_t offset = 8 * pb.usums[(m0 + r) * pb.groups + g];
+      sums[r][0] += __builtin_convertvector(acc[r][0] - offset, f32xN) * s0;
+      sums[r][1] += __builtin_convertvector(acc[r][1] - offset, f32xN) * s1;
     }
   }
   const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, pb.n - n0);
@@ -128,10 +144,10 @@ inline void tile(const Problem& pb, int64_t p, int64_t m0) {
 
 // rows [m0, m0 + count) of panel p, in tiles of kRows and one shorter last tile
 template <int R = kRows>
-inline void any_tile(const Problem& pb, int64_t p, int64_t m0, int64_t count) {
+inline void any_tile(const Problem& pb, int64_t p, int64_t m0, int64_t count, const uint8_t* next) {
   if constexpr (R > 0) {
-    if (count == R) return tile<R>(pb, p, m0);
-    any_tile<R - 1>(pb, p, m0, count);
+    if (count == R) return tile<R>(pb, p, m0, next);
+    any_tile<R - 1>(pb, p, m0, count, next);
   }
 }
 
@@ -148,22 +164,45 @@ ffi::Error PanelMatmulW4A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   if (m == 0 || n == 0) return ffi::Error::Success();
   thread_local std::vector<uint32_t> quantized;  // the calling thread's, reused across calls
   thread_local std::vector<RowScale> row_scales;
+  thread_local std::vector<int32_t> group_sums;
   quantized.resize(m * steps);
   row_scales.resize(m);
+  group_sums.resize(m * groups);
+  int32_t* us = group_sums.data();
   uint32_t* xq = quantized.data();
   RowScale* rs = row_scales.data();
   const float* xs = x.typed_data();
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
-  redjax::run_on_pool(pool, (m + kRows - 1) / kRows, [=](int64_t t) {
-    for (int64_t r = t * kRows; r < std::min(m, (t + 1) * kRows); ++r) rs[r] = quantize_row_a8(xs + r * k, k, xq + r * steps);
+  redjax::run_on_pool(pool, (m + kRows - 1) / kRows, [=](int64_t t) {  // a tile: its rows, then k-major
+    thread_local std::vector<uint32_t> row;
+    row.resize(steps);
+    const int64_t m0 = t * kRows, count = std::min(kRows, m - m0);
+    uint32_t* tile = xq + m0 * steps;
+    for (int64_t r = 0; r < count; ++r) {
+      rs[m0 + r] = quantize_row_a8(xs + (m0 + r) * k, k, row.data());
+      for (int64_t i = 0; i < steps; ++i) tile[i * count + r] = row[i];
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row.data());
+      for (int64_t g = 0, per = k / groups; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t i = g * per; i < (g + 1) * per; ++i) sum += bytes[i];
+        us[(m0 + r) * groups + g] = sum;
+      }
+    }
   });
-  const Problem pb{xq, rs, w.typed_data(), scales.typed_data(), c.typed_data(), y->typed_data(),
+  const Problem pb{xq, rs, us, w.typed_data(), scales.typed_data(), c.typed_data(), y->typed_data(),
                    m, n, steps, steps / groups, groups};
   // an item: one panel over a block of rows (decode: every row), each panel read once per block
-  redjax::run_on_pool(pool, blocks * panels, [pb, panels](int64_t item) {
+  redjax::run_on_pool(pool, blocks * panels, [pb, panels](int64_t item, int64_t later) {
     const int64_t b = item / panels, p = item % panels;
     const int64_t end = std::min(pb.m, (b + 1) * kBlockRows);
-    for (int64_t m0 = b * kBlockRows; m0 < end; m0 += kRows) any_tile(pb, p, m0, std::min<int64_t>(kRows, end - m0));
+    for (int64_t m0 = b * kBlockRows; m0 < end; m0 += kRows) {
+      const int64_t count = std::min<int64_t>(kRows, end - m0);
+      // the last tile of this panel requests the next item's panel (earlier tiles reread this one)
+      const uint8_t* next = m0 + count < end ? pb.w + p * pb.steps * kStepBytes
+                            : later >= 0    ? pb.w + (later % panels) * pb.steps * kStepBytes
+                                            : nullptr;
+      any_tile(pb, p, m0, count, next);
+    }
   });
   return ffi::Error::Success();
 }
