@@ -172,7 +172,7 @@ def test_engine_serves_int8_greedy_as_torchao_transformers(tmp_path, tokenizer):
 
 def test_settings():
     with pytest.raises(ValueError, match="quantization must be int8"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int2")
     assert not int8_linear.uses_kernel("xla", 1)
     assert int8_linear.uses_kernel("auto", 1) == VNNI
     if not VNNI:

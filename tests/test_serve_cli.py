@@ -29,7 +29,7 @@ SMALL_ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--page
     (["serve"], {"REDJAX_MAX_NUM_SEQS": "many"}, "REDJAX_MAX_NUM_SEQS='many' is not a number"),
     (["serve", "--workers", "0"], {}, "--workers must be at least 1"),
     (["worker", "--page-size", "3"], {}, "page_size must be a power of two"),
-    (["serve"], {"REDJAX_QUANTIZATION": "int4"}, "quantization must be int8"),
+    (["serve"], {"REDJAX_QUANTIZATION": "int3"}, "quantization must be int8, int4 or None"),
     (["serve", "--quantization", "fp8"], {}, "invalid choice: 'fp8'"),
     (["serve", "--kv-cache-dtype", "int4"], {}, "invalid choice: 'int4'"),
     (["serve"], {"REDJAX_KV_CACHE_DTYPE": "fp8"}, "kv_cache_dtype must be float32, bfloat16 or int8"),
