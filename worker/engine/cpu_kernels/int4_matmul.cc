@@ -47,7 +47,7 @@ using redjax::kLanes;
 constexpr int64_t kPanel = 32;       // columns per panel (int4_linear.py: PANEL)
 constexpr int64_t kStepBytes = 64;   // one step: 32 columns x 4 k, a nibble each
 constexpr int64_t kRows = 12;        // rows per tile: 24 int32 accumulators (the float32 sums wait in L1)
-constexpr int64_t kBlockRows = 96;   // rows per work item of a long product (prefill)
+constexpr int64_t kBlockTiles = 8;   // row tiles per work item of a long product (prefill)
 constexpr int64_t kAhead = 16;       // a tile requests the panel's line this many steps ahead (1 KB)
 
 // x f32[K] -> to u32[ceil(K / 4)] as unsigned bytes q + 128 (128 past K: q = 0, which adds
@@ -142,7 +142,16 @@ inline void tile(const Problem& pb, int64_t p, int64_t m0, const uint8_t* next) 
   }
 }
 
-// rows [m0, m0 + count) of panel p, in tiles of kRows and one shorter last tile
+// M rows as ceil(M / kRows) tiles of sizes within one of each other (64 rows: 11, 11, 11, 11, 10, 10):
+// a tile's fixed work a step (the weights' load and split) spread over as many rows as it can be
+struct Tiles {
+  int64_t m, count;
+  explicit Tiles(int64_t m) : m(m), count((m + kRows - 1) / kRows) {}
+  int64_t start(int64_t t) const { return t * m / count; }
+  int64_t rows(int64_t t) const { return start(t + 1) - start(t); }
+};
+
+// rows [m0, m0 + count) of panel p (count <= kRows)
 template <int R = kRows>
 inline void any_tile(const Problem& pb, int64_t p, int64_t m0, int64_t count, const uint8_t* next) {
   if constexpr (R > 0) {
@@ -172,11 +181,12 @@ ffi::Error PanelMatmulW4A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   uint32_t* xq = quantized.data();
   RowScale* rs = row_scales.data();
   const float* xs = x.typed_data();
-  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
-  redjax::run_on_pool(pool, (m + kRows - 1) / kRows, [=](int64_t t) {  // a tile: its rows, then k-major
+  const Tiles tiles(m);
+  const int64_t blocks = (tiles.count + kBlockTiles - 1) / kBlockTiles;
+  redjax::run_on_pool(pool, tiles.count, [=](int64_t t) {  // a tile: its rows, then k-major
     thread_local std::vector<uint32_t> row;
     row.resize(steps);
-    const int64_t m0 = t * kRows, count = std::min(kRows, m - m0);
+    const int64_t m0 = tiles.start(t), count = tiles.rows(t);
     uint32_t* tile = xq + m0 * steps;
     for (int64_t r = 0; r < count; ++r) {
       rs[m0 + r] = quantize_row_a8(xs + (m0 + r) * k, k, row.data());
@@ -191,17 +201,16 @@ ffi::Error PanelMatmulW4A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   });
   const Problem pb{xq, rs, us, w.typed_data(), scales.typed_data(), c.typed_data(), y->typed_data(),
                    m, n, steps, steps / groups, groups};
-  // an item: one panel over a block of rows (decode: every row), each panel read once per block
-  redjax::run_on_pool(pool, blocks * panels, [pb, panels](int64_t item, int64_t later) {
+  // an item: one panel over a block of row tiles (decode: every row), each panel read once per block
+  redjax::run_on_pool(pool, blocks * panels, [pb, panels, tiles](int64_t item, int64_t later) {
     const int64_t b = item / panels, p = item % panels;
-    const int64_t end = std::min(pb.m, (b + 1) * kBlockRows);
-    for (int64_t m0 = b * kBlockRows; m0 < end; m0 += kRows) {
-      const int64_t count = std::min<int64_t>(kRows, end - m0);
+    const int64_t t1 = std::min(tiles.count, (b + 1) * kBlockTiles);
+    for (int64_t t = b * kBlockTiles; t < t1; ++t) {
       // the last tile of this panel requests the next item's panel (earlier tiles reread this one)
-      const uint8_t* next = m0 + count < end ? pb.w + p * pb.steps * kStepBytes
-                            : later >= 0    ? pb.w + (later % panels) * pb.steps * kStepBytes
-                                            : nullptr;
-      any_tile(pb, p, m0, count, next);
+      const uint8_t* next = t + 1 < t1 ? pb.w + p * pb.steps * kStepBytes
+                            : later >= 0 ? pb.w + (later % panels) * pb.steps * kStepBytes
+                                         : nullptr;
+      any_tile(pb, p, tiles.start(t), tiles.rows(t), next);
     }
   });
   return ffi::Error::Success();
