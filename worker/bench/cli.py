@@ -185,7 +185,8 @@ def offline(argv: list[str]) -> int:
              if kernel else "")
     print(f"  machine: {r['device_name']}; {r['memory_bandwidth_gbs']:.1f} GB/s memory bandwidth, "
           f"{r['matmul_gflops']:.1f} GFLOP/s matmul{which}"
-          + (f", {r['matmul_gflops_int8']:.1f} GOP/s int8 projections" if r.get("matmul_gflops_int8") else ""))
+          + (f", {r['matmul_gflops_int8']:.1f} GOP/s {r['quantization'].split()[0]} projections"
+             if r.get("matmul_gflops_int8") else ""))
     up = r["startup"]
     print(f"  startup: calibration {up['calibration_s']:.1f} s, {up['variants_compiled_ahead']} step variants "
           f"compiled ahead in {up['compile_ahead_s']:.1f} s, warm-up {up['warmup_s']:.1f} s")

@@ -413,6 +413,7 @@ def _host_and_roofline(probe: StepProbe, cfg: ModelConfig, itemsize: int, dtype:
     log.info("machine probes: %.0f GB/s, %.0f GFLOP/s (%.1f s)", bandwidth, gflops, time.perf_counter() - t0)
     d, p = probe.decode, probe.prefill
     out: dict = {"device_name": roofline.device_name(), "memory_bandwidth_gbs": bandwidth, "matmul_gflops": gflops,
+                 # (the quantized projections' probe, int4's too: the key kept from when int8 was the only one)
                  "matmul_gflops_xla": xla, "matmul_gflops_kernel": kernel, "matmul_gflops_int8": int8,
                  "decode_phase": d.as_dict(), "prefill_phase": p.as_dict()}
     if d.decode_steps:
