@@ -130,8 +130,8 @@ def quantized_itemsize(quantization: str | None, cfg: ModelConfig) -> float | No
     if quantization.startswith("int4"):
         from worker.engine import int4_linear
 
-        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return 0.5 + 4 / int4_linear.group_size([h, q, cfg.intermediate_size])
+        inputs = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size]  # q/k/v/gate/up, o, down
+        return 0.5 + 4 / int4_linear.group_size(inputs)
     return 1
 
 
