@@ -139,6 +139,18 @@ def test_int8_projections_split_over_the_mesh(tmp_path):
     assert out["2"]["tokens"] == out["1"]["tokens"]
 
 
+def test_int4_projections_split_over_the_mesh(tmp_path):
+    # 4-bit weights split as their float weights, their group scales with them (o's single group of
+    # 64 inputs on every device); XLA dequantizes and multiplies, so the row-parallel products' float
+    # partial sums add in another order than one device's: the same tokens up to a near tie late in a text
+    make_hf_model("llama", tmp_path)
+    out = run_int8(tmp_path, quantization="int4", matmul="xla")
+    assert out["1"]["quantization"] == out["2"]["quantization"] == "int4 (xla)"
+    assert out["2"]["specs"] == ["P(None, 'tp')", "P(None, 'tp')", "P('tp', None)", "P('tp', None)"]
+    one, two = out["1"]["tokens"], out["2"]["tokens"]
+    assert all(one[i][:8] == two[i][:8] for i in one) and sum(one[i] == two[i] for i in one) >= 2, (one, two)
+
+
 def test_int8_kv_pages_split_over_the_mesh_by_kv_head(tmp_path):
     # int8 pages and their scales split by KV head, as float pages are (the jnp attention on both):
     # the single device's tokens, up to a near tie late in a text (a key a float32 rounding apart

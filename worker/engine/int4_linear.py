@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from worker.engine import cpu_build, cpu_matmul
 from worker.engine.int8_linear import Quantized
@@ -116,7 +117,8 @@ class Int4Linear(nnx.Module):
         self.kernel = kernel
         self.bias = Quantized(linear.bias[...].astype(jnp.float32)) if linear.bias is not None else None
         if not kernel:
-            self.weight, self.scale = Quantized(jnp.asarray(q)), Quantized(jnp.asarray(scale))  # i8[in, out], f32[G, out]
+            q, scale = split_like(linear.weight[...], q, scale)
+            self.weight, self.scale = Quantized(q), Quantized(scale)  # i8[in, out], f32[G, out]
             return
         if not load():
             raise RuntimeError("the int4 kernel needs AVX512-VNNI and a build of cpu_kernels/int4_matmul.cc")
@@ -139,6 +141,18 @@ class Int4Linear(nnx.Module):
                         precision=jax.lax.Precision.HIGHEST)
         y = y.reshape(*lead, self.d_out)
         return y if self.bias is None else y + self.bias[...]
+
+
+def split_like(weight: jax.Array, q: np.ndarray, scale: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """q and scale (groups x columns) placed over `weight`'s tensor-parallel mesh as `weight` is
+    (models/sharding.py): by output columns both; by input rows q, and the scales by their groups
+    where the devices split the groups evenly (else every device holds them all)."""
+    sharding = getattr(weight, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+        return jnp.asarray(q), jnp.asarray(scale)
+    rows, columns = (tuple(sharding.spec) + (None, None))[:2]
+    spec = P(None, columns) if rows is None else P(rows, None) if scale.shape[0] % sharding.mesh.shape[rows] == 0 else P()
+    return jax.device_put(q, sharding), jax.device_put(scale, NamedSharding(sharding.mesh, spec))
 
 
 def quantize_model(model: LlamaForCausalLM, kernel: bool) -> LlamaForCausalLM:
