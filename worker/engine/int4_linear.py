@@ -12,11 +12,14 @@ layer as torchao's config. The LM head and the embeddings stay in the model's dt
 On a CPU with AVX512-VNNI the products run on `cpu_kernels/int4_matmul.cc` (the weight read as
 half a byte per value: the point of int4 where a decode step is bound by reading its weights);
 elsewhere XLA computes what torchao does, the dequantized activations times the dequantized weights
-in float32. The two agree to float32 rounding (the kernel sums exact int32 products per group).
+in float32 (the weights held a byte each and dequantized on every step: right, not fast, and the
+engine says so in its log). The two agree to float32 rounding (the kernel sums exact int32
+products per group).
 """
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 
 import jax
@@ -28,6 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from worker.engine import cpu_build, cpu_matmul
 from worker.engine.int8_linear import Quantized
 from worker.models.llama import LlamaForCausalLM, Linear
+
+log = logging.getLogger(__name__)
 
 W4A8_TARGET = "redjax_panel_matmul_w4a8"  # cpu_kernels/int4_matmul.cc's PanelMatmulW4A8
 GROUP_SIZES = (128, 64, 32)  # the group size is the first of these that divides every projection's inputs
@@ -159,6 +164,9 @@ def quantize_model(model: LlamaForCausalLM, kernel: bool) -> LlamaForCausalLM:
     """`model` with every projection of its layers (not the LM head) int4, in place; `kernel`: on
     the VNNI kernel (`uses_kernel`)."""
     group = model_group_size(model)
+    if not kernel:
+        log.warning("int4 projections without the VNNI kernel: XLA dequantizes the weights (a byte each in memory) on "
+                    "every step, as torchao does, no faster than the float weights; int8 is the faster choice here")
     for _, module in list(nnx.iter_modules(model.model)):  # the layers (the head is the model's own child)
         for name, child in list(vars(module).items()):
             if isinstance(child, Linear):
