@@ -100,10 +100,10 @@ def test_serve_goes_on_while_a_worker_is_left_and_stops_when_none_is(model):
     assert "redjax: stopped" in out
 
 
-def test_serve_with_int8_kv_pages_answers_the_openai_client(model):
+def test_serve_with_int4_projections_and_int8_kv_pages_answers_the_openai_client(model):
     import openai
 
-    with running_serve(model, 1, "--kv-cache-dtype", "int8") as (serve, worker, redis):
+    with running_serve(model, 1, "--kv-cache-dtype", "int8", "--quantization", "int4") as (serve, worker, redis):
         port = serve.args[serve.args.index("--port") + 1]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         done = client.completions.create(model=model.name, prompt="hello world", max_tokens=6, temperature=0)
@@ -112,6 +112,7 @@ def test_serve_with_int8_kv_pages_answers_the_openai_client(model):
         out, err = serve.communicate(timeout=90)
     assert serve.returncode == 0, err[-2000:]
     assert re.search(r"KV pages: 64 of int8", err), err[-3000:]  # the worker says what it serves with
+    assert re.search(r"quantization: int4 \((kernel|xla)\)", err), err[-3000:]
 
 
 def test_ctrl_c_stops_the_stack_cleanly_and_a_killed_stack_leaves_nothing_behind(model):
