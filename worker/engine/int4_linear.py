@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from worker.engine import cpu_build, cpu_matmul
-from worker.engine.int8_linear import Quantized
+from worker.engine.int8_linear import Quantized, kernel_applies
 from worker.models.llama import LlamaForCausalLM, Linear
 
 log = logging.getLogger(__name__)
@@ -102,15 +102,8 @@ def load() -> bool:
 
 
 def uses_kernel(matmul: str, tensor_parallel: int) -> bool:
-    """Whether int4 projections run on the VNNI kernel for `EngineConfig.matmul`: "auto" where it
-    applies (the CPU backend, one device, AVX512-VNNI, it builds), "kernel" there or fail, "xla" never."""
-    if matmul == "xla":
-        return False
-    usable = jax.default_backend() == "cpu" and tensor_parallel == 1
-    if matmul == "kernel" and not (usable and load()):
-        raise ValueError("matmul='kernel' with quantization='int4' needs the CPU backend, tensor_parallel 1 "
-                         "and a CPU with AVX512-VNNI whose kernel builds")
-    return usable and load()
+    """Whether int4 projections run on the VNNI kernel for `EngineConfig.matmul` (as int8's do)."""
+    return kernel_applies(matmul, tensor_parallel, load, "int4")
 
 
 class Int4Linear(nnx.Module):

@@ -57,15 +57,21 @@ def load() -> bool:
 
 
 def uses_kernel(matmul: str, tensor_parallel: int) -> bool:
-    """Whether int8 projections run on the VNNI kernel for `EngineConfig.matmul`: "auto" where it
-    applies (the CPU backend, one device, AVX512-VNNI, it builds), "kernel" there or fail, "xla" never."""
+    """Whether int8 projections run on the VNNI kernel for `EngineConfig.matmul` (`kernel_applies`)."""
+    return kernel_applies(matmul, tensor_parallel, load, "int8")
+
+
+def kernel_applies(matmul: str, tensor_parallel: int, loaded, scheme: str) -> bool:
+    """Whether a quantized projection's VNNI kernel (`loaded()`: built and registered) runs for
+    `EngineConfig.matmul`: "auto" where it applies (the CPU backend, one device, AVX512-VNNI, it
+    builds), "kernel" there or fail, "xla" never."""
     if matmul == "xla":
         return False
     usable = jax.default_backend() == "cpu" and tensor_parallel == 1
-    if matmul == "kernel" and not (usable and load()):
-        raise ValueError("matmul='kernel' with quantization='int8' needs the CPU backend, tensor_parallel 1 "
+    if matmul == "kernel" and not (usable and loaded()):
+        raise ValueError(f"matmul='kernel' with quantization='{scheme}' needs the CPU backend, tensor_parallel 1 "
                          "and a CPU with AVX512-VNNI whose kernel builds")
-    return usable and load()
+    return usable and loaded()
 
 
 class Int8Linear(nnx.Module):
