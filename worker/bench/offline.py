@@ -25,7 +25,7 @@ from worker.bench.barrier import Barrier
 from worker.bench.probe import StepProbe
 from worker.bench.prompts import draw_lengths
 from worker.bench.tokenizer import IdTokenizer
-from worker.engine import gpu_prefill
+from worker.engine import gpu_prefill, quantization
 from worker.engine.batch import sampler_flags
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import RESERVED_PAGES
@@ -129,20 +129,25 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
     """-> (engine, directory with the weights for transformers, or None if they exist only in memory).
     Dummy weights are written to `save_to` if given, before the engine packs them for its kernels."""
     t0 = time.perf_counter()
+    config = EngineConfig(**overrides).for_backend(jax.default_backend())
     if preset:
         cfg = ModelConfig.preset(preset)
-        model, tokenizer, path = build_model(cfg, overrides.get("dtype"), seed=0), IdTokenizer(cfg.vocab_size), None
+        # quantized as it is made, unless transformers needs the float weights written first (or the
+        # engine shards the weights over devices before it quantizes them)
+        project = quantization.projection(config, cfg) if save_to is None and config.tensor_parallel == 1 else None
+        model, tokenizer, path = build_model(cfg, config.dtype, 0, project), IdTokenizer(cfg.vocab_size), None
         if save_to is not None:
             save_checkpoint(model, save_to, overrides.get("dtype"))
             path = save_to
     else:
-        model, path = load_model(model_dir, overrides.get("dtype")), model_dir
+        project = quantization.projection(config, ModelConfig.from_dir(model_dir)) if config.tensor_parallel == 1 else None
+        model, path = load_model(model_dir, config.dtype, None, project), model_dir
         try:
             tokenizer = load_tokenizer(model_dir)
         except FileNotFoundError:
             tokenizer = IdTokenizer(model.cfg.vocab_size)
     if "num_pages" not in overrides:  # enough for every sequence that can run at once, no more
-        page_size = EngineConfig(**overrides).for_backend(jax.default_backend()).page_size
+        page_size = config.page_size
         per_seq = -(-work.longest // page_size)
         running = min(work.num_prompts, overrides.get("max_num_seqs", 64))
         overrides = {**overrides, "num_pages": running * per_seq + RESERVED_PAGES}

@@ -19,8 +19,8 @@ products per group).
 
 from __future__ import annotations
 
-import logging
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from worker.engine import cpu_build, cpu_matmul
-from worker.engine.int8_linear import Quantized, kernel_applies
+from worker.engine.int8_linear import Quantized, kernel_applies, replace_projections
+from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, Linear
-
-log = logging.getLogger(__name__)
 
 W4A8_TARGET = "redjax_panel_matmul_w4a8"  # cpu_kernels/int4_matmul.cc's PanelMatmulW4A8
 GROUP_SIZES = (128, 64, 32)  # the group size is the first of these that divides every projection's inputs
@@ -49,7 +48,13 @@ def group_size(in_features: list[int]) -> int:
 
 
 def model_group_size(model: LlamaForCausalLM) -> int:
-    return group_size([m.weight.shape[0] for _, m in nnx.iter_modules(model.model) if isinstance(m, Linear)])
+    return config_group_size(model.cfg)
+
+
+def config_group_size(cfg: ModelConfig) -> int:
+    """The group size of a model of `cfg`: its projections take hidden_size (q, k, v, gate, up),
+    the heads' width (o) or intermediate_size (down) inputs."""
+    return group_size([cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size])
 
 
 def quantize_weight(weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -153,15 +158,13 @@ def split_like(weight: jax.Array, q: np.ndarray, scale: np.ndarray) -> tuple[jax
     return jax.device_put(q, sharding), jax.device_put(scale, NamedSharding(sharding.mesh, spec))
 
 
+def projection(cfg: ModelConfig, kernel: bool) -> Callable[[Linear], Int4Linear]:
+    """A layer projection of a model of `cfg` -> its int4 form (loader.Project), every layer's in
+    groups of `config_group_size`; `kernel`: on the VNNI kernel (`uses_kernel`)."""
+    return partial(Int4Linear, group=config_group_size(cfg), kernel=kernel)
+
+
 def quantize_model(model: LlamaForCausalLM, kernel: bool) -> LlamaForCausalLM:
     """`model` with every projection of its layers (not the LM head) int4, in place; `kernel`: on
     the VNNI kernel (`uses_kernel`)."""
-    group = model_group_size(model)
-    if not kernel:
-        log.warning("int4 projections without the VNNI kernel: XLA dequantizes the weights (a byte each in memory) on "
-                    "every step, as torchao does, no faster than the float weights; int8 is the faster choice here")
-    for _, module in list(nnx.iter_modules(model.model)):  # the layers (the head is the model's own child)
-        for name, child in list(vars(module).items()):
-            if isinstance(child, Linear):
-                setattr(module, name, Int4Linear(child, group, kernel))
-    return model
+    return replace_projections(model, projection(model.cfg, kernel))

@@ -17,7 +17,8 @@ is added after, which XLA may fuse into a multiply-add (one rounding fewer).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from worker.engine import cpu_build, cpu_matmul
+from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, Linear
 
 W8A8_TARGET = "redjax_panel_matmul_w8a8"  # cpu_kernels/panel_matmul.cc's PanelMatmulW8A8
@@ -111,11 +113,22 @@ class Int8Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def projection(cfg: ModelConfig, kernel: bool) -> Callable[[Linear], Int8Linear]:
+    """A layer projection of a model of `cfg` -> its int8 form (loader.Project); `kernel`: on the VNNI
+    kernel (`uses_kernel`)."""
+    return partial(Int8Linear, kernel=kernel)
+
+
 def quantize_model(model: LlamaForCausalLM, kernel: bool) -> LlamaForCausalLM:
     """`model` with every projection of its layers (not the LM head) int8, in place; `kernel`: on
     the VNNI kernel (`uses_kernel`)."""
+    return replace_projections(model, projection(model.cfg, kernel))
+
+
+def replace_projections(model: LlamaForCausalLM, project: Callable[[Linear], nnx.Module]) -> LlamaForCausalLM:
+    """`model` with each float projection of its layers (not the LM head) replaced by `project(it)`, in place."""
     for _, module in list(nnx.iter_modules(model.model)):  # the layers (the head is the model's own child)
         for name, child in list(vars(module).items()):
             if isinstance(child, Linear):
-                setattr(module, name, Int8Linear(child, kernel))
+                setattr(module, name, project(child))
     return model
