@@ -25,13 +25,14 @@ from worker.bench.barrier import Barrier
 from worker.bench.probe import StepProbe
 from worker.bench.prompts import draw_lengths
 from worker.bench.tokenizer import IdTokenizer
-from worker.engine import gpu_prefill, quantization
+from worker.engine import gpu_prefill, projections
 from worker.engine.batch import sampler_flags
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import RESERVED_PAGES
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.heap import freeze_startup_heap
+from worker.host_memory import hand_back_freed_memory
 from worker.models.config import ModelConfig
 from worker.models.loader import DTYPES, build_model, load_model, load_tokenizer, save_checkpoint
 
@@ -134,13 +135,13 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
         cfg = ModelConfig.preset(preset)
         # quantized as it is made, unless transformers needs the float weights written first (or the
         # engine shards the weights over devices before it quantizes them)
-        project = quantization.projection(config, cfg) if save_to is None and config.tensor_parallel == 1 else None
+        project = projections.projection(config, cfg) if save_to is None and config.tensor_parallel == 1 else None
         model, tokenizer, path = build_model(cfg, config.dtype, 0, project), IdTokenizer(cfg.vocab_size), None
         if save_to is not None:
             save_checkpoint(model, save_to, overrides.get("dtype"))
             path = save_to
     else:
-        project = quantization.projection(config, ModelConfig.from_dir(model_dir)) if config.tensor_parallel == 1 else None
+        project = projections.projection(config, ModelConfig.from_dir(model_dir)) if config.tensor_parallel == 1 else None
         model, path = load_model(model_dir, config.dtype, None, project), model_dir
         try:
             tokenizer = load_tokenizer(model_dir)
@@ -152,6 +153,8 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
         running = min(work.num_prompts, overrides.get("max_num_seqs", 64))
         overrides = {**overrides, "num_pages": running * per_seq + RESERVED_PAGES}
     engine = LLMEngine(model, tokenizer, EngineConfig(**overrides))
+    del model
+    hand_back_freed_memory()  # what making the model freed (host_memory.py)
     log.info("model and engine ready in %.1f s (%s KV pages)", time.perf_counter() - t0, engine.config.num_pages)
     return engine, path
 

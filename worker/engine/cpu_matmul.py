@@ -105,13 +105,12 @@ def kernel_dtype(model: LlamaForCausalLM):
 
 def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """A copy of `model` (sharing its unpacked parameters) whose projections and LM head use the
-    kernel; `model` itself is left as it was."""
+    kernel; `model` itself is left as it was. (Projections the loader packed stay as they are.)"""
     packed = nnx.merge(*nnx.split(model))
     for _, module in list(nnx.iter_modules(packed)):
         for name, child in list(vars(module).items()):
             if isinstance(child, Linear):
-                bias = child.bias[...] if child.bias is not None else None
-                setattr(module, name, nnx.data(PanelLinear(child.weight[...], bias)))
+                setattr(module, name, nnx.data(pack_linear(child)))
     if packed.lm_head is None:  # tied: the embedding table [vocab, hidden] doubles as the head
         packed.lm_head = nnx.data(PanelLinear(packed.model.embed_tokens.weight[...].T, None))
     return packed
@@ -127,10 +126,21 @@ def has_cpu_flag(flag: str) -> bool:
 def choose_matmul(mode: str, tensor_parallel: int, model: LlamaForCausalLM) -> str:
     """Which projections an engine runs for `EngineConfig.matmul`: "kernel", "xla", or "auto" (the
     kernel for a float32 model, or a bfloat16 one on a CPU with AVX512-BF16 (and AMX where the CPU
-    has it), on the CPU backend without tensor parallelism, on an AVX-512 CPU, if it builds)."""
+    has it), on the CPU backend without tensor parallelism, on an AVX-512 CPU, if it builds). A model
+    whose projections the loader packed (`PanelLinear`) runs on the kernel."""
+    if any(isinstance(m, PanelLinear) for _, m in nnx.iter_modules(model.model)):
+        if mode == "xla":
+            raise ValueError("matmul='xla' for a model whose projections were packed for the CPU kernel as it loaded")
+        return "kernel"
+    return matmul_for(mode, tensor_parallel, kernel_dtype(model))
+
+
+def matmul_for(mode: str, tensor_parallel: int, dtype) -> str:
+    """`choose_matmul` for a model whose parameters and products are all `dtype` (None: mixed, or
+    another than float32 and bfloat16)."""
     if mode == "xla":
         return "xla"
-    dtype = kernel_dtype(model)
+    dtype = jnp.dtype(dtype) if dtype is not None and jnp.dtype(dtype) in TARGETS else None
     usable = jax.default_backend() == "cpu" and tensor_parallel == 1 and dtype is not None
     if mode == "kernel":
         if not usable:
@@ -143,3 +153,8 @@ def choose_matmul(mode: str, tensor_parallel: int, model: LlamaForCausalLM) -> s
     if dtype == jnp.bfloat16 and has_cpu_flag("amx_bf16") and not amx():
         return "xla"  # AMX refused: on these CPUs XLA's bfloat16 products outrun the AVX-512 kernel's 3x
     return "kernel" if usable and has_cpu_flag("avx512f") and load(dtype) else "xla"
+
+
+def pack_linear(linear: Linear) -> PanelLinear:
+    """A projection as the kernel holds it (the loader's `Project` for float projections on the kernel)."""
+    return PanelLinear(linear.weight[...], linear.bias[...] if linear.bias is not None else None)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from worker.contract import FinishReason
 from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
-from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, quantization, screened_head, speculation
+from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, projections, screened_head, speculation
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import detokenizers
 from worker.engine.draft_gate import DraftGate
@@ -36,6 +36,7 @@ from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from worker.engine.stop_checker import StopChecker
 from worker.engine.track import Track
+from worker.host_memory import hand_back_freed_memory
 from worker.models.config import ModelConfig
 from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
 from worker.models.sharding import kv_sharding, make_mesh
@@ -58,7 +59,7 @@ class LLMEngine:
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         if mesh is not None:
             model = shard_model(model, mesh)
-        model, self.quantization = quantization.quantize(model, config)  # "int8 (kernel)", "int4 (xla)"... or None
+        model, self.quantization = projections.quantize(model, config)  # "int8 (kernel)", "int4 (xla)"... or None
         self.matmul = cpu_matmul.choose_matmul(config.matmul, config.tensor_parallel, model)
         if self.matmul == "kernel":  # before sizing the KV pages: the packed weights are new memory
             model = cpu_layer_ops.with_kernels(cpu_matmul.pack_model(model))
@@ -98,8 +99,10 @@ class LLMEngine:
         config = config or EngineConfig()
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         # the projections quantized as they load: the float weights never all in memory at once
-        project = quantization.projection(config.for_backend(jax.default_backend()), ModelConfig.from_dir(path))
-        return cls(load_model(path, config.dtype, mesh, project), load_tokenizer(path), config)
+        project = projections.projection(config.for_backend(jax.default_backend()), ModelConfig.from_dir(path))
+        engine = cls(load_model(path, config.dtype, mesh, project), load_tokenizer(path), config)
+        hand_back_freed_memory()  # what loading freed (host_memory.py)
+        return engine
 
     # ---- requests ----
 

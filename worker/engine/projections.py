@@ -1,23 +1,27 @@
-"""Quantized layer projections (`EngineConfig.quantization`): the scheme, and when its weights are made.
+"""How a model's layer projections are held: quantized (`EngineConfig.quantization`), packed for
+the CPU matmul kernel, or as loaded; and when that is done.
 
-The loader quantizes as it reads (`projection`, given to loader.load_model and build_model): each
-layer projection becomes its int8 or int4 form as soon as its float weights are in, and those are
-freed, so host memory peaks at about the quantized model plus one float tensor (llama3-8b with int4
-projections: ~7 GB, where its bfloat16 weights alone are 16 GB). A model built some other way
-reaches the engine with float projections, and `quantize` does the rest there.
+The loader does it as it reads (`projection`, given to loader.load_model and build_model): each
+layer projection becomes its int8 or int4 form, or the kernel's panels, as soon as its float
+weights are in, and those are freed, so host memory peaks at about the model the engine runs plus
+one float tensor: llama3-8b with int4 projections builds in ~7 GB, where its bfloat16 weights alone
+are 16 GB, and a bfloat16 model on the kernel no longer holds its weights twice (loaded, then
+packed). A model built some other way reaches the engine as loaded, and the engine quantizes
+(`quantize`) and packs (cpu_matmul.pack_model) what is left.
 """
 
 from __future__ import annotations
 
 import logging
 
+import jax
 from flax import nnx
 
-from worker.engine import int4_linear, int8_linear
+from worker.engine import cpu_matmul, int4_linear, int8_linear
 from worker.engine.config import EngineConfig
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
-from worker.models.loader import Project
+from worker.models.loader import DTYPES, Project
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +37,14 @@ def uses_kernel(config: EngineConfig) -> bool:
 
 def projection(config: EngineConfig, cfg: ModelConfig) -> Project | None:
     """The loader's replacement for each layer projection of a model of `cfg` under `config`
-    (None: no quantization, the float projections stay)."""
-    if config.quantization is None:
-        return None
-    return SCHEMES[config.quantization][0].projection(cfg, uses_kernel(config))
+    (resolved for the backend): its quantized form, or with no quantization its panels where the
+    engine will run the CPU matmul kernel (cpu_matmul.matmul_for); None: the projections stay as loaded."""
+    if config.quantization is not None:
+        return SCHEMES[config.quantization][0].projection(cfg, uses_kernel(config))
+    dtype = DTYPES[config.dtype or cfg.dtype]
+    if jax.default_backend() == "cpu" and cpu_matmul.matmul_for(config.matmul, config.tensor_parallel, dtype) == "kernel":
+        return cpu_matmul.pack_linear
+    return None
 
 
 def quantize(model: LlamaForCausalLM, config: EngineConfig) -> tuple[LlamaForCausalLM, str | None]:
@@ -50,11 +58,12 @@ def quantize(model: LlamaForCausalLM, config: EngineConfig) -> tuple[LlamaForCau
         return model, None
     scheme, kind = SCHEMES[config.quantization]
     kernel = uses_kernel(config)
-    if any(type(m) is not kind or m.kernel != kernel for m in quantized):
-        raise ValueError(f"the model's projections were quantized otherwise than quantization="
+    packed = any(isinstance(m, cpu_matmul.PanelLinear) for _, m in nnx.iter_modules(model.model))
+    if packed or any(type(m) is not kind or m.kernel != kernel for m in quantized):
+        raise ValueError(f"the model's projections were quantized or packed otherwise than quantization="
                          f"{config.quantization!r} on the {'kernel' if kernel else 'xla'} path")
     if config.quantization == "int4" and not kernel:
         log.warning("int4 projections without the VNNI kernel: XLA dequantizes the weights (a byte each in memory) on "
                     "every step, as torchao does, no faster than the float weights; int8 is the faster choice here")
-    int8_linear.replace_projections(model, projection(config, model.cfg))
+    int8_linear.replace_projections(model, scheme.projection(model.cfg, kernel))
     return model, f"{config.quantization} ({'kernel' if kernel else 'xla'})"
