@@ -13,7 +13,7 @@ model to the unpacked one.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +54,14 @@ def amx() -> bool:
             and cpu_build.register("amx_matmul.cc", "AmxMatmulBf16", AMX_TARGET, permit="RedjaxAmxPermit"))
 
 
-def pack(weight: jax.Array) -> jax.Array:
-    """[K, N] -> the kernel's panels, zero-padded past N (and past K): float32 weights (or any
-    other dtype but bfloat16) as f32[ceil(N / PANEL), K, PANEL], bfloat16 ones as
-    bf16[ceil(N / PANEL), ceil(K / 2), 2 * PANEL] (a row: each column's k and k + 1 in turn)."""
+@partial(jax.jit, static_argnames="transposed")
+def pack(weight: jax.Array, transposed: bool = False) -> jax.Array:
+    """[K, N] (or with `transposed` [N, K], as an embedding table holds a tied head) -> the kernel's
+    panels, zero-padded past N (and past K): float32 weights (or any other dtype but bfloat16) as
+    f32[ceil(N / PANEL), K, PANEL], bfloat16 ones as bf16[ceil(N / PANEL), ceil(K / 2), 2 * PANEL]
+    (a row: each column's k and k + 1 in turn). One program: the padding and the moves make one
+    copy of the weight, not three (llama3-8b's head is 1 GB in bfloat16)."""
+    weight = weight.T if transposed else weight
     k, n = weight.shape
     panels = -(-n // PANEL)
     if weight.dtype == jnp.bfloat16:
@@ -84,10 +88,11 @@ def matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
 class PanelLinear(nnx.Module):
     """A projection whose weight lives as the kernel's panels (made from a `Linear`)."""
 
-    def __init__(self, weight: jax.Array, bias: jax.Array | None):  # weight [in, out], bias [out]
-        self.panels = nnx.Param(pack(weight))  # f32[P, in, PANEL] or bf16[P, in / 2, 2 * PANEL]
+    def __init__(self, weight: jax.Array, bias: jax.Array | None, transposed: bool = False):
+        # weight [in, out] (transposed: [out, in]), bias [out]
+        self.panels = nnx.Param(pack(weight, transposed))  # f32[P, in, PANEL] or bf16[P, in / 2, 2 * PANEL]
         self.bias = nnx.Param(bias.astype(jnp.float32)) if bias is not None else None
-        self.d_out = weight.shape[1]
+        self.d_out = weight.shape[0 if transposed else 1]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> f32[..., out]
         y = matmul(x, self.panels[...], self.d_out)
@@ -112,7 +117,7 @@ def pack_model(model: LlamaForCausalLM) -> LlamaForCausalLM:
             if isinstance(child, Linear):
                 setattr(module, name, nnx.data(pack_linear(child)))
     if packed.lm_head is None:  # tied: the embedding table [vocab, hidden] doubles as the head
-        packed.lm_head = nnx.data(PanelLinear(packed.model.embed_tokens.weight[...].T, None))
+        packed.lm_head = nnx.data(PanelLinear(packed.model.embed_tokens.weight[...], None, transposed=True))
     return packed
 
 

@@ -34,7 +34,7 @@ itself (`cuts_top_k`).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -297,9 +297,17 @@ def attach_bf16(model: LlamaForCausalLM) -> bool:
     p, steps, _ = panels.shape
     if p * steps * cpu_matmul.PANEL >= 2**31:
         return False
-    rows = panels.reshape(p, steps, cpu_matmul.PANEL, 2).transpose(0, 2, 1, 3).reshape(p * cpu_matmul.PANEL, 2 * steps)
-    model.greedy_head = nnx.data(Int8Head(rows[: model.cfg.vocab_size, :k], FullHead(head), exact=panels))
+    rows = _unpack_bf16(panels, model.cfg.vocab_size, k)  # bf16[V, K]: one copy of the head
+    model.greedy_head = nnx.data(Int8Head(rows, FullHead(head), exact=panels))
     return True
+
+
+@partial(jax.jit, static_argnames=("v", "k"))
+def _unpack_bf16(panels: jax.Array, v: int, k: int) -> jax.Array:
+    """bfloat16 panels bf16[P, steps, 2 * PANEL] -> the head's rows bf16[v, k] (a row per token)."""
+    p, steps, _ = panels.shape
+    rows = panels.reshape(p, steps, cpu_matmul.PANEL, 2).transpose(0, 2, 1, 3).reshape(p * cpu_matmul.PANEL, 2 * steps)
+    return rows[:v, :k]
 
 
 def serves(flags: SamplerFlags) -> bool:
