@@ -106,9 +106,9 @@ def _sampling(temperature: jax.Array, keys: jax.Array, top_k: jax.Array | None):
 def row_norms(rows: jax.Array) -> jax.Array:
     """f32[V, K] -> f32[V]: each row's 2-norm, summed in float64 and rounded up to float32 (4096
     rows at a time: a float64 copy of a large vocabulary's head would be gigabytes)."""
-    host = np.asarray(rows)  # (bfloat16 rows: each block as float32)
-    norms = np.concatenate([np.sqrt(np.square(np.asarray(host[i:i + 4096], np.float32), dtype=np.float64).sum(axis=1))
-                            for i in range(0, host.shape[0], 4096)])
+    # a block at a time from the device array (bfloat16 rows: each block as float32), never a whole host copy
+    norms = np.concatenate([np.sqrt(np.square(np.asarray(rows[i:i + 4096], np.float32), dtype=np.float64).sum(axis=1))
+                            for i in range(0, rows.shape[0], 4096)])
     return jnp.asarray(np.nextafter(norms.astype(np.float32), np.float32(np.inf)))
 
 
@@ -133,9 +133,9 @@ def pack_int8(q: np.ndarray) -> np.ndarray:
     PANEL]: a panel row holds each of its PANEL tokens' k .. k + 3 in turn (zeros past V and K)."""
     v, k = q.shape
     panels, steps, panel = -(-v // cpu_matmul.PANEL), -(-k // 4), cpu_matmul.PANEL
-    padded = np.zeros((4 * steps, panels * panel), np.int8)
-    padded[:k, :v] = q.T
-    return padded.reshape(steps, 4, panels, panel).transpose(2, 0, 3, 1).reshape(panels, steps, 4 * panel)
+    if (v, k) != (panels * panel, 4 * steps):  # (a large head's rows divide evenly: no padded copy)
+        q = np.pad(q, ((0, panels * panel - v), (0, 4 * steps - k)))
+    return np.ascontiguousarray(q.reshape(panels, panel, steps, 4).transpose(0, 2, 1, 3)).reshape(panels, steps, 4 * panel)
 
 
 class FullHead(nnx.Module):
@@ -168,13 +168,12 @@ class Int8Head(nnx.Module):
         # rows f32[V, K], a row per token; or a bfloat16 model's bf16[V, K] with `exact` its head's
         # panels bf16[P, K / 2, 2 * PANEL] (shared, not a copy), whose product the tokens must be, and
         # its `fallback`
-        host = np.asarray(rows)
-        q, scales, totals, lost = quantize(host)
+        q, scales, totals, lost = quantize(rows)  # (a block at a time: no host copy of the head)
         self.panels = nnx.Param(jnp.asarray(pack_int8(q)))  # i8[P, K / 4, 4 * PANEL]
         pad = self.panels.shape[0] * cpu_matmul.PANEL - rows.shape[0]  # columns past V: zeros
         self.scales = nnx.Param(jnp.asarray(np.pad(scales, (0, pad))))  # f32[P * PANEL]
         self.totals = nnx.Param(jnp.asarray(np.pad(totals, (0, pad))))  # i32[P * PANEL]
-        self.norms = nnx.Param(row_norms(host))  # f32[V]
+        self.norms = nnx.Param(row_norms(rows))  # f32[V]
         self.rows = nnx.Param(rows) if exact is None else None  # f32[V, K] (not a copy)
         self.exact = nnx.Param(exact) if exact is not None else None
         if exact is not None and fallback is None:
