@@ -32,7 +32,7 @@ from worker.engine.kv_cache import RESERVED_PAGES
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
 from worker.heap import freeze_startup_heap
-from worker.host_memory import hand_back_freed_memory
+from worker.host_memory import loading
 from worker.models.config import ModelConfig
 from worker.models.loader import DTYPES, build_model, load_model, load_tokenizer, save_checkpoint
 
@@ -130,6 +130,14 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
     """-> (engine, directory with the weights for transformers, or None if they exist only in memory).
     Dummy weights are written to `save_to` if given, before the engine packs them for its kernels."""
     t0 = time.perf_counter()
+    with loading():  # what making the model frees goes back to the OS (host_memory.py)
+        engine, path = _engine(model_dir, preset, overrides, work, save_to)
+    log.info("model and engine ready in %.1f s (%s KV pages)", time.perf_counter() - t0, engine.config.num_pages)
+    return engine, path
+
+
+def _engine(model_dir: str | None, preset: str | None, overrides: dict, work: Workload, save_to: Path | None):
+    """make_engine's work: -> (engine, weights directory or None)."""
     config = EngineConfig(**overrides).for_backend(jax.default_backend())
     if preset:
         cfg = ModelConfig.preset(preset)
@@ -152,11 +160,7 @@ def make_engine(model_dir: str | None, preset: str | None, overrides: dict, work
         per_seq = -(-work.longest // page_size)
         running = min(work.num_prompts, overrides.get("max_num_seqs", 64))
         overrides = {**overrides, "num_pages": running * per_seq + RESERVED_PAGES}
-    engine = LLMEngine(model, tokenizer, EngineConfig(**overrides))
-    del model
-    hand_back_freed_memory()  # what making the model freed (host_memory.py)
-    log.info("model and engine ready in %.1f s (%s KV pages)", time.perf_counter() - t0, engine.config.num_pages)
-    return engine, path
+    return LLMEngine(model, tokenizer, EngineConfig(**overrides)), path
 
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int | list[int],

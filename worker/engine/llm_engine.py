@@ -36,7 +36,7 @@ from worker.engine.scheduler import ScheduledBatch, Scheduler
 from worker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from worker.engine.stop_checker import StopChecker
 from worker.engine.track import Track
-from worker.host_memory import hand_back_freed_memory
+from worker.host_memory import loading
 from worker.models.config import ModelConfig
 from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
 from worker.models.sharding import kv_sharding, make_mesh
@@ -100,9 +100,8 @@ class LLMEngine:
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         # the projections quantized as they load: the float weights never all in memory at once
         project = projections.projection(config.for_backend(jax.default_backend()), ModelConfig.from_dir(path))
-        engine = cls(load_model(path, config.dtype, mesh, project), load_tokenizer(path), config)
-        hand_back_freed_memory()  # what loading freed (host_memory.py)
-        return engine
+        with loading():  # what loading frees goes back to the OS (host_memory.py)
+            return cls(load_model(path, config.dtype, mesh, project), load_tokenizer(path), config)
 
     # ---- requests ----
 
