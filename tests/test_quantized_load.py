@@ -1,7 +1,8 @@
-"""Quantization as the weights load (worker/engine/quantization.py, loader `project`): each layer
-projection becomes its int8 or int4 form as soon as its float weights are in and those are freed, so
-a model never holds all its float weights at once; the result is the model that quantizing after
-the load gives, array for array, and an engine built either way gives the same tokens."""
+"""Projections made as the weights load (worker/engine/projections.py, loader `project`): each layer
+projection becomes its int8 or int4 form, or the CPU kernel's panels, as soon as its float weights
+are in and those are freed, so a model never holds all its float weights at once; the result is the
+model that quantizing or packing after the load gives, array for array, and an engine built either
+way gives the same tokens."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class LLMEngine:
     def from_path(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         config = config or EngineConfig()
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
-        # the projections quantized as they load: the float weights never all in memory at once
+        # the projections quantized or packed as they load: the float weights never all in memory at once
         project = projections.projection(config.for_backend(jax.default_backend()), ModelConfig.from_dir(path))
         with loading():  # what loading frees goes back to the OS (host_memory.py)
             return cls(load_model(path, config.dtype, mesh, project), load_tokenizer(path), config)

@@ -5,9 +5,10 @@ name table is the identity plus the few exceptions in `IGNORED` and tied embeddi
 
 Loading builds the model abstractly (no random init), then fills it one tensor at a time from
 the safetensors files, so host memory never holds two full copies of the weights. With `project`
-(quantization.py), each layer projection is replaced by its quantized form as soon as its weights
-are in, so host memory holds the quantized model and one float tensor at a time: llama3-8b with int4
-projections loads in ~7 GB, not its 16 GB of bfloat16 weights.
+(engine/projections.py), each layer projection is replaced by the form the engine runs it in
+(quantized, or packed for the CPU kernel) as soon as its weights are in, so host memory holds that
+model and one float tensor at a time: llama3-8b with int4 projections loads in ~7 GB, not its 16 GB
+of bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 BLOCK = 1 << 24  # a dummy tensor past BLOCK_FROM elements is drawn in blocks of at most this many
 BLOCK_FROM = 1 << 26  # (drawing 2^28 normals at once holds ~16 bytes each of temporaries: 4.4 GB)
 
-Project = Callable[[Linear], Any]  # a layer projection, its weights in, -> its replacement (quantization.py)
+Project = Callable[[Linear], Any]  # a layer projection, its weights in, -> its replacement (engine/projections.py)
 
 
 class CheckpointError(ValueError):
