@@ -168,6 +168,39 @@ def test_dummy_weights_are_initialised_like_the_modules_one_program_per_shape():
     assert programs == len(shapes) < len(flat)
 
 
+def test_save_checkpoint_writes_shards_past_its_size_that_transformers_and_the_loader_read(tmp_path):
+    """A model larger than `shard_bytes` is written as numbered shards and their index, as
+    save_pretrained writes them (so a dummy 8B model is written one shard at a time); transformers
+    and the loader read the same weights from it as from the single file a smaller limit is not needed for."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig.from_hf_dict({**ModelConfig.preset("llama-100m").to_hf_dict(), "num_hidden_layers": 2,
+                                    "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                    "tie_word_embeddings": False})
+    model = build_model(cfg, seed=2)
+    loader.save_checkpoint(model, tmp_path / "one")
+    loader.save_checkpoint(model, tmp_path / "shards", shard_bytes=40_000)
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["config.json", "model.safetensors"]
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(p.name for p in (tmp_path / "shards").glob("*.safetensors")) == files
+    sizes = [(tmp_path / "shards" / f).stat().st_size for f in files]
+    assert index["metadata"]["total_size"] == sum(load_file(tmp_path / "one" / "model.safetensors")[n].nbytes
+                                                  for n in index["weight_map"])
+    assert max(sizes) < 40_000 + 384 * 64 * 4 + 4096  # a shard past the limit holds one tensor (the embedding)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "one").eval()(ids).logits
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "shards").eval()(ids).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    again = load_model(tmp_path / "shards")
+    for (key, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(again))):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(key))
+    logits = np.asarray(again(jnp.asarray(ids.numpy(), jnp.int32)))
+    np.testing.assert_allclose(logits, ref.detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
 # ---- error paths: each names the file and the tensor ----
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from worker import host_memory
 from worker.models.config import ModelConfig
 from worker.models.loader import build_model, save_checkpoint
 
@@ -56,10 +57,12 @@ def word_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None, word
 def write_dummy_model(preset: str, out_dir: str | Path, words: list[str], dtype: str | None = None,
                       seed: int = 0) -> Path:
     """Random weights of `preset` (in `dtype`, default the preset's) and a word tokenizer whose
-    first words are `words`, in `out_dir`."""
+    first words are `words`, in `out_dir`. The weights are freed and their memory handed back when
+    it returns (the caller goes on to serve them from another process)."""
     cfg = ModelConfig.preset(preset)
     out = Path(out_dir)
-    save_checkpoint(build_model(cfg, dtype, seed=seed), out, dtype)
+    with host_memory.loading():
+        save_checkpoint(build_model(cfg, dtype, seed=seed), out, dtype)
     eos_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
     word_tokenizer(cfg.vocab_size, cfg.bos_token_id, eos_id, words).save_pretrained(str(out))
     return out

@@ -35,6 +35,7 @@ TRANSPOSED = ("_proj.weight", "lm_head.weight")  # HF stores these [out, in]; th
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 BLOCK = 1 << 24  # a dummy tensor past BLOCK_FROM elements is drawn in blocks of at most this many
 BLOCK_FROM = 1 << 26  # (drawing 2^28 normals at once holds ~16 bytes each of temporaries: 4.4 GB)
+SHARD_BYTES = 2 << 30  # save_checkpoint writes a model past this size in shards of at most about this
 
 Project = Callable[[Linear], Any]  # a layer projection, its weights in, -> its replacement (engine/projections.py)
 
@@ -163,18 +164,40 @@ def load_model(path: str | Path, dtype: str | None = None, mesh=None, project: P
     return model
 
 
-def save_checkpoint(model: LlamaForCausalLM, out_dir: str | Path, dtype: str | None = None) -> None:
-    """Write config.json + model.safetensors with Hugging Face names (for the demo model and tests)."""
+def save_checkpoint(model: LlamaForCausalLM, out_dir: str | Path, dtype: str | None = None,
+                    shard_bytes: int = SHARD_BYTES) -> None:
+    """Write config.json and the weights with Hugging Face names: one model.safetensors, or past
+    `shard_bytes` numbered shards of at most about that size and their index, as transformers'
+    `save_pretrained` does. One shard's tensors are converted at a time (the library holds a copy of
+    a file's bytes while it writes), so llama3-8b in bfloat16 is written holding ~2 GB beside its 16."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     jdtype = DTYPES[dtype or cfg.dtype]
-    tensors = {}
-    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = ".".join(map(str, key))
-        value = jnp.asarray(var.get_value(), jdtype)
-        tensors[name] = value.T if name.endswith(TRANSPOSED) else value
-    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    params = [(".".join(map(str, key)), var) for key, var in _variables(model).items() if isinstance(var, nnx.Param)]
+    shards: list[list[tuple[str, nnx.Variable]]] = [[]]
+    size = 0
+    for name, var in params:
+        nbytes = math.prod(var.get_value().shape) * jnp.dtype(jdtype).itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, var))
+        size += nbytes
+    files = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards):
+        tensors = {}
+        for name, var in shard:
+            value = jnp.asarray(var.get_value(), jdtype)
+            tensors[name] = value.T if name.endswith(TRANSPOSED) else value
+            weight_map[name], total = file, total + value.nbytes
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = dtype or cfg.dtype
     (out / "config.json").write_text(json.dumps(hf, indent=2))
