@@ -94,6 +94,9 @@ def test_each_projection_takes_its_engine_form_as_it_loads_and_its_float_weights
 
     # the arrays of a model quantized or packed after its load, one for one
     after = load_model(model_dir) if source == "checkpoint" else build_model(cfg, "float32", 0)
+    assert loader.weight_bytes(after) == 4 * cfg.num_params  # float32 as loaded
+    assert loader.weight_bytes(model) == loaded  # what the load left alive is the model
+    assert loaded < 4 * cfg.num_params if scheme else loaded == 4 * cfg.num_params  # panels: the same floats
     if scheme is None:
         want = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(cpu_matmul.pack_model(after).model, nnx.Param))}
         got = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model.model, nnx.Param))}

@@ -38,7 +38,7 @@ from worker.engine.stop_checker import StopChecker
 from worker.engine.track import Track
 from worker.host_memory import loading
 from worker.models.config import ModelConfig
-from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model
+from worker.models.loader import DTYPES, load_model, load_tokenizer, shard_model, weight_bytes
 from worker.models.sharding import kv_sharding, make_mesh
 
 log = logging.getLogger("redjax.engine")
@@ -100,8 +100,11 @@ class LLMEngine:
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         # the projections quantized or packed as they load: the float weights never all in memory at once
         project = projections.projection(config.for_backend(jax.default_backend()), ModelConfig.from_dir(path))
+        log.info("loading %s", path)
         with loading():  # what loading frees goes back to the OS (host_memory.py)
-            return cls(load_model(path, config.dtype, mesh, project), load_tokenizer(path), config)
+            t0, model = time.perf_counter(), load_model(path, config.dtype, mesh, project)
+            log.info("loaded in %.1f s: %.2f GiB of weights", time.perf_counter() - t0, weight_bytes(model) / 2**30)
+            return cls(model, load_tokenizer(path), config)
 
     # ---- requests ----
 

@@ -85,6 +85,12 @@ def _variables(model: LlamaForCausalLM) -> dict[tuple, nnx.Variable]:
     return {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
 
 
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes the model's arrays hold (weights as loaded, quantized or packed)."""
+    values = (node.get_value() for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable))
+    return sum(value.nbytes for value in values if isinstance(value, jax.Array))
+
+
 def _project_when_filled(model: LlamaForCausalLM, flat: dict, path: tuple, project: Project | None) -> None:
     """After the variable at `path` is set: if it belongs to a layer projection (a `Linear` under
     model.model) whose variables are all set, replace that projection by `project(it)` and drop its
