@@ -57,14 +57,18 @@ def config_group_size(cfg: ModelConfig) -> int:
     return group_size([cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size])
 
 
-def quantize_weight(weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """w f32[K, N] -> (q i8[K, N] in [-8, 7], scale f32[K / group, N]): torchao's symmetric int4 per
-    group of `group` consecutive inputs of each column, in float32 (numpy: IEEE divisions)."""
+@partial(jax.jit, static_argnames="group")
+def quantize_weight(weight: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+    """w f[K, N] -> (q i8[K, N] in [-8, 7], scale f32[K / group, N]): torchao's symmetric int4 per
+    group of `group` consecutive inputs of each column, in float32 (one XLA program: at load, both
+    cores and no host copies)."""
     k, n = weight.shape
-    w = np.asarray(weight, np.float32).reshape(k // group, group, n)
-    scale = np.maximum(np.abs(w).max(axis=1) / np.float32(7.5), np.float32(TINY))  # [G, N]
-    q = np.clip(np.round(w * (np.float32(1) / scale)[:, None, :]), -8, 7).astype(np.int8)
-    return q.reshape(k, n), scale.astype(np.float32)
+    w = weight.astype(jnp.float32).reshape(k // group, group, n)
+    most = jnp.max(jnp.abs(w), axis=1)  # [G, N]
+    # an IEEE division (XLA turns one by a broadcast constant into a product by its reciprocal)
+    scale = jnp.maximum(most / jax.lax.optimization_barrier(jnp.full_like(most, 7.5)), jnp.float32(TINY))
+    q = jnp.clip(jnp.round(w * (jnp.float32(1) / scale)[:, None, :]), -8, 7).astype(jnp.int8)
+    return q.reshape(k, n), scale
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -80,23 +84,22 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return q, scale[:, 0], zero[:, 0]
 
 
-def pack(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@jax.jit
+def pack(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q i8[K, N], scale f32[G, N]) -> the kernel's (panels u8[P, K / 4, 64], scales f32[P, G, 32],
     c f32[P * 32]): a panel step's byte j holds column j // 4's input k + j % 4 in its low nibble and
     column 16 + j // 4's in its high one, each as q + 8; columns past N hold 8 (a zero) and scale 0.
     c[n] = sum over groups of scale * the group's q summed: the zero point's share of a product."""
     k, n = q.shape
     panels, groups = -(-n // PANEL), scale.shape[0]
-    u = np.full((k, panels * PANEL), 8, np.uint8)
-    u[:, :n] = (q.astype(np.int16) + 8).astype(np.uint8)
+    pad = ((0, 0), (0, panels * PANEL - n))
+    u = jnp.pad((q + 8).astype(jnp.uint8), pad, constant_values=8)  # [K, P * 32]
     lanes = u.reshape(k // 4, 4, panels, PANEL).transpose(2, 0, 3, 1)  # [P, steps, 32 columns, 4 k]
     nibbles = lanes[:, :, :16, :] | (lanes[:, :, 16:, :] << 4)  # [P, steps, 16, 4]
-    scales = np.zeros((groups, panels * PANEL), np.float32)
-    scales[:, :n] = scale
-    sums = q.reshape(groups, k // groups, n).sum(axis=1, dtype=np.int32).astype(np.float32)  # [G, N]
-    c = np.zeros(panels * PANEL, np.float32)
-    c[:n] = (scale * sums).sum(axis=0, dtype=np.float32)
-    return (nibbles.reshape(panels, k // 4, 64), scales.reshape(groups, panels, PANEL).transpose(1, 0, 2).copy(), c)
+    scales = jnp.pad(scale, pad).reshape(groups, panels, PANEL).transpose(1, 0, 2)  # [P, G, 32]
+    sums = q.reshape(groups, k // groups, n).sum(axis=1, dtype=jnp.int32).astype(jnp.float32)  # [G, N]
+    c = jnp.pad((scale * sums).sum(axis=0), pad[1])  # [P * 32]
+    return nibbles.reshape(panels, k // 4, 64), scales, c
 
 
 @lru_cache(maxsize=1)
@@ -115,7 +118,7 @@ class Int4Linear(nnx.Module):
     """A projection with int4 weights (made from a `Linear`): x [..., in] -> f32[..., out]."""
 
     def __init__(self, linear: Linear, group: int, kernel: bool):
-        q, scale = quantize_weight(np.asarray(linear.weight[...].astype(jnp.float32)), group)
+        q, scale = quantize_weight(linear.weight[...], group)
         self.d_in, self.d_out = q.shape
         self.kernel = kernel
         self.bias = Quantized(linear.bias[...].astype(jnp.float32)) if linear.bias is not None else None
@@ -126,9 +129,9 @@ class Int4Linear(nnx.Module):
         if not load():
             raise RuntimeError("the int4 kernel needs AVX512-VNNI and a build of cpu_kernels/int4_matmul.cc")
         panels, scales, c = pack(q, scale)
-        self.panels = Quantized(jnp.asarray(panels))  # u8[P, in / 4, 64]
-        self.scale = Quantized(jnp.asarray(scales))  # f32[P, G, 32]
-        self.c = Quantized(jnp.asarray(c))  # f32[P * 32]
+        self.panels = Quantized(panels)  # u8[P, in / 4, 64]
+        self.scale = Quantized(scales)  # f32[P, G, 32]
+        self.c = Quantized(c)  # f32[P * 32]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         *lead, k = x.shape
@@ -146,7 +149,7 @@ class Int4Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-def split_like(weight: jax.Array, q: np.ndarray, scale: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def split_like(weight: jax.Array, q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """q and scale (groups x columns) placed over `weight`'s tensor-parallel mesh as `weight` is
     (models/sharding.py): by output columns both; by input rows q, and the scales by their groups
     where the devices split the groups evenly (else every device holds them all)."""

@@ -51,6 +51,23 @@ def quantize(v: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return q, jnp.squeeze(scale, axis)
 
 
+@jax.jit
+def quantize_columns(weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w f[in, out] -> (q i8[in, out], scale f32[out]): `quantize` by columns, as one XLA program."""
+    return quantize(weight, axis=0)
+
+
+@jax.jit
+def kernel_arrays(weight: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """w f[in, out] -> the VNNI kernel's (panels i8[P, ceil(in / 4), 4 * PANEL], scale f32[P * PANEL],
+    sums i32[P * PANEL]), columns past `out` zero; one XLA program (at load: both cores, no host copy)."""
+    from worker.engine.screened_head import pack_int8
+
+    q, scale = quantize(weight, axis=0)  # i8[in, out], f32[out]
+    pad = (0, -q.shape[1] % cpu_matmul.PANEL)
+    return pack_int8(q.T), jnp.pad(scale, pad), jnp.pad(q.sum(axis=0, dtype=jnp.int32), pad)
+
+
 @lru_cache(maxsize=1)
 def load() -> bool:
     """The VNNI kernel built and registered; False where the CPU or compiler lacks it."""
@@ -80,23 +97,19 @@ class Int8Linear(nnx.Module):
     """A projection with int8 weights (made from a `Linear`): x [..., in] -> f32[..., out]."""
 
     def __init__(self, linear: Linear, kernel: bool):
-        q, scale = quantize(linear.weight[...], axis=0)  # i8[in, out], f32[out]
-        self.d_in, self.d_out = q.shape
+        self.d_in, self.d_out = linear.weight.shape
         self.kernel = kernel
         self.bias = Quantized(linear.bias[...].astype(jnp.float32)) if linear.bias is not None else None
         if not kernel:
-            self.weight, self.scale = Quantized(q), Quantized(scale)
+            q, scale = quantize_columns(linear.weight[...])
+            self.weight, self.scale = Quantized(q), Quantized(scale)  # i8[in, out], f32[out]
             return
         if not load():
             raise RuntimeError("the int8 kernel needs AVX512-VNNI and a build of cpu_kernels/panel_matmul.cc")
-        from worker.engine.screened_head import pack_int8
-
-        host = np.asarray(q)
-        columns = -(-self.d_out // cpu_matmul.PANEL) * cpu_matmul.PANEL
-        self.panels = Quantized(jnp.asarray(pack_int8(host.T)))  # i8[P, ceil(in / 4), 4 * PANEL]
-        self.scale = Quantized(jnp.pad(scale, (0, columns - self.d_out)))  # f32[P * PANEL], zero past out
-        sums = host.sum(axis=0, dtype=np.int32)  # [out]: the columns' quantized weights summed
-        self.sums = Quantized(jnp.asarray(np.pad(sums, (0, columns - self.d_out))))  # i32[P * PANEL]
+        panels, scale, sums = kernel_arrays(linear.weight[...])
+        self.panels = Quantized(panels)  # i8[P, ceil(in / 4), 4 * PANEL]
+        self.scale = Quantized(scale)  # f32[P * PANEL], zero past out
+        self.sums = Quantized(sums)  # i32[P * PANEL]: each column's quantized weights summed
 
     def __call__(self, x: jax.Array) -> jax.Array:
         *lead, k = x.shape

@@ -128,14 +128,15 @@ def quantize(rows: np.ndarray):
     return q, scales, q.sum(axis=1, dtype=np.int32), lost
 
 
-def pack_int8(q: np.ndarray) -> np.ndarray:
+def pack_int8(q: jax.Array) -> jax.Array:
     """i8[V, K] (a row per token) -> PanelMatmulI8's panels i8[ceil(V / PANEL), ceil(K / 4), 4 *
-    PANEL]: a panel row holds each of its PANEL tokens' k .. k + 3 in turn (zeros past V and K)."""
+    PANEL]: a panel row holds each of its PANEL tokens' k .. k + 3 in turn (zeros past V and K).
+    Traceable (jnp): inside a jitted program it is one copy of q."""
     v, k = q.shape
     panels, steps, panel = -(-v // cpu_matmul.PANEL), -(-k // 4), cpu_matmul.PANEL
     if (v, k) != (panels * panel, 4 * steps):  # (a large head's rows divide evenly: no padded copy)
-        q = np.pad(q, ((0, panels * panel - v), (0, 4 * steps - k)))
-    return np.ascontiguousarray(q.reshape(panels, panel, steps, 4).transpose(0, 2, 1, 3)).reshape(panels, steps, 4 * panel)
+        q = jnp.pad(q, ((0, panels * panel - v), (0, 4 * steps - k)))
+    return q.reshape(panels, panel, steps, 4).transpose(0, 2, 1, 3).reshape(panels, steps, 4 * panel)
 
 
 class FullHead(nnx.Module):
@@ -169,7 +170,7 @@ class Int8Head(nnx.Module):
         # panels bf16[P, K / 2, 2 * PANEL] (shared, not a copy), whose product the tokens must be, and
         # its `fallback`
         q, scales, totals, lost = quantize(rows)  # (a block at a time: no host copy of the head)
-        self.panels = nnx.Param(jnp.asarray(pack_int8(q)))  # i8[P, K / 4, 4 * PANEL]
+        self.panels = nnx.Param(jax.jit(pack_int8)(q))  # i8[P, K / 4, 4 * PANEL]
         pad = self.panels.shape[0] * cpu_matmul.PANEL - rows.shape[0]  # columns past V: zeros
         self.scales = nnx.Param(jnp.asarray(np.pad(scales, (0, pad))))  # f32[P * PANEL]
         self.totals = nnx.Param(jnp.asarray(np.pad(totals, (0, pad))))  # i32[P * PANEL]
