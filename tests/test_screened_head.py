@@ -406,3 +406,20 @@ def test_asking_for_it_where_it_cannot_run_fails(llama, tokenizer):
             LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, num_pages=16, matmul="xla", greedy_head=mode))
     with pytest.raises(ValueError, match="greedy_head must be"):
         EngineConfig(greedy_head="fast")
+
+
+@pytest.mark.parametrize("v,k", [(4100, 24), (96, 130), (33, 4)])
+def test_the_heads_panels_packed_on_the_host_block_by_block_equal_the_device_packing(v, k):
+    """pack_int8_host (the int8 screen's panels, a block of rows at a time) gives pack_int8's
+    panels, zeros past V and K; and a bfloat16 head's rows read from its panels a block at a time
+    (PanelRows) are its rows."""
+    rng = np.random.default_rng(v + k)
+    q = rng.integers(-127, 128, (v, k), dtype=np.int8)
+    np.testing.assert_array_equal(screened_head.pack_int8_host(q, block=64), np.asarray(screened_head.pack_int8(q)))
+    rows = jnp.asarray(rng.standard_normal((v, k)), jnp.bfloat16)
+    view = screened_head.PanelRows(cpu_matmul.pack(rows.T), v, k)
+    assert view.shape == (v, k)
+    for start, stop in ((0, 64), (64, v + 10), (0, v)):
+        np.testing.assert_array_equal(np.asarray(view[start:stop]), np.asarray(rows[start:stop]))
+    with pytest.raises(IndexError, match="panel"):
+        view[5:10]
