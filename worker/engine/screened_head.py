@@ -140,17 +140,13 @@ def pack_int8(q: jax.Array) -> jax.Array:
 
 
 def pack_int8_host(q: np.ndarray, block: int = 4096) -> np.ndarray:
-    """`pack_int8` in numpy, `block` rows at a time into the panels: no padded copy of a whole head."""
+    """`pack_int8` into host memory, `block` rows (a multiple of PANEL) at a time: no padded or
+    device copy of a whole head."""
     v, k = q.shape
-    panels, steps, panel = -(-v // cpu_matmul.PANEL), -(-k // 4), cpu_matmul.PANEL
-    out = np.empty((panels, steps, 4 * panel), np.int8)
+    panel = cpu_matmul.PANEL
+    out = np.empty((-(-v // panel), -(-k // 4), 4 * panel), np.int8)
     for i in range(0, v, block):
-        part = q[i:i + block]
-        rows = -(-part.shape[0] // panel) * panel
-        if part.shape != (rows, 4 * steps):  # the last block's rows, or inputs not a multiple of 4
-            part = np.pad(part, ((0, rows - part.shape[0]), (0, 4 * steps - k)))
-        out[i // panel:(i + rows) // panel] = part.reshape(-1, panel, steps, 4).transpose(0, 2, 1, 3).reshape(
-            -1, steps, 4 * panel)
+        out[i // panel:-(-min(i + block, v) // panel)] = jax.jit(pack_int8)(q[i:i + block])
     return out
 
 
