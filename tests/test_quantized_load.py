@@ -117,16 +117,44 @@ def test_an_engine_from_the_path_quantizes_at_load_and_gives_the_same_tokens(mod
     at_load = LLMEngine.from_path(model_dir, engine_config)
     after = LLMEngine(load_model(model_dir), load_tokenizer(model_dir), engine_config)
     assert at_load.quantization == after.quantization == f"{scheme} ({'kernel' if projections.uses_kernel(at_load.config) else 'xla'})"
+    tokens = [greedy_tokens(engine) for engine in (at_load, after)]
+    assert tokens[0] == tokens[1] and all(len(t) == 10 for t in tokens[0])
+
+
+def greedy_tokens(engine: LLMEngine) -> list[list[int]]:
+    """10 greedy tokens for each of three prompts; the engine's pages all free again after."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 256, n).tolist() for n in (2, 7, 13)]
-    tokens = []
-    for engine in (at_load, after):
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
-        got = drain(engine)
-        tokens.append([got[(f"r{i}", 0)].token_ids for i in range(len(prompts))])
-        assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
-    assert tokens[0] == tokens[1] and all(len(t) == 10 for t in tokens[0])
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    got = drain(engine)
+    assert engine.allocator.num_free_pages == engine.allocator.num_usable_pages
+    return [got[(f"r{i}", 0)].token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("scheme", (None, "int8"))
+def test_an_untied_head_is_packed_as_it_loads_where_the_engine_runs_the_kernel(tmp_path, scheme):
+    """The LM head takes the CPU kernel's panels as it loads where the engine would pack it (so the
+    loaded head is freed before the greedy head's screen is built from the panels), and the engine
+    gives the tokens an engine packing it after the load gives."""
+    (tmp_path / "shape.json").write_text(json.dumps({**config().to_hf_dict(), "tie_word_embeddings": False}))
+    path = write_dummy_model(str(tmp_path / "shape.json"), tmp_path / "model", list(WORDS), "float32")
+    cfg = ModelConfig.from_dir(path)
+    engine_config = EngineConfig(quantization=scheme, max_num_seqs=4, page_size=4, num_pages=48,
+                                 max_num_batched_tokens=16, decode_steps=2)
+    assert projections.head_projection(EngineConfig(matmul="xla"), cfg) is None
+    head = projections.head_projection(engine_config, cfg)
+    if cpu_matmul.matmul_for("auto", 1, jnp.float32) == "xla":  # no float32 kernel on this CPU: nothing to pack
+        assert head is None
+        return
+    model = load_model(path, project=projections.projection(engine_config, cfg), project_head=head)
+    assert isinstance(model.lm_head, cpu_matmul.PanelLinear)
+    want = cpu_matmul.pack_linear(load_model(path).lm_head).panels[...]
+    np.testing.assert_array_equal(np.asarray(model.lm_head.panels[...]), np.asarray(want))
+    at_load = LLMEngine.from_path(path, engine_config)
+    after = LLMEngine(load_model(path), load_tokenizer(path), engine_config)
+    assert at_load.matmul == after.matmul == "kernel" and at_load.greedy_head == after.greedy_head
+    assert greedy_tokens(at_load) == greedy_tokens(after)
 
 
 def test_an_engine_refuses_a_model_quantized_otherwise(model_dir):

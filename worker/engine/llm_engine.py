@@ -99,10 +99,11 @@ class LLMEngine:
         config = config or EngineConfig()
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         # the projections quantized or packed as they load: the float weights never all in memory at once
-        project = projections.projection(config.for_backend(jax.default_backend()), ModelConfig.from_dir(path))
+        resolved, cfg = config.for_backend(jax.default_backend()), ModelConfig.from_dir(path)
+        project, head = projections.projection(resolved, cfg), projections.head_projection(resolved, cfg)
         log.info("loading %s", path)
         with loading():  # what loading frees goes back to the OS (host_memory.py)
-            t0, model = time.perf_counter(), load_model(path, config.dtype, mesh, project)
+            t0, model = time.perf_counter(), load_model(path, config.dtype, mesh, project, head)
             log.info("loaded in %.1f s: %.2f GiB of weights", time.perf_counter() - t0, weight_bytes(model) / 2**30)
             return cls(model, load_tokenizer(path), config)
 

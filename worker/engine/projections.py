@@ -41,10 +41,24 @@ def projection(config: EngineConfig, cfg: ModelConfig) -> Project | None:
     engine will run the CPU matmul kernel (cpu_matmul.matmul_for); None: the projections stay as loaded."""
     if config.quantization is not None:
         return SCHEMES[config.quantization][0].projection(cfg, uses_kernel(config))
+    return cpu_matmul.pack_linear if _float_kernel(config, cfg) else None
+
+
+def head_projection(config: EngineConfig, cfg: ModelConfig) -> Project | None:
+    """The loader's replacement for the LM head (untied, without a bias, as Llama's): the CPU
+    kernel's panels where the engine will run its float products there, so the loaded head is freed
+    before the engine builds the greedy head's screen from its panels (1 GB at llama3-8b's shape);
+    None: it stays as loaded, and the engine packs it (cpu_matmul.pack_model) if it runs the kernel."""
+    if not _float_kernel(config, cfg):
+        return None
+    return lambda head: head if head.bias is not None else cpu_matmul.pack_linear(head)
+
+
+def _float_kernel(config: EngineConfig, cfg: ModelConfig) -> bool:
+    """Whether the engine runs a model of `cfg`'s float products (all its products unquantized, or
+    with quantization the LM head) on the CPU matmul kernel (cpu_matmul.matmul_for)."""
     dtype = DTYPES[config.dtype or cfg.dtype]
-    if jax.default_backend() == "cpu" and cpu_matmul.matmul_for(config.matmul, config.tensor_parallel, dtype) == "kernel":
-        return cpu_matmul.pack_linear
-    return None
+    return jax.default_backend() == "cpu" and cpu_matmul.matmul_for(config.matmul, config.tensor_parallel, dtype) == "kernel"
 
 
 def quantize(model: LlamaForCausalLM, config: EngineConfig) -> tuple[LlamaForCausalLM, str | None]:

@@ -45,12 +45,12 @@ class CheckpointError(ValueError):
 
 
 def build_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0,
-                project: Project | None = None) -> LlamaForCausalLM:
+                project: Project | None = None, project_head: Project | None = None) -> LlamaForCausalLM:
     """Dummy weights: random init from the config alone (like `--load-format dummy`), made on device
     one tensor at a time. Each distinct shape gets one small jitted program: a single program for
     the whole model took an H100 about two minutes to compile for llama3-8b's 291 tensors.
     Projections and embeddings are N(0, 0.02), norm scales one, biases zero, as the modules'
-    own initialisers make them. `project`: as `load_model`'s."""
+    own initialisers make them. `project`, `project_head`: as `load_model`'s."""
     jdtype = DTYPES[dtype or cfg.dtype]
     model = nnx.eval_shape(lambda: _new(cfg, jdtype, 0))
     flat = _variables(model)
@@ -59,7 +59,7 @@ def build_model(cfg: ModelConfig, dtype: str | None = None, seed: int = 0,
         var, name = flat[path], ".".join(map(str, path))
         fill = "ones" if name.endswith("norm.weight") else "zeros" if name.endswith(".bias") else "normal"
         var.set_value(_dummy_tensor(jax.random.fold_in(key, i), var.shape, jnp.dtype(var.dtype), fill))
-        _project_when_filled(model, flat, path, project)
+        _project_when_filled(model, flat, path, project, project_head)
     return model
 
 
@@ -91,11 +91,15 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     return sum(value.nbytes for value in values if isinstance(value, jax.Array))
 
 
-def _project_when_filled(model: LlamaForCausalLM, flat: dict, path: tuple, project: Project | None) -> None:
+def _project_when_filled(model: LlamaForCausalLM, flat: dict, path: tuple, project: Project | None,
+                         project_head: Project | None = None) -> None:
     """After the variable at `path` is set: if it belongs to a layer projection (a `Linear` under
-    model.model) whose variables are all set, replace that projection by `project(it)` and drop its
-    variables from `flat`, so that its float weights are freed."""
-    if project is None or path[0] != "model" or len(path) < 3:
+    model.model) or the untied LM head whose variables are all set, replace it by `project(it)`
+    (the head by `project_head(it)`) and drop its variables from `flat`, so that its float weights
+    are freed."""
+    head = path[0] == "lm_head"
+    project = project_head if head else project
+    if project is None or not head and (path[0] != "model" or len(path) < 3):
         return
     parent = model
     for part in path[:-2]:
@@ -121,11 +125,13 @@ def shard_model(model: LlamaForCausalLM, mesh) -> LlamaForCausalLM:
     return model
 
 
-def load_model(path: str | Path, dtype: str | None = None, mesh=None, project: Project | None = None) -> LlamaForCausalLM:
+def load_model(path: str | Path, dtype: str | None = None, mesh=None, project: Project | None = None,
+               project_head: Project | None = None) -> LlamaForCausalLM:
     """Load a local Hugging Face checkpoint directory (config.json + *.safetensors).
 
     With a `mesh`, each tensor goes straight to its tensor-parallel sharding as it is read. With
-    `project`, each layer projection becomes `project(projection)` once its tensors are in.
+    `project`, each layer projection becomes `project(projection)` once its tensors are in; with
+    `project_head`, an untied LM head becomes `project_head(head)`.
     """
     path = Path(path)
     if not path.is_dir():
@@ -163,7 +169,7 @@ def load_model(path: str | Path, dtype: str | None = None, mesh=None, project: P
                     tensor = jax.device_put(tensor, param_sharding(name, mesh))
                 variable.set_value(tensor)
                 filled.add(name)
-                _project_when_filled(model, flat, expected[name], project)
+                _project_when_filled(model, flat, expected[name], project, project_head)
     missing = sorted(set(expected) - filled)
     if missing:
         raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
