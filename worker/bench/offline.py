@@ -143,16 +143,14 @@ def _engine(model_dir: str | None, preset: str | None, overrides: dict, work: Wo
         cfg = ModelConfig.preset(preset)
         # quantized as it is made, unless transformers needs the float weights written first (or the
         # engine shards the weights over devices before it quantizes them)
-        project, head = ((projections.projection(config, cfg), projections.head_projection(config, cfg))
-                         if save_to is None and config.tensor_parallel == 1 else (None, None))
+        project, head = projections.load_forms(config, cfg) if save_to is None and config.tensor_parallel == 1 else (None, None)
         model, tokenizer, path = build_model(cfg, config.dtype, 0, project, head), IdTokenizer(cfg.vocab_size), None
         if save_to is not None:
             save_checkpoint(model, save_to, overrides.get("dtype"))
             path = save_to
     else:
         cfg = ModelConfig.from_dir(model_dir)
-        project, head = ((projections.projection(config, cfg), projections.head_projection(config, cfg))
-                         if config.tensor_parallel == 1 else (None, None))
+        project, head = projections.load_forms(config, cfg) if config.tensor_parallel == 1 else (None, None)
         model, path = load_model(model_dir, config.dtype, None, project, head), model_dir
         try:
             tokenizer = load_tokenizer(model_dir)

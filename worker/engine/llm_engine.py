@@ -99,8 +99,7 @@ class LLMEngine:
         config = config or EngineConfig()
         mesh = make_mesh(config.tensor_parallel) if config.tensor_parallel > 1 else None
         # the projections quantized or packed as they load: the float weights never all in memory at once
-        resolved, cfg = config.for_backend(jax.default_backend()), ModelConfig.from_dir(path)
-        project, head = projections.projection(resolved, cfg), projections.head_projection(resolved, cfg)
+        project, head = projections.load_forms(config.for_backend(jax.default_backend()), ModelConfig.from_dir(path))
         log.info("loading %s", path)
         with loading():  # what loading frees goes back to the OS (host_memory.py)
             t0, model = time.perf_counter(), load_model(path, config.dtype, mesh, project, head)

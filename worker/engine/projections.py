@@ -54,6 +54,12 @@ def head_projection(config: EngineConfig, cfg: ModelConfig) -> Project | None:
     return lambda head: head if head.bias is not None else cpu_matmul.pack_linear(head)
 
 
+def load_forms(config: EngineConfig, cfg: ModelConfig) -> tuple[Project | None, Project | None]:
+    """What the loader turns a model of `cfg`'s layer projections and LM head into (`projection`,
+    `head_projection`): the `project` and `project_head` of loader.load_model and build_model."""
+    return projection(config, cfg), head_projection(config, cfg)
+
+
 def _float_kernel(config: EngineConfig, cfg: ModelConfig) -> bool:
     """Whether the engine runs a model of `cfg`'s float products (all its products unquantized, or
     with quantization the LM head) on the CPU matmul kernel (cpu_matmul.matmul_for)."""

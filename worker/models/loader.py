@@ -206,7 +206,6 @@ def save_checkpoint(model: LlamaForCausalLM, out_dir: str | Path, dtype: str | N
             tensors[name] = value.T if name.endswith(TRANSPOSED) else value
             weight_map[name], total = file, total + value.nbytes
         save_file(tensors, str(out / file), metadata={"format": "pt"})
-        del tensors
     if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
