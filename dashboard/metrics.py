@@ -38,6 +38,10 @@ COUNTERS = {
     contract.TOTAL_CACHED_PROMPT_TOKENS: ("prompt_tokens_cached", "Prompt tokens served from the prefix cache (not computed)."),
     contract.TOTAL_GENERATION_TOKENS: ("generation_tokens", "Output tokens generated."),
     contract.TOTAL_PREEMPTIONS: ("num_preemptions", "Sequences preempted (their KV pages freed, recomputed later)."),
+    contract.TOTAL_STEP_COMPILES: ("step_compiles", "Step variants workers compiled while serving, after their warm-up "
+                                   "(each takes a core for 0.1 s to minutes)."),
+    contract.TOTAL_COMPILE_STALL_S: ("step_compile_stall_seconds", "Seconds workers' engine threads waited for those "
+                                     "compiles (their running streams with them)."),
     contract.TOTAL_REJECTED: ("requests_rejected", "Requests refused with HTTP 429 by the API."),
     contract.TOTAL_ENQUEUED: ("requests_enqueued", "Requests put on the queue by the API."),
 }

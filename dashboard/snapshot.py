@@ -118,6 +118,8 @@ def _worker(worker: WorkerReading, now: float) -> dict[str, Any]:
         "mean_batch_size": round(s.mean_batch_size, 3),
         "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
         "preemptions": s.preemptions,
+        "step_compiles": s.step_compiles,  # since its warm-up: a recompile under load
+        "compile_stall_s": s.compile_stall_s,
         "requests_finished": s.requests_finished,
         "heartbeat_age_s": max(now - s.updated_at, 0.0),
         "uptime_s": max(now - s.started_at, 0.0),

@@ -41,6 +41,9 @@ def test_stack_pairs_the_embedded_stack_with_the_engine_alone(tmp_path):
                                                                        {"load generator compute", "load generator other"})
         assert set(offline) == {"engine compute", "engine other"}
         assert min(serve.values()) >= 0 and min(offline.values()) >= 0
+        # read from the stack's /metrics around the measured run (compiles there are counted below)
+        assert isinstance(p["serve_step_compiles"], int) and p["serve_step_compiles"] >= 0
+        assert p["serve_compile_stall_s"] >= 0
         for usage in (p["serve_cpu"], p["offline_cpu"]):
             assert usage["idle_core_s"] >= 0 and usage["rest_core_s"] >= 0 and usage["cores"] == os.cpu_count()
     assert report["median_ratio"] == pytest.approx(statistics.median(p["ratio"] for p in report["pairs"]))
@@ -124,3 +127,37 @@ def test_offline_engines_stop_together_when_one_fails(tmp_path):
                                                                          "--page-size", "8"))
     with pytest.raises(RuntimeError, match=r"(?s)bench offline exited 2: .*error: --num-prompts"):
         _offline_once(run, seed=0)
+
+
+def test_stack_counts_what_the_workers_compiled_during_the_measured_run(redis_client, redis_url):
+    """The serving half reads the fleet's compile counters from /metrics before the run and again
+    once every worker has sent a heartbeat after it: a run that compiled says so."""
+    import threading
+    import time
+
+    from dashboard.app import create_dashboard
+    from dashboard.config import DashboardConfig
+    from tests.test_dashboard_live import seed_worker, serve_app
+    from worker import contract
+    from worker.bench.stack import _compiles, _compiles_since
+
+    seed_worker(redis_client, "w0", updated_at=time.time() - 0.9)
+    redis_client.hincrby(contract.TOTALS, contract.TOTAL_STEP_COMPILES, 4)  # before the run: not counted
+    with serve_app(create_dashboard(DashboardConfig(redis_url=redis_url))) as base:
+        before = _compiles(base)
+        assert before[:2] == (4.0, 0.0) and before[2] >= 0.9
+        ended = time.monotonic()
+        redis_client.hincrby(contract.TOTALS, contract.TOTAL_STEP_COMPILES, 2)  # the run's, not yet beaten
+
+        def heartbeat_later():  # the worker's next heartbeat, which adds the stall
+            time.sleep(0.5)
+            redis_client.hincrbyfloat(contract.TOTALS, contract.TOTAL_COMPILE_STALL_S, 0.75)
+            seed_worker(redis_client, "w0")
+
+        beat = threading.Thread(target=heartbeat_later)
+        beat.start()
+        try:
+            assert _compiles_since(base, before, ended) == (2, 0.75)
+        finally:
+            beat.join()
+        assert _compiles_since(base, None, ended) == (None, None)  # a stack without /metrics

@@ -178,7 +178,8 @@ class SimulatedTraffic:
             seed_worker(self._client, name, model="llama-3.2-1b", pages_used=int(4096 * wave), pages_total=4096,
                         running=int(20 * wave), waiting=self._rng.randint(0, 4),
                         tokens_per_s=800 + 400 * wave + self._rng.random() * 50,
-                        preemptions=self._count // 40, requests_finished=self._count // len(self.workers))
+                        preemptions=self._count // 40, requests_finished=self._count // len(self.workers),
+                        step_compiles=k + 1, compile_stall_s=0.5 * k)  # the first worker's were all in the background
 
     def _tick(self) -> None:
         """One new request per tick; about one delivered per tick; each finishes ~8 ticks after delivery."""
@@ -280,6 +281,11 @@ def assert_dashboard_live(page_url: str, screenshot_path: str | Path, *, worker_
                 for key in ("queue-waiting", "queue-in-flight", "fleet-tokens", "fleet-requests", "fleet-workers",
                             "fleet-prefix")
             }
+            if worker_name is not None:
+                cells = page.query_selector_all(f'#workers tr[data-worker="{worker_name}"] td')
+                headers = page.query_selector_all("#workers thead th")
+                figures["worker"] = {h.text_content(): c.text_content() for h, c in zip(headers, cells)}
+                figures["worker_titles"] = {h.text_content(): c.get_attribute("title") for h, c in zip(headers, cells)}
             Path(screenshot_path).parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot_path), full_page=True)
             assert page.is_hidden("#banner"), page.text_content("#banner")
@@ -297,6 +303,8 @@ def test_dashboard_live_in_chromium(redis_client, redis_url, output_dir):
         time.sleep(2.5)  # let a few throughput buckets fill
         figures = assert_dashboard_live(base + "/", output_dir / "dashboard.png", worker_name=traffic.workers[0])
     assert figures["fleet-workers"] == "2 alive"
+    assert figures["worker"]["Compiles"] == "1" and figures["worker"]["Worker"] == traffic.workers[0]
+    assert figures["worker_titles"]["Compiles"] == "0.0 s of stalled streams"
 
 
 def test_dashboard_mounted_with_login_in_chromium(redis_client, redis_url, output_dir):

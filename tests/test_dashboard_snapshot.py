@@ -35,7 +35,7 @@ def snapshot_of(app) -> dict:
 
 def test_snapshot_reports_queue_workers_latency_and_recent(redis_client, redis_url):
     seed_worker(redis_client, "gpu-0", pages_used=250, pages_total=1000, running=7, waiting=3, tokens_per_s=900.0,
-                prefix_cache_hit_rate=0.5)
+                prefix_cache_hit_rate=0.5, step_compiles=2, compile_stall_s=1.5)
     seed_worker(redis_client, "gpu-1", pages_used=750, pages_total=1000, running=1, waiting=0, tokens_per_s=100.0,
                 state=contract.WorkerState.STARTING.value)
     seed_gone_worker(redis_client, "gpu-old")
@@ -60,6 +60,7 @@ def test_snapshot_reports_queue_workers_latency_and_recent(redis_client, redis_u
     assert gpu0["alive"] and gpu0["model"] == "tiny-llama" and gpu0["state"] == "serving"
     assert (gpu0["pages_used"], gpu0["pages_total"], gpu0["kv_usage"]) == (250, 1000, 0.25)
     assert (gpu0["running"], gpu0["waiting"], gpu0["preemptions"]) == (7, 3, 3)
+    assert (gpu0["step_compiles"], gpu0["compile_stall_s"]) == (2, 1.5)
     assert gpu0["prefix_cache_hit_rate"] == 0.5
     assert 0.0 <= gpu0["heartbeat_age_s"] < 5.0
 

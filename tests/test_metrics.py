@@ -39,6 +39,8 @@ def test_metrics_report_fleet_state(redis_client, redis_url):
     seed_worker(redis_client, "gpu-1", state=contract.WorkerState.STARTING.value)  # loading or compiling
     seed_queue(redis_client, total=4, delivered=1)
     redis_client.hincrby(contract.TOTALS, contract.TOTAL_REJECTED, 2)
+    redis_client.hincrby(contract.TOTALS, contract.TOTAL_STEP_COMPILES, 3)  # as workers' heartbeats add them
+    redis_client.hincrbyfloat(contract.TOTALS, contract.TOTAL_COMPILE_STALL_S, 1.25)
     seed_events(redis_client, [
         make_event("a", ttft_s=0.03, output_tokens=10, prompt_tokens=7),
         make_event("b", ttft_s=0.3, output_tokens=1, prompt_tokens=5, finish_reason="length"),
@@ -67,6 +69,9 @@ def test_metrics_report_fleet_state(redis_client, redis_url):
     assert value(m, "redjax:generation_tokens", "redjax:generation_tokens_total") == 11
     assert value(m, "redjax:requests_rejected", "redjax:requests_rejected_total") == 2
     assert value(m, "redjax:num_preemptions", "redjax:num_preemptions_total") == 0
+    assert value(m, "redjax:step_compiles", "redjax:step_compiles_total") == 3
+    stall = "redjax:step_compile_stall_seconds"
+    assert m[stall]["type"] == "counter" and value(m, stall, stall + "_total") == 1.25
     success = "redjax:request_success_total"
     assert value(m, "redjax:request_success", success, finished_reason="stop") == 1
     assert value(m, "redjax:request_success", success, finished_reason="length") == 1

@@ -176,6 +176,38 @@ def test_requests_with_penalties_or_logit_bias_wait_for_their_variant_while_the_
         assert results[(f"s{j}", 0)].token_ids == drain(alone)[(f"s{j}", 0)].token_ids, params
 
 
+def test_the_runner_counts_its_compiles_and_the_engine_threads_wait_for_them(model, tokenizer, prompts):
+    """What a worker publishes as step_compiles and compile_stall_s: every variant compiled (jit on
+    the engine thread, ahead, in the background), and the seconds the engine thread waited."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    runner = engine.runner
+    warm, warm_stall = runner.compiles.reading()
+    assert warm == len(runner.compiled) + len(runner.ready) and warm_stall > 0
+    penalised = SamplingParams(temperature=0.0, presence_penalty=1.5, max_tokens=3, ignore_eos=True)
+    engine.add_request("fg", prompts[0], penalised)  # nothing covers it; alone, it compiles at once
+    drain(engine)
+    inline, inline_stall = runner.compiles.reading()
+    assert inline > warm and inline_stall > warm_stall
+    assert inline == len(runner.compiled) + len(runner.ready)
+    runner.prompts_wait = True  # as a serving worker runs it: the new variant compiles in the background
+    biased = SamplingParams(temperature=0.0, logit_bias=((5, 4.0),), max_tokens=3, ignore_eos=True)
+
+    def arrive(k):
+        while runner.compiling:  # done before the next step: the request never runs alone meanwhile
+            time.sleep(0.01)
+        if k == 0:
+            engine.add_request("g", prompts[1], SamplingParams(temperature=0.0, max_tokens=4 * GEN, ignore_eos=True))
+        elif k == 2:
+            engine.add_request("bg", prompts[2], biased)
+
+    drain(engine, arrive)
+    assert any(f.bias for _, f in runner.ready)
+    total, stall = runner.compiles.reading()
+    assert total == len(runner.compiled) + len(runner.ready) > inline
+    assert stall == inline_stall  # the running request never waited for it
+
+
 def test_a_variant_serves_batches_that_need_less_of_the_sampler():
     flags = lambda **kw: SamplerFlags(**{"all_greedy": True, "needs_cut": False, "penalties": False,  # noqa: E731
                                          "bias": False, "num_logprobs": 0, "logprobs": False, **kw})

@@ -142,6 +142,27 @@ def test_the_heartbeat_adds_the_engines_preemptions_to_the_fleet_counter(model_d
         assert client.hget(contract.TOTALS, contract.TOTAL_PREEMPTIONS) == total
 
 
+def test_the_heartbeat_adds_the_compiles_since_the_warmup_to_the_fleet_counters(model_dir, redis_url):  # noqa: F811
+    """A step variant compiled while serving stalls streams (or takes a core) with nothing in the
+    log level a fleet watches; /metrics counts them. Warm-up's compiles are not counted."""
+    worker = _worker(model_dir, redis_url)
+    client = redis.Redis.from_url(redis_url)
+    runner = worker.engine.runner
+    runner.compiles.add(2.5, stalled=True, variants=40)  # the warm-up's
+    worker._report()
+    assert (worker.io._stats.step_compiles, worker.io._stats.compile_stall_s) == (0, 0.0)
+    worker._compiles_mark = runner.compiles.reading()  # as run() takes it when the warm-up ends
+    runner.compiles.add(0.75, stalled=True)  # a batch nothing covered: compiled on the engine thread
+    runner.compiles.add(1.5, stalled=False)  # in the background: a core, not the streams
+    worker._window.clear()  # a fresh report now, not a quarter second later
+    worker._report()
+    assert (worker.io._stats.step_compiles, worker.io._stats.compile_stall_s) == (2, 0.75)
+    worker.io._heartbeat()
+    worker.io._heartbeat()  # counted once
+    assert client.hget(contract.TOTALS, contract.TOTAL_STEP_COMPILES) == b"2"
+    assert float(client.hget(contract.TOTALS, contract.TOTAL_COMPILE_STALL_S)) == 0.75
+
+
 def _reads(client: redis.Redis) -> int:
     """XREADGROUP calls the server has answered so far."""
     return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))

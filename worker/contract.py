@@ -47,6 +47,8 @@ TOTAL_PROMPT_TOKENS = "prompt_tokens"
 TOTAL_CACHED_PROMPT_TOKENS = "prompt_tokens_cached"  # of those, served from the prefix cache
 TOTAL_GENERATION_TOKENS = "generation_tokens"
 TOTAL_PREEMPTIONS = "preemptions"
+TOTAL_STEP_COMPILES = "step_compiles"  # step variants workers compiled while serving (after their warm-up)
+TOTAL_COMPILE_STALL_S = "compile_stall_s"  # seconds of those their engine threads waited (every stream did)
 TOTAL_REJECTED = "rejected"  # requests refused with 429 by the API
 TOTAL_ENQUEUED = "enqueued"
 # Requests finished, per reason: field "finished:<reason>".
@@ -197,6 +199,8 @@ class WorkerStats:
     prefix_cache_hit_rate: float = 0.0  # prompt tokens admitted over the last few seconds that the cache served
     draft_acceptance_rate: float = 0.0  # speculation: draft tokens checked over the last few seconds that stood
     draft_gate: str = ""  # speculation: what the draft gate chose by batch size, "1:drafts 8:fused" (draft_gate.py)
+    step_compiles: int = 0  # step variants compiled since the warm-up ended (variant_compiles.py)
+    compile_stall_s: float = 0.0  # seconds of those the engine thread waited for, every stream with it
 
     def encode(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}

@@ -189,7 +189,7 @@
         tr.className = "gone";
         cell(tr, "").appendChild(badge("gone", "muted-badge"));
         const rest = cell(tr, "heartbeat expired", "muted");
-        rest.colSpan = 9;
+        rest.colSpan = 10;
         return tr;
       }
       cell(tr, "").appendChild(badge(w.state, w.state === "serving" ? "ok" : w.state === "draining" ? "warn" : "info"));
@@ -207,11 +207,13 @@
       cell(tr, fmt.rate(w.tokens_per_s), "num");
       cell(tr, fmt.pct(w.prefix_cache_hit_rate), "num");
       cell(tr, fmt.int(w.preemptions), "num");
+      cell(tr, fmt.int(w.step_compiles), `num ${w.compile_stall_s > 0 ? "warn-text" : ""}`,
+        `${(w.compile_stall_s || 0).toFixed(1)} s of stalled streams`);
       cell(tr, fmt.int(w.requests_finished), "num");
       cell(tr, fmt.age(w.heartbeat_age_s), `num ${w.heartbeat_age_s > 3 ? "warn-text" : ""}`);
       return tr;
     });
-    if (!rows.length) rows.push(emptyRow(11, "No worker has registered yet."));
+    if (!rows.length) rows.push(emptyRow(12, "No worker has registered yet."));
     $("workers").tBodies[0].replaceChildren(...rows);
     const alive = s.workers.filter((w) => w.alive).length;
     setText("workers-summary", `${alive} alive, ${s.workers.length - alive} gone`);

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from worker.bench import cpu_usage
+from worker.contract import HEARTBEAT_INTERVAL_S
 from worker.service.cores import children_on, split_cores
 
 WARMUP_PROMPTS = 64  # the first serving load of a fresh stack, at most this many requests
@@ -72,6 +73,8 @@ def bench_stack(run: StackRun, log=print) -> dict:
                 pair["serve_output_tokens"] = report["output_tokens"]
                 pair["serve_cached_prompt_tokens"] = report["cached_prompt_tokens"]
                 pair["serve_failed"] = report["failed"]
+                pair["serve_step_compiles"] = report["step_compiles"]
+                pair["serve_compile_stall_s"] = report["compile_stall_s"]
                 pair["serve_report"] = report
             else:
                 offline = _offline_once(run, seed)
@@ -87,6 +90,9 @@ def bench_stack(run: StackRun, log=print) -> dict:
         log(f"pair {i + 1}/{run.pairs} ({order[0]} first): serving {pair['serve_output_tokens_per_s']:.1f}, "
             f"offline {pair['offline_output_tokens_per_s']:.1f} output tok/s -> {pair['ratio']:.3f}x")
         log(f"  serving CPU, {cpu_usage.describe(pair['serve_cpu'])}")
+        if pair["serve_step_compiles"] is not None:
+            log(f"  serving run: {pair['serve_step_compiles']} step variants compiled by the workers, "
+                f"{pair['serve_compile_stall_s']:.2f} s of stalled streams")
         log(f"  offline CPU, {cpu_usage.describe(pair['offline_cpu'])}")
         if run.prefix_len:
             log(f"  prefix cache hits (prompt tokens): serving {pair['serve_cached_prompt_tokens']}, "
@@ -128,9 +134,12 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
             prompts = _prompts(run, seed)
             roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid, "worker"), "load generator": [os.getpid()]}
+            compiled = _compiles(url)
             before = cpu_usage.take(roles)  # redis-server (its own daemon) is in the rest
             report = bench_serve(url, None, prompts, Load(run.num_prompts, output_len=run.output_len, seed=seed))
-            return report, cpu_usage.between(before, cpu_usage.take(roles))
+            usage = cpu_usage.between(before, cpu_usage.take(roles))
+            report["step_compiles"], report["compile_stall_s"] = _compiles_since(url, compiled, time.monotonic())
+            return report, usage
         finally:
             _stop(proc)
 
@@ -182,6 +191,38 @@ def _offline_once(run: StackRun, seed: int) -> dict:
             "mean_input_len": sum(r["mean_input_len"] * r["num_prompts"] for r in reports) / prompts_run,
             "prefix_cache_hit_tokens": sum(r["prefix_cache_hit_tokens"] for r in reports), "cpu": longest["cpu"],
             "engines": [{"seconds": r["seconds"], "output_tokens_per_s": r["output_tokens_per_s"]} for r in reports]}
+
+
+def _compiles(url: str) -> tuple[float, float, float] | None:
+    """From the stack's /metrics: step variants its workers compiled since their warm-up, the
+    seconds their streams waited for them, and the oldest worker heartbeat's age (None: no answer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(url + "/metrics", timeout=10.0)
+    if response.status_code != 200:
+        return None
+    found = {"redjax:step_compiles_total": 0.0, "redjax:step_compile_stall_seconds_total": 0.0}
+    ages = [0.0]
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] = sample.value
+            elif sample.name == "redjax:worker_heartbeat_age_seconds":
+                ages.append(sample.value)
+    return (*found.values(), max(ages))
+
+
+def _compiles_since(url: str, before: tuple[float, float, float] | None, ended: float) -> tuple[int | None, float | None]:
+    """What the workers compiled between `before` and the run's end (`ended`, monotonic), once every
+    worker has written a heartbeat since (they do every second); (None, None) without /metrics."""
+    while before is not None:
+        after = _compiles(url)
+        if after is None:
+            break
+        if after[2] < time.monotonic() - ended or time.monotonic() - ended > 3 * HEARTBEAT_INTERVAL_S:
+            return round(after[0] - before[0]), round(after[1] - before[1], 3)
+        time.sleep(0.2)
+    return None, None
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, out, workers: int = 1) -> None:

@@ -34,6 +34,7 @@ from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties, log_probs
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
+from worker.engine.variant_compiles import CompileCounts, log_variant, timed_compile
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class ModelRunner:
         self.compiled: set[tuple] = set()  # (shape, flags) variants run through jit
         self.ready: dict[tuple, Any] = {}  # (shape, flags) -> executable compiled in the background
         self.compiling: set[tuple] = set()  # background compiles under way
+        self.compiles = CompileCounts()  # every variant compiled, and the engine thread's wait for them
         # at most this many at once (EngineConfig.compile_threads): each takes a core from the steps
         self.background_compiles = COMPILE_THREADS
         self.wanted: dict[tuple, int] = {}  # uncompiled exact variants -> times a batch asked for them
@@ -194,12 +196,13 @@ class ModelRunner:
         first = key not in self.compiled
         if first:
             self.compiled.add(key)
-            _log_variant("compiling", shape, flags)
+            log_variant("compiling", shape, flags)
         t0 = time.perf_counter()
         self.kv, out, self.prev_tokens = self._step(self.params, self.kv, pack(db), self.prev_tokens, shape=shape,
                                                     flags=flags)
         if first:  # the call returns once the variant is compiled and the step launched
-            log.info("step variant compiled and launched in %.1f s", time.perf_counter() - t0)
+            self.compiles.add(seconds := time.perf_counter() - t0, stalled=True)
+            log.info("step variant compiled and launched in %.1f s", seconds)
         return out
 
     def _choose_shape(self, exact: StepShape, flags: SamplerFlags, num_decode: int, lengths: list[int],
@@ -257,8 +260,9 @@ class ModelRunner:
         if self.planned is not None:
             self.planned[key] = empty_batch(shape, flags)
             return True
-        self.ready[key], seconds = _timed_compile(self._lower(key, empty_batch(shape, flags), self._specs()))
-        _log_variant("precompiled", shape, flags, seconds)
+        self.ready[key], seconds = timed_compile(self._lower(key, empty_batch(shape, flags), self._specs()))
+        self.compiles.add(seconds, stalled=True)
+        log_variant("precompiled", shape, flags, seconds)
         return True
 
     def compile_planned(self, threads: int = COMPILE_THREADS) -> int:
@@ -273,7 +277,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         compiled = 0
         with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="redjax-compile") as pool:
-            jobs = {pool.submit(_timed_compile, self._lower(key, db, specs)): key for key, db in todo.items()}
+            jobs = {pool.submit(timed_compile, self._lower(key, db, specs)): key for key, db in todo.items()}
             for job in as_completed(jobs):
                 key = jobs[job]
                 try:
@@ -282,7 +286,8 @@ class ModelRunner:
                     log.exception("compiling a planned step variant failed")
                     continue
                 compiled += 1
-                _log_variant("compiled ahead", *key, seconds)
+                log_variant("compiled ahead", *key, seconds)
+        self.compiles.add(time.perf_counter() - t0, stalled=True, variants=compiled)  # waited for together
         log.info("%d planned step variants compiled in %.1f s (%d at a time)", compiled, time.perf_counter() - t0,
                  min(threads, len(todo)))
         return compiled
@@ -305,8 +310,9 @@ class ModelRunner:
 
         def work():
             try:
-                self.ready[key], seconds = _timed_compile(self._lower(key, db, specs))
-                _log_variant("compiled in the background", *key, seconds)
+                self.ready[key], seconds = timed_compile(self._lower(key, db, specs))
+                self.compiles.add(seconds, stalled=False)
+                log_variant("compiled in the background", *key, seconds)
             except Exception:  # the step still runs through jit when this shape comes up again
                 log.exception("background compile of a step variant failed")
             finally:
@@ -338,26 +344,6 @@ def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     return sharding
-
-
-def _log_variant(what: str, shape: StepShape, flags: SamplerFlags, seconds: float | None = None) -> None:
-    prefill = (f"{shape.num_prefill} packed in {shape.prefill_tokens} tokens" if shape.packed
-               else f"{shape.num_prefill} x {shape.prefill_len}")
-    took = "" if seconds is None else f" in {seconds:.1f} s"
-    out_ids, prompt_ids, bias = flags.widths
-    parts = {"top-k/top-p": flags.needs_cut, "top-p": flags.top_p, "min-p": flags.min_p, "rows apart": flags.apart,
-             f"logprobs {flags.num_logprobs}": flags.logprobs,
-             f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
-    sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
-    prefill += f", prompt logprobs {flags.num_logprobs} over {shape.scored} tokens" if shape.prompt_logprobs else ""
-    prefill += ", drafts" if shape.drafts else ""
-    log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
-             shape.num_decode, prefill, shape.pages, shape.decode_steps, ", ".join(sampler), took)
-
-
-def _timed_compile(lowered) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    return lowered.compile(), time.perf_counter() - t0
 
 
 def planned_output(shape: StepShape, flags: SamplerFlags) -> StepOutput:

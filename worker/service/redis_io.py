@@ -34,6 +34,9 @@ PULL_BLOCK_S = 0.1  # longest XREADGROUP wait: how stale the pull's capacity and
 CANCEL_WAIT_S = 0.5  # longest wait for a cancel before the thread looks at the stop flag again
 RETRY_S = 0.5  # after a Redis error
 API_CHECK_S = 2.0  # how often the APIs of the requests held are checked for life
+# WorkerStats running counts whose gains each heartbeat adds to a TOTALS field (/metrics' counters)
+HEARTBEAT_TOTALS = {"preemptions": contract.TOTAL_PREEMPTIONS, "step_compiles": contract.TOTAL_STEP_COMPILES,
+                    "compile_stall_s": contract.TOTAL_COMPILE_STALL_S}
 
 
 @dataclass
@@ -81,7 +84,8 @@ class RedisIO:
         self._pulled: dict[str, tuple[str, str]] = {}
         self._orphaned: set[str] = set()  # request ids already handed to the engine loop as cancels
         self._missing_apis: set[str] = set()  # notify streams whose API's alive key the last check missed
-        self._preemptions_counted = 0  # of the engine's preemptions, those added to TOTALS
+        # heartbeat field -> TOTALS field: of each running count, the part already added to TOTALS
+        self._counted: dict[str, float] = dict.fromkeys(HEARTBEAT_TOTALS, 0)
         self._pubsub = None
         self._threads = [
             threading.Thread(target=self._read, name="redis-in", daemon=True),
@@ -322,15 +326,21 @@ class RedisIO:
         self._admit(entries, resumed=True)
 
     def _heartbeat(self) -> None:
-        """Write the heartbeat, and add the preemptions since the last one to the fleet's counter."""
+        """Write the heartbeat, and add what its running counts (preemptions, compiles) gained since
+        the last one to the fleet's counters."""
         with self._lock:
             stats = self._stats
         if stats is None:
             return
         contract.write_heartbeat(self.client, stats)
-        if (new := stats.preemptions - self._preemptions_counted) > 0:
-            self.client.hincrby(contract.TOTALS, contract.TOTAL_PREEMPTIONS, new)
-            self._preemptions_counted = stats.preemptions
+        pipe = None
+        for name, total in HEARTBEAT_TOTALS.items():
+            if (new := getattr(stats, name) - self._counted[name]) > 0:
+                pipe = pipe or self.client.pipeline()
+                (pipe.hincrby if isinstance(new, int) else pipe.hincrbyfloat)(contract.TOTALS, total, new)
+                self._counted[name] = getattr(stats, name)
+        if pipe is not None:
+            pipe.execute()
 
     def _take_outbox(self, stop_at_none: bool = True) -> list[Item]:
         items: list[Item] = []

@@ -60,6 +60,7 @@ class Worker:
         self._signal: int | None = None  # a signal the loop has not acted on yet
         self._window: collections.deque[_Counters] = collections.deque()
         self._stats_mark = self._counters(time.monotonic())  # where the last stats log line left off
+        self._compiles_mark: tuple[int, float] | None = None  # the runner's compiles when the warm-up ended
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
@@ -77,6 +78,7 @@ class Worker:
         freeze_startup_heap()  # the model, tokenizer and compiled steps: out of the collector's walks
         if self.state is WorkerState.STARTING:  # not if a SIGTERM came during the warm-up (draining)
             self.state = WorkerState.SERVING
+        self._compiles_mark = self.engine.runner.compiles.reading()  # what compiles from here on is counted
         log.info("worker %s serving %s (attention: %s, matmul: %s, quantization: %s, KV pages: %d of %s, greedy head: "
                  "%s, sampler: %s, fused decode steps: %d)", self.config.name, self.config.model_name,
                  self.engine.attention, self.engine.matmul, self.engine.quantization or "none",
@@ -285,6 +287,7 @@ class Worker:
         first = self._window[0]
         span, steps, lookups = max(now - first.at, 1e-6), last.steps - first.steps, last.lookups - first.lookups
         drafts = last.drafts - first.drafts
+        compiles, stall_s = self._compiles_since_warmup()
         self.io.set_stats(WorkerStats(
             name=self.config.name, model=self.config.model_name, state=self.state.value, pid=os.getpid(),
             started_at=self.started_at, updated_at=time.time(), pages_used=engine.pages_used,
@@ -297,7 +300,16 @@ class Worker:
             prefix_cache_hit_rate=round((last.hits - first.hits) / lookups, 4) if lookups else 0.0,
             draft_acceptance_rate=round((last.stood - first.stood) / drafts, 4) if drafts else 0.0,
             draft_gate=" ".join(f"{n}:{kind}" for n, kind in engine.scheduler.gate.choices().items()),
+            step_compiles=compiles, compile_stall_s=round(stall_s, 3),
         ))
+
+    def _compiles_since_warmup(self) -> tuple[int, float]:
+        """Step variants compiled since the warm-up ended, and the seconds the engine thread waited
+        for them (variant_compiles.py); none while it is still warming up."""
+        if self._compiles_mark is None:
+            return 0, 0.0
+        (n, stall_s), (n0, stall0_s) = self.engine.runner.compiles.reading(), self._compiles_mark
+        return n - n0, stall_s - stall0_s
 
     def _counters(self, now: float) -> "_Counters":
         engine = self.engine
