@@ -220,10 +220,14 @@ def test_a_variant_serves_batches_that_need_less_of_the_sampler():
     assert not serves(flags(all_greedy=False), flags(all_greedy=False, needs_cut=True))
     assert not serves(flags(all_greedy=False, needs_cut=True), flags(all_greedy=False, min_p=True))
     assert not serves(flags(logprobs=True), flags(logprobs=True, num_logprobs=20))
-    # penalty and bias arrays are sized by the batch: only the same flags
+    # penalty and bias arrays are sized by the batch: only the same flags, at least as wide
     assert not serves(flags(all_greedy=False, penalties=True, needs_cut=True), flags(all_greedy=False, penalties=True))
     assert not serves(flags(penalties=True), flags())
     assert serves(flags(bias=True), flags(bias=True))
+    wide, narrow = flags(penalties=True, widths=(1024, 512, 1)), flags(penalties=True, widths=(64, 8, 1))
+    assert serves(wide, narrow) and not serves(narrow, wide)
+    assert not serves(flags(penalties=True, widths=(1024, 4, 1)), narrow)  # every width at least the batch's
+    assert serves(flags(bias=True, widths=(1, 1, 64)), flags(bias=True, widths=(1, 1, 8)))
 
 
 def jit_traces(engine: LLMEngine) -> int:

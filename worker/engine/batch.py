@@ -17,6 +17,9 @@ MIN_PAGES = 4
 MIN_SCORED = 64  # scored-token slots of a step with prompt logprobs: powers of four from this (scored_slots)
 LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
 OUTPUT_IDS_MIN = 64  # the narrowest output-id width of a batch with penalties (sampler_widths)
+# a request with penalties gets output-id columns for this many of its max_tokens at once (all of
+# them when it has none): one width, one variant, for most of its life (sampler_widths)
+OUTPUT_IDS_AHEAD = 1024
 # Reading one context token's K/V for a prefill row, relative to the matmuls of one query token:
 # (2 * layers * kv_heads * head_dim * bytes) / bandwidth over (2 * params) / FLOP/s is below 1/100
 # for the models measured here (CPU and GPU); 1/64 keeps a margin against tiny rows.
@@ -426,16 +429,26 @@ def sampler_flags(params: list, max_logprobs: int, prompt_top: bool = False) -> 
 
 
 def sampler_widths(chunks: list[ScheduledChunk], flags: SamplerFlags) -> SamplerFlags:
-    """`flags` with the widths of its penalty and logit-bias arrays (`SamplerFlags.widths`). Output
-    ids take at least OUTPUT_IDS_MIN, so a request with penalties meets a new width (a new variant)
-    at 64, 128, 256... of its tokens rather than at every doubling from 1."""
+    """`flags` with the widths of its penalty and logit-bias arrays (`SamplerFlags.widths`), from
+    the rows with penalties (only theirs are written). Output ids get columns for the tokens a
+    request may still generate, up to OUTPUT_IDS_AHEAD: a width sized to the tokens so far met a
+    new variant at every doubling of a request's output (64, 128, ... 1024: five compiles for one
+    600-token request, 0.5 s each for the demo model on the 2-core CPU, 25-60 s each on a GPU)."""
     if not (flags.penalties or flags.bias):
         return flags
     bias_len = max((len(c.seq.params.logit_bias) for c in chunks), default=0)
     b = next(x for x in LOGIT_BIAS_LADDER + (bias_len,) if x >= bias_len) if bias_len else 1
-    out_len = bucket(max(c.seq.num_output_tokens for c in chunks) + 1, OUTPUT_IDS_MIN) if flags.penalties else 1
-    prompt_len = bucket(max(c.seq.num_prompt_tokens for c in chunks)) if flags.penalties else 1
+    penalised = [c.seq for c in chunks if has_penalties(c.seq.params)]
+    if not penalised:
+        return replace(flags, widths=(1, 1, b))
+    out_len = bucket(max(max(s.num_output_tokens + 1, _outputs_ahead(s.params)) for s in penalised), OUTPUT_IDS_MIN)
+    prompt_len = bucket(max(s.num_prompt_tokens for s in penalised))
     return replace(flags, widths=(out_len, prompt_len, b))
+
+
+def _outputs_ahead(p) -> int:
+    """Output-id columns a request with penalties asks for up front (SamplingParams `p`)."""
+    return OUTPUT_IDS_AHEAD if p.max_tokens is None else min(p.max_tokens, OUTPUT_IDS_AHEAD)
 
 
 def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows: dict[int, int],
@@ -465,10 +478,10 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         full_head[i] = needs_logits(p)
         for j, (tok, val) in enumerate(p.logit_bias):
             bias_ids[i, j], bias_vals[i, j] = tok, val
-        if penalties:
+        if penalties and has_penalties(p):  # (the widths count these rows alone)
             outs = np.asarray(seq.output_token_ids, np.int32)
             out_ids[i, : len(outs)] = outs  # a trailing in-flight token (-1) is filled on device from `pending`
-            if seq.num_in_flight > 1 and has_penalties(p):  # (the engine reads a fused call with them back first)
+            if seq.num_in_flight > 1:  # (the engine reads a fused call with them back first)
                 raise RuntimeError(f"sequence {seq.seq_id}: penalties fill in only the newest in-flight token")
             if seq.num_in_flight:
                 pending[i] = prev_rows.get(seq.seq_id, -1)

@@ -227,7 +227,7 @@ class ModelRunner:
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
                     and s.scored >= exact.scored
                     and s.drafts >= exact.drafts and fits(s, num_decode, lengths, pages)]
-        if flags.penalties or flags.bias:  # only a variant with the same arrays serves these
+        if flags.penalties or flags.bias:  # only a variant with their flags and arrays as wide serves these
             held, others = "sampler", plain  # (others: chunks that could run without the waiting ones)
         elif exact.prompt_logprobs:
             held, others = "prompt logprobs", num_decode + len(lengths) - scored
@@ -242,8 +242,9 @@ class ModelRunner:
             return key
         # the batch's own flags first: padding costs at most the envelope ladder's step, while a
         # sampler that does more (top-k/top-p over the vocabulary) can cost more than the step
-        best = min(covering, key=lambda v: (v[1] != flags, step_cost(v[0])))
-        if best[1] == flags and step_cost(best[0]) <= BORROW_TOLERANCE * step_cost(exact):
+        # (wider penalty or bias arrays than the batch's count as its own flags: no compile for those)
+        best = min(covering, key=lambda v: (not _wider(v[1], flags), step_cost(v[0]), v[1].widths))
+        if _wider(best[1], flags) and step_cost(best[0]) <= BORROW_TOLERANCE * step_cost(exact):
             return best
         self.wanted[key] = self.wanted.get(key, 0) + 1
         if (self.wanted[key] >= self.compile_after and key not in self.compiling
@@ -329,14 +330,21 @@ def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
     tokens: sampling handles greedy rows (temperature 0 takes the argmax), the top-k/top-p filter
     keeps every token of rows with top_k 0 and top_p 1 and min-p's of rows with min_p 0, and
     logprobs computed but not asked for are not read back. Penalties and logit bias size the
-    batch's arrays, so those match exactly."""
+    batch's arrays: those need the same flags, at widths at least the batch's (padding ids count
+    nothing, padding bias entries add 0)."""
     if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
-        return compiled == needed
+        return _wider(compiled, needed)
     if compiled.apart and not needed.apart:  # (its float32 head draws a few rows apart: too few for more)
         return False
     return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut
             and compiled.top_p >= needed.top_p and compiled.min_p >= needed.min_p
             and compiled.logprobs >= needed.logprobs and compiled.num_logprobs >= needed.num_logprobs)
+
+
+def _wider(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
+    """The same flags, with penalty and bias arrays at least as wide as `needed`'s."""
+    return (replace(compiled, widths=needed.widths) == needed
+            and all(c >= n for c, n in zip(compiled.widths, needed.widths)))
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
