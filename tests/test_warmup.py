@@ -102,9 +102,10 @@ def test_a_burst_of_short_prompts_at_an_idle_worker_runs_in_envelopes_without_st
 
 def test_other_sampling_fields_join_running_requests_without_stopping_to_compile(model, tokenizer, prompts,
                                                                                  greedy_refs):
-    """After warmup, requests with top-p, top-k or logprobs that arrive among running greedy ones
-    run in a variant warm-up compiled (sampled, top-p, logprobs) instead of their own, which before
-    stopped the worker to compile (on the demo model, a 2 s pause of every stream). Their tokens
+    """After warmup, requests with top-p, top-k, min-p or logprobs that arrive among running greedy
+    ones run in a variant warm-up compiled (sampled, top-p, min-p, logprobs) instead of their own,
+    which before stopped the worker to compile (on the demo model, a 2 s pause of every stream;
+    min-p until session 73: 64 such requests at once, 10 compiles and 7.2 s of stalls). Their tokens
     and logprobs are those of an engine that compiled their exact variants (sampling keys depend on
     seed and position only); the greedy requests still equal transformers."""
     engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
@@ -113,13 +114,14 @@ def test_other_sampling_fields_join_running_requests_without_stopping_to_compile
     greedy = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     special = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=GEN, ignore_eos=True, seed=1),
                SamplingParams(temperature=0.7, top_k=5, max_tokens=GEN, ignore_eos=True, seed=2),
-               SamplingParams(temperature=0.0, logprobs=2, max_tokens=GEN, ignore_eos=True)]
+               SamplingParams(temperature=0.0, logprobs=2, max_tokens=GEN, ignore_eos=True),
+               SamplingParams(temperature=0.9, min_p=0.1, max_tokens=GEN, ignore_eos=True, seed=3)]
 
     def arrive(k):  # four greedy requests, then one special request every other step
         if k == 0:
             for i in range(4):
                 engine.add_request(f"g{i}", prompts[i], greedy)
-        elif k in (2, 4, 6):
+        elif k in (2, 4, 6, 8):
             j = k // 2 - 1
             engine.add_request(f"s{j}", prompts[4 + j], special[j])
 

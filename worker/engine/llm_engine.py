@@ -347,13 +347,13 @@ class LLMEngine:
         envelope's widest page table is free), the mixed decode + prefill envelopes (`batch.envelopes`)
         that batches of new mixes borrow until their own shape is compiled in the background (a step
         then takes no more prompt chunks than the widest has rows). The default: greedy, sampled,
-        and sampled with top-p and logprobs, which any batch without penalties or logit bias can run
-        in (`runner.serves`), so no sampling field makes the worker stop to compile. The variants are
+        and sampled with top-p, min-p and logprobs, which any batch without penalties or logit bias
+        can run in (`runner.serves`), so no sampling field makes the worker stop to compile. The variants are
         planned first and compiled together (`compile_ahead`); the requests then run on them. Returns
         how many variants were compiled; counters are restored afterwards."""
         if sampling is None:
             sampling = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-                        SamplingParams(temperature=1.0, top_p=0.5, logprobs=self.config.max_logprobs))
+                        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.01, logprobs=self.config.max_logprobs))
         self.calibrate_decode_steps()
         runner = self.runner
         before = len(runner.compiled) + len(runner.ready)
