@@ -319,6 +319,27 @@ def test_a_penalised_request_runs_in_one_variant_as_its_output_grows(model, toke
     assert len(prompts[1]) < len(prompts[5]) and engine.runner.compiles.reading()[0] == compiled
 
 
+def test_logit_bias_requests_of_up_to_64_entries_share_their_variants(model, tokenizer, prompts):
+    """A variant's bias arrays are at least 64 entries wide, so a request with 20 entries after one
+    with 2 compiles nothing; each request's tokens are those of an engine that ran it alone."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    few = SamplingParams(temperature=0.0, logit_bias=((5, 3.0), (9, -2.0)), max_tokens=10, ignore_eos=True)
+    many = dataclasses.replace(few, logit_bias=tuple((t, 0.5 * (t % 3)) for t in range(3, 23)))
+    engine.add_request("few", prompts[4], few)
+    got = drain(engine)[("few", 0)].token_ids
+    compiled = engine.runner.compiles.reading()[0]
+    engine.add_request("many", prompts[4], many)
+    assert drain(engine)[("many", 0)].token_ids == _alone(model, tokenizer, prompts[4], many)
+    assert engine.runner.compiles.reading()[0] == compiled
+    assert got == _alone(model, tokenizer, prompts[4], few)
+
+
+def _alone(model, tokenizer, prompt: list[int], params: SamplingParams) -> list[int]:
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.add_request("alone", prompt, params)
+    return drain(engine)[("alone", 0)].token_ids
+
+
 def test_presence_and_frequency_penalties_give_the_same_tokens_fused_or_not(model, tokenizer, prompts):
     """Seeded requests with OpenAI's presence and frequency penalties, sampled and greedy, beside
     plain ones: the same tokens whether 4 decode steps fuse in a call or each runs alone."""

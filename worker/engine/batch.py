@@ -15,7 +15,9 @@ MIN_PREFILL_LEN = 8
 MIN_DECODE_ROWS = 8  # the default rung (accelerators': EngineConfig.min_decode_rows gives each backend's)
 MIN_PAGES = 4
 MIN_SCORED = 64  # scored-token slots of a step with prompt logprobs: powers of four from this (scored_slots)
-LOGIT_BIAS_LADDER = (8, 64, 512, 4096)
+# logit-bias entries per row: a variant's widths (64 since session 73: a first request with a few
+# entries no longer leaves a later one with 9-64 to compile its own; the wider array costs nothing)
+LOGIT_BIAS_LADDER = (64, 512, 4096)
 OUTPUT_IDS_MIN = 64  # the narrowest output-id width of a batch with penalties (sampler_widths)
 # a request with penalties gets output-id columns for this many of its max_tokens at once (all of
 # them when it has none): one width, one variant, for most of its life (sampler_widths)
