@@ -333,13 +333,12 @@ class RedisIO:
         if stats is None:
             return
         contract.write_heartbeat(self.client, stats)
-        pipe = None
+        pipe = self.client.pipeline()  # (no round trip until it holds a command)
         for name, total in HEARTBEAT_TOTALS.items():
             if (new := getattr(stats, name) - self._counted[name]) > 0:
-                pipe = pipe or self.client.pipeline()
                 (pipe.hincrby if isinstance(new, int) else pipe.hincrbyfloat)(contract.TOTALS, total, new)
                 self._counted[name] = getattr(stats, name)
-        if pipe is not None:
+        if len(pipe):
             pipe.execute()
 
     def _take_outbox(self, stop_at_none: bool = True) -> list[Item]:
