@@ -93,6 +93,8 @@ class FleetCollector:
                                  "prefix cache served.", labels=labels)
         drafts = GaugeMetricFamily(P + "spec_decode_draft_acceptance_rate", "Share of a worker's recently checked "
                                    "draft tokens (--speculative-tokens) that stood.", labels=labels)
+        pending = GaugeMetricFamily(P + "step_compiles_pending", "Step variants a worker is compiling in the background "
+                                    "or has queued to compile while idle (for penalties and logit bias).", labels=labels)
         gate = GaugeMetricFamily(P + "spec_decode_drafts_chosen", "1 where a worker's batches of min_batch_size up to "
                                  "twice that take drafts, having measured them faster than fused steps; 0 where fused "
                                  "steps won.", labels=[*labels, "min_batch_size"])
@@ -109,10 +111,11 @@ class FleetCollector:
             age.add_metric(values, max(r.now - s.updated_at, 0.0))
             hits.add_metric(values, s.prefix_cache_hit_rate)
             drafts.add_metric(values, s.draft_acceptance_rate)
+            pending.add_metric(values, s.compiles_pending)
             for choice in s.draft_gate.split():
                 size, kind = choice.split(":")
                 gate.add_metric([*values, size], 1.0 if kind == "drafts" else 0.0)
-        yield from (up, alive, serving, running, waiting, kv, pages, tps, age, hits, drafts, gate)
+        yield from (up, alive, serving, running, waiting, kv, pages, tps, age, hits, drafts, pending, gate)
 
     def _counters(self, r: FleetReading) -> Iterator[Metric]:
         for field, (name, help_text) in COUNTERS.items():

@@ -120,6 +120,7 @@ def _worker(worker: WorkerReading, now: float) -> dict[str, Any]:
         "preemptions": s.preemptions,
         "step_compiles": s.step_compiles,  # since its warm-up: a recompile under load
         "compile_stall_s": s.compile_stall_s,
+        "compiles_pending": s.compiles_pending,  # compiling in the background, or queued to while idle
         "requests_finished": s.requests_finished,
         "heartbeat_age_s": max(now - s.updated_at, 0.0),
         "uptime_s": max(now - s.started_at, 0.0),

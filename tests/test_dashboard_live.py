@@ -179,7 +179,8 @@ class SimulatedTraffic:
                         running=int(20 * wave), waiting=self._rng.randint(0, 4),
                         tokens_per_s=800 + 400 * wave + self._rng.random() * 50,
                         preemptions=self._count // 40, requests_finished=self._count // len(self.workers),
-                        step_compiles=k + 1, compile_stall_s=0.5 * k)  # the first worker's were all in the background
+                        step_compiles=k + 1, compile_stall_s=0.5 * k,  # the first worker's were all in the background
+                        compiles_pending=4 if k == 0 else 0)  # and it has its idle queue to go
 
     def _tick(self) -> None:
         """One new request per tick; about one delivered per tick; each finishes ~8 ticks after delivery."""
@@ -304,7 +305,7 @@ def test_dashboard_live_in_chromium(redis_client, redis_url, output_dir):
         figures = assert_dashboard_live(base + "/", output_dir / "dashboard.png", worker_name=traffic.workers[0])
     assert figures["fleet-workers"] == "2 alive"
     assert figures["worker"]["Compiles"] == "1" and figures["worker"]["Worker"] == traffic.workers[0]
-    assert figures["worker_titles"]["Compiles"] == "0.0 s of stalled streams"
+    assert figures["worker_titles"]["Compiles"] == "0.0 s of stalled streams; 4 more compiling or queued"
 
 
 def test_dashboard_mounted_with_login_in_chromium(redis_client, redis_url, output_dir):

@@ -107,7 +107,7 @@ def test_an_apart_variant_serves_only_steps_with_few_rows_apart():
     gather holds a quarter of the rows); the variant that takes the float32 head for all serves both."""
     from dataclasses import replace
 
-    from worker.engine.runner import serves
+    from worker.engine.variant_serves import serves
     from worker.engine.sampler import SamplerFlags
 
     everyone = SamplerFlags(all_greedy=False, needs_cut=True, top_p=True)

@@ -34,7 +34,7 @@ def value(families: dict, name: str, sample: str | None = None, **labels) -> flo
 
 def test_metrics_report_fleet_state(redis_client, redis_url):
     seed_worker(redis_client, "gpu-0", running=5, waiting=2, pages_used=400, pages_total=1000, prefix_cache_hit_rate=0.625,
-                draft_acceptance_rate=0.375, draft_gate="1:drafts 8:fused")
+                draft_acceptance_rate=0.375, draft_gate="1:drafts 8:fused", compiles_pending=6)
     seed_gone_worker(redis_client, "gpu-9")
     seed_worker(redis_client, "gpu-1", state=contract.WorkerState.STARTING.value)  # loading or compiling
     seed_queue(redis_client, total=4, delivered=1)
@@ -56,6 +56,7 @@ def test_metrics_report_fleet_state(redis_client, redis_url):
     chosen = {size: value(m, "redjax:spec_decode_drafts_chosen", worker="gpu-0", model_name="tiny-llama",
                           min_batch_size=size) for size in ("1", "8")}
     assert chosen == {"1": 1.0, "8": 0.0}
+    assert value(m, "redjax:step_compiles_pending", worker="gpu-0", model_name="tiny-llama") == 6
     assert value(m, "redjax:worker_up", worker="gpu-0") == 1
     assert value(m, "redjax:worker_up", worker="gpu-9") == 0
     assert value(m, "redjax:workers_alive") == 2

@@ -16,7 +16,7 @@ from tests.test_engine import (  # noqa: F401 (fixtures)
     GEN, assert_pages_returned, greedy_refs, hf, make_engine, model, prompts, random_ckpt,
 )
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.runner import serves
+from worker.engine.variant_serves import serves
 from worker.engine.sampler import SamplerFlags
 from worker.engine.sampling_params import SamplingParams
 
@@ -222,9 +222,15 @@ def test_a_variant_serves_batches_that_need_less_of_the_sampler():
     assert not serves(flags(all_greedy=False), flags(all_greedy=False, needs_cut=True))
     assert not serves(flags(all_greedy=False, needs_cut=True), flags(all_greedy=False, min_p=True))
     assert not serves(flags(logprobs=True), flags(logprobs=True, num_logprobs=20))
-    # penalty and bias arrays are sized by the batch: only the same flags, at least as wide
-    assert not serves(flags(all_greedy=False, penalties=True, needs_cut=True), flags(all_greedy=False, penalties=True))
+    # penalty and bias arrays are sized by the batch: a variant with them, at least as wide, and
+    # the other switches as above; a batch without them never runs in one with them
+    assert serves(flags(all_greedy=False, penalties=True, needs_cut=True), flags(penalties=True))
+    assert not serves(flags(penalties=True), flags(all_greedy=False, penalties=True))
     assert not serves(flags(penalties=True), flags())
+    both = flags(all_greedy=False, needs_cut=True, min_p=True, penalties=True, bias=True, widths=(1024, 1024, 64))
+    assert serves(both, flags(bias=True, widths=(1, 1, 64))) and serves(both, flags(penalties=True, widths=(64, 8, 1)))
+    assert not serves(both, flags(bias=True, widths=(1, 1, 512)))
+    assert not serves(flags(penalties=True), flags(bias=True)) and not serves(flags(bias=True), flags(penalties=True))
     assert serves(flags(bias=True), flags(bias=True))
     wide, narrow = flags(penalties=True, widths=(1024, 512, 1)), flags(penalties=True, widths=(64, 8, 1))
     assert serves(wide, narrow) and not serves(narrow, wide)

@@ -201,6 +201,7 @@ class WorkerStats:
     draft_gate: str = ""  # speculation: what the draft gate chose by batch size, "1:drafts 8:fused" (draft_gate.py)
     step_compiles: int = 0  # step variants compiled since the warm-up ended (variant_compiles.py)
     compile_stall_s: float = 0.0  # seconds of those the engine thread waited for, every stream with it
+    compiles_pending: int = 0  # step variants compiling in the background or queued to while idle (idle_compiles.py)
 
     def encode(self) -> dict[str, str]:
         return {k: str(v) for k, v in vars(self).items()}

@@ -208,7 +208,8 @@
       cell(tr, fmt.pct(w.prefix_cache_hit_rate), "num");
       cell(tr, fmt.int(w.preemptions), "num");
       cell(tr, fmt.int(w.step_compiles), `num ${w.compile_stall_s > 0 ? "warn-text" : ""}`,
-        `${(w.compile_stall_s || 0).toFixed(1)} s of stalled streams`);
+        `${(w.compile_stall_s || 0).toFixed(1)} s of stalled streams` +
+        (w.compiles_pending ? `; ${fmt.int(w.compiles_pending)} more compiling or queued` : ""));
       cell(tr, fmt.int(w.requests_finished), "num");
       cell(tr, fmt.age(w.heartbeat_age_s), `num ${w.heartbeat_age_s > 3 ? "warn-text" : ""}`);
       return tr;

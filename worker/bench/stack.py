@@ -128,6 +128,7 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
         )
         try:
             _wait_ready(proc, url, out, run.workers)
+            _wait_compiled(url)
             warm = min(run.num_prompts, WARMUP_PROMPTS)
             # shaped as the measured prompts (a prefix of their own: the cache serves it in the same places)
             bench_serve(url, None, random_workload(warm, run.input_len, WARMUP_OUTPUT_LEN, 0.0, seed + 7, run.prefix_len),
@@ -223,6 +224,24 @@ def _compiles_since(url: str, before: tuple[float, float, float] | None, ended: 
             return round(after[0] - before[0]), round(after[1] - before[1], 3)
         time.sleep(0.2)
     return None, None
+
+
+def _wait_compiled(url: str) -> None:
+    """Until no worker has step variants compiling or queued to compile while idle
+    (`redjax:step_compiles_pending`): a worker compiles its idle queue after its warm-up while no
+    request runs, and one compile under way when the load starts takes a core from the run."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    t0 = deadline = time.monotonic()
+    deadline += READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        pending = sum(sample.value for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+                      for sample in family.samples if sample.name == "redjax:step_compiles_pending")
+        if not pending:
+            print(f"  workers' idle compiles done after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+            return
+        time.sleep(HEARTBEAT_INTERVAL_S)
+    raise RuntimeError(f"the workers still had step variants to compile after {READY_TIMEOUT_S:.0f} s")
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, out, workers: int = 1) -> None:

@@ -27,6 +27,7 @@ from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, projections, 
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import detokenizers
 from worker.engine.draft_gate import DraftGate
+from worker.engine.idle_compiles import widest_sampling
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages, element_bytes
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.request_output import RequestOutput
@@ -348,12 +349,13 @@ class LLMEngine:
         that batches of new mixes borrow until their own shape is compiled in the background (a step
         then takes no more prompt chunks than the widest has rows). The default: greedy, sampled,
         and sampled with top-p, min-p and logprobs, which any batch without penalties or logit bias
-        can run in (`runner.serves`), so no sampling field makes the worker stop to compile. The variants are
-        planned first and compiled together (`compile_ahead`); the requests then run on them. Returns
-        how many variants were compiled; counters are restored afterwards."""
+        can run in (`variant_serves.serves`; a worker compiles ones with them while idle,
+        idle_compiles.py). The variants are planned first and compiled together (`compile_ahead`);
+        the requests then run on them. Returns how many variants were compiled; counters are
+        restored afterwards."""
         if sampling is None:
             sampling = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-                        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.01, logprobs=self.config.max_logprobs))
+                        widest_sampling(self.config.max_logprobs))
         self.calibrate_decode_steps()
         runner = self.runner
         before = len(runner.compiled) + len(runner.ready)

@@ -35,6 +35,7 @@ from worker.engine.paged_attention import JNP, AttentionOps
 from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties, log_probs
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 from worker.engine.variant_compiles import CompileCounts, log_variant, timed_compile
+from worker.engine.variant_serves import serves, wider
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class ModelRunner:
         self.compiled: set[tuple] = set()  # (shape, flags) variants run through jit
         self.ready: dict[tuple, Any] = {}  # (shape, flags) -> executable compiled in the background
         self.compiling: set[tuple] = set()  # background compiles under way
+        self.idle_queue: list[tuple] = []  # (shape, flags) to compile while the worker is idle (compile_idle)
         self.compiles = CompileCounts()  # every variant compiled, and the engine thread's wait for them
         # at most this many at once (EngineConfig.compile_threads): each takes a core from the steps
         self.background_compiles = COMPILE_THREADS
@@ -216,7 +218,7 @@ class ModelRunner:
         the borrowed one pads more than BORROW_TOLERANCE or does sampler work the batch does not
         need; with nothing to borrow, the exact variant is compiled now, unless `prompts_wait` is on
         and some chunks can run without the rest: then requests with penalties or logit bias (only a
-        variant with their flags and array widths serves them), else the `scored` chunks with prompt
+        variant with such arrays, as wide, serves them), else the `scored` chunks with prompt
         tokens to score (only a variant computing their logits serves them), else a mixed
         batch's prompt chunks, wait for their variant (`PromptsWait`)."""
         key = (exact, flags)
@@ -227,7 +229,7 @@ class ModelRunner:
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
                     and s.scored >= exact.scored
                     and s.drafts >= exact.drafts and fits(s, num_decode, lengths, pages)]
-        if flags.penalties or flags.bias:  # only a variant with their flags and arrays as wide serves these
+        if flags.penalties or flags.bias:  # only a variant with such arrays, as wide, serves these
             held, others = "sampler", plain  # (others: chunks that could run without the waiting ones)
         elif exact.prompt_logprobs:
             held, others = "prompt logprobs", num_decode + len(lengths) - scored
@@ -243,8 +245,8 @@ class ModelRunner:
         # the batch's own flags first: padding costs at most the envelope ladder's step, while a
         # sampler that does more (top-k/top-p over the vocabulary) can cost more than the step
         # (wider penalty or bias arrays than the batch's count as its own flags: no compile for those)
-        best = min(covering, key=lambda v: (not _wider(v[1], flags), step_cost(v[0]), v[1].widths))
-        if _wider(best[1], flags) and step_cost(best[0]) <= BORROW_TOLERANCE * step_cost(exact):
+        best = min(covering, key=lambda v: (not wider(v[1], flags), step_cost(v[0]), v[1].widths))
+        if wider(best[1], flags) and step_cost(best[0]) <= BORROW_TOLERANCE * step_cost(exact):
             return best
         self.wanted[key] = self.wanted.get(key, 0) + 1
         if (self.wanted[key] >= self.compile_after and key not in self.compiling
@@ -303,17 +305,31 @@ class ModelRunner:
         shape, flags = key
         return self._step.lower(*specs[:2], pack(db), specs[2], shape=shape, flags=flags)
 
-    def _compile_in_background(self, key: tuple, db: DeviceBatch) -> None:
+    def compile_idle(self) -> int:
+        """Called while the engine has nothing to run: with no compile under way, start compiling
+        the idle queue's next variant in the background (one at a time: a request that comes
+        meanwhile finds every other core free). Returns how many are queued or compiling."""
+        while self.idle_queue and not self.compiling:
+            key = self.idle_queue.pop(0)
+            if key not in self.compiled and key not in self.ready:
+                self._compile_in_background(key, empty_batch(*key), idle=True)
+        return len(self.idle_queue) + len(self.compiling)
+
+    def _compile_in_background(self, key: tuple, db: DeviceBatch, idle: bool = False) -> None:
         """Compile variant `key` on a thread (the step keeps running borrowed variants meanwhile);
-        the executable is used from the first dispatch after it is ready."""
+        the executable is used from the first dispatch after it is ready. `idle`: from the idle
+        queue, counted apart (CompileCounts.idle)."""
         specs = self._specs()
         self.compiling.add(key)
 
         def work():
             try:
                 self.ready[key], seconds = timed_compile(self._lower(key, db, specs))
-                self.compiles.add(seconds, stalled=False)
-                log_variant("compiled in the background", *key, seconds)
+                if idle:
+                    self.compiles.add_idle(seconds)
+                else:
+                    self.compiles.add(seconds, stalled=False)
+                log_variant("compiled while idle" if idle else "compiled in the background", *key, seconds)
             except Exception:  # the step still runs through jit when this shape comes up again
                 log.exception("background compile of a step variant failed")
             finally:
@@ -323,28 +339,6 @@ class ModelRunner:
         # when the process exits (a worker stopped mid-compile) is unwound through C++ frames that
         # do not allow it, and the process aborts ("FATAL: exception not rethrown", exit status 134)
         threading.Thread(target=work, name="redjax-compile").start()
-
-
-def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
-    """Whether a variant compiled with `compiled` flags gives a batch that needs `needed` the same
-    tokens: sampling handles greedy rows (temperature 0 takes the argmax), the top-k/top-p filter
-    keeps every token of rows with top_k 0 and top_p 1 and min-p's of rows with min_p 0, and
-    logprobs computed but not asked for are not read back. Penalties and logit bias size the
-    batch's arrays: those need the same flags, at widths at least the batch's (padding ids count
-    nothing, padding bias entries add 0)."""
-    if compiled.penalties or compiled.bias or needed.penalties or needed.bias:
-        return _wider(compiled, needed)
-    if compiled.apart and not needed.apart:  # (its float32 head draws a few rows apart: too few for more)
-        return False
-    return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut
-            and compiled.top_p >= needed.top_p and compiled.min_p >= needed.min_p
-            and compiled.logprobs >= needed.logprobs and compiled.num_logprobs >= needed.num_logprobs)
-
-
-def _wider(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
-    """The same flags, with penalty and bias arrays at least as wide as `needed`'s."""
-    return (replace(compiled, widths=needed.widths) == needed
-            and all(c >= n for c, n in zip(compiled.widths, needed.widths)))
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:

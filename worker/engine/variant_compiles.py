@@ -6,6 +6,8 @@ A compile takes a core for 0.1 s to minutes (a GPU step: 25-60 s). One made on t
 worker meanwhile; one made in the background (runner._compile_in_background) only takes the core.
 A worker publishes what it compiled after its warm-up (WorkerStats.step_compiles,
 compile_stall_s), so a recompile under load shows on /metrics instead of as an unexplained stall.
+What it compiles from its idle queue (ModelRunner.compile_idle: variants for requests warm-up
+left out) is counted apart: the worker chose those, no request asked for them.
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ class CompileCounts:
 
     variants: int = 0  # step variants compiled: on the engine thread, ahead, in the background
     stall_s: float = 0.0  # seconds of those the engine thread spent waiting for them
+    idle: int = 0  # variants compiled from the idle queue (not in `variants`)
+    idle_s: float = 0.0  # seconds those took, each on a core of its own
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, seconds: float, *, stalled: bool, variants: int = 1) -> None:
         with self._lock:
             self.variants += variants
             self.stall_s += seconds if stalled else 0.0
+
+    def add_idle(self, seconds: float) -> None:
+        with self._lock:
+            self.idle += 1
+            self.idle_s += seconds
 
     def reading(self) -> tuple[int, float]:
         """(variants, stall_s), read together."""

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import redis
 
 from worker.contract import FinishReason, OutputDelta, RequestEvent, WorkerState, WorkerStats
+from worker.engine.idle_compiles import idle_variants
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.request_output import RequestOutput
 from worker.engine.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class Worker:
         self._window: collections.deque[_Counters] = collections.deque()
         self._stats_mark = self._counters(time.monotonic())  # where the last stats log line left off
         self._compiles_mark: tuple[int, float] | None = None  # the runner's compiles when the warm-up ended
+        self._idle_compiling = False  # the idle queue's last variant is still compiling
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
@@ -75,6 +77,9 @@ class Worker:
             t0 = time.perf_counter()
             n = self.engine.warmup()
             log.info("worker %s warmed up %d step variants in %.1f s", self.config.name, n, time.perf_counter() - t0)
+            runner = self.engine.runner  # and compiles those for penalties and logit bias while idle
+            runner.idle_queue = idle_variants((*runner.compiled, *runner.ready), self.engine.config.max_logprobs,
+                                              self.engine.max_model_len)
         freeze_startup_heap()  # the model, tokenizer and compiled steps: out of the collector's walks
         if self.state is WorkerState.STARTING:  # not if a SIGTERM came during the warm-up (draining)
             self.state = WorkerState.SERVING
@@ -92,6 +97,7 @@ class Worker:
                     self._publish(self.engine.step())
                     self.io.send()  # the step's deltas and finished requests: one batch
                 else:
+                    self._compile_idle()
                     self.io.wakeup.wait(0.05)
                     self.io.wakeup.clear()
                 self._report()
@@ -101,6 +107,18 @@ class Worker:
             self.io.stop()
         log.info("worker %s stopped", self.config.name)
         return 0
+
+    def _compile_idle(self) -> None:
+        """Nothing to run: the runner's idle queue goes on compiling (idle_compiles.py), one variant
+        at a time, in the background; a line once it is done."""
+        runner = self.engine.runner
+        if self.state is not WorkerState.SERVING or not (runner.idle_queue or self._idle_compiling):
+            return
+        self._idle_compiling = runner.compile_idle() > 0
+        if not self._idle_compiling:
+            counts = runner.compiles
+            log.info("worker %s compiled %d step variants for penalties and logit bias while idle (%.1f s of compiles)",
+                     self.config.name, counts.idle, counts.idle_s)
 
     def _on_signal(self, signum, frame) -> None:
         # assignments only: Python runs the handler on the main thread between two of its
@@ -301,6 +319,7 @@ class Worker:
             draft_acceptance_rate=round((last.stood - first.stood) / drafts, 4) if drafts else 0.0,
             draft_gate=" ".join(f"{n}:{kind}" for n, kind in engine.scheduler.gate.choices().items()),
             step_compiles=compiles, compile_stall_s=round(stall_s, 3),
+            compiles_pending=len(engine.runner.idle_queue) + len(engine.runner.compiling),
         ))
 
     def _compiles_since_warmup(self) -> tuple[int, float]:

@@ -1,0 +1,121 @@
+"""The variants a worker compiles while idle (idle_compiles.py): after them, the first requests
+with penalties or logit bias at a fresh worker run at once, in a variant that has their arrays,
+instead of every stream on the worker waiting for a compile; tokens are generate's (or an
+engine's with the request alone)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import redis
+
+from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
+from tests.stack_support import wait_until
+from tests.test_engine import hf, make_engine, model, prompts, random_ckpt  # noqa: F401 (fixtures)
+from tests.test_serving import model_dir  # noqa: F401 (fixture)
+from worker import contract
+from worker.contract import OutputDelta, RequestMessage, WorkerStats
+from worker.engine.config import EngineConfig
+from worker.engine.idle_compiles import idle_variants
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.service.config import WorkerConfig
+from worker.service.worker import Worker
+
+
+def _compile_queue(engine: LLMEngine) -> int:
+    """Queue the idle variants, as a worker does after its warm-up, and compile them all."""
+    runner = engine.runner
+    runner.idle_queue = idle_variants((*runner.compiled, *runner.ready), engine.config.max_logprobs,
+                                      engine.max_model_len)
+    queued = len(runner.idle_queue)
+    deadline = time.monotonic() + 300
+    while runner.compile_idle() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return queued
+
+
+def test_after_the_idle_compiles_penalties_and_logit_bias_join_a_running_batch_without_a_stall(
+        model, tokenizer, hf, prompts):
+    """Greedy requests run; one with a repetition penalty and one with logit bias arrive among
+    them. With the idle queue compiled, they borrow its variants (greedy rows in a sampling
+    variant with every switch) and nothing compiles on the engine thread; without it (`queue`
+    off) each compiled its own there. Tokens: generate's with the penalty, the bias request's as
+    an engine gives them alone."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    engine.warmup()
+    runner = engine.runner
+    queued = _compile_queue(engine)
+    assert queued > 0 and runner.compiles.idle == queued
+    assert all(f.penalties and f.bias and not s.drafts for s, f in runner.ready if f.penalties)
+    compiled, stall = runner.compiles.reading()
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=24, ignore_eos=True)
+    biased = SamplingParams(temperature=0.0, logit_bias=((5, 3.0), (9, -2.0)), max_tokens=12, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def arrive(k):
+        if k == 0:
+            for i in range(3):
+                engine.add_request(f"plain{i}", prompts[i], plain)
+        elif k == 3:
+            engine.add_request("pen", prompts[4], penalised)
+            engine.add_request("bias", prompts[5], biased)
+
+    results = drain(engine, arrive)
+    assert runner.compiles.reading()[1] == stall  # the engine thread never waited for a compile
+    assert runner.compiles.reading()[0] - compiled <= 3  # exact variants asked for, in the background
+    assert results[("pen", 0)].token_ids == hf_greedy(hf, prompts[4], 24, repetition_penalty=1.3)
+    assert results[("plain0", 0)].token_ids == hf_greedy(hf, prompts[0], 40)
+    alone = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    alone.add_request("bias", prompts[5], biased)
+    assert results[("bias", 0)].token_ids == drain(alone)[("bias", 0)].token_ids
+
+
+def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_done(model_dir, redis_url):  # noqa: F811
+    """The heartbeat says how many variants are still to compile (`compiles_pending`, the
+    dashboard's tooltip, `redjax:step_compiles_pending`, what `bench stack` waits for); they are
+    not counted as compiles requests caused; a penalised request after them stalls nothing."""
+    engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=64)
+    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-idle", warmup=True,
+                          engine=engine_config)
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
+    key = contract.worker_key(config.name)
+    stats = lambda: WorkerStats.decode(client.hgetall(key))  # noqa: E731
+    seen: dict[str, object] = {}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # run() installs its own
+
+    def watch() -> None:
+        try:
+            wait_until(lambda: client.exists(key) and stats().state == "serving", 120)
+            seen["pending at first"] = stats().compiles_pending
+            wait_until(lambda: stats().compiles_pending == 0, 300)
+            seen["after"] = stats()
+            params = SamplingParams(temperature=0.0, frequency_penalty=0.5, max_tokens=8, ignore_eos=True).to_dict()
+            contract.ensure_group(client)
+            client.xadd(contract.REQUESTS, RequestMessage("pen", "tinyllama", [3, 5, 7, 11, 13], params).encode())
+            wait_until(lambda: any(OutputDelta.decode(f).done for _, f in client.xrange(contract.out_stream("pen"))),
+                       60)
+            time.sleep(2 * contract.HEARTBEAT_INTERVAL_S)
+            seen["served"] = stats()
+        finally:
+            worker._on_signal(signal.SIGTERM, None)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert worker.run() == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    watcher.join(timeout=10)
+    engine = worker.engine
+    queued = idle_variants((*engine.runner.compiled, *engine.runner.ready), engine.config.max_logprobs,
+                           engine.max_model_len)  # (warm-up's variants pick them; the idle ones are not among those)
+    assert 0 < seen["pending at first"] <= len(queued) == engine.runner.compiles.idle
+    assert all(key in engine.runner.ready for key in queued)
+    assert (seen["after"].step_compiles, seen["after"].compile_stall_s) == (0, 0.0)
+    assert seen["served"].compile_stall_s == 0.0 and seen["served"].requests_finished == 1

@@ -1,0 +1,45 @@
+"""The step variants a worker compiles while it has nothing to run (ModelRunner.compile_idle).
+
+Warm-up compiles the variants plain requests meet (LLMEngine.warmup). A request with penalties
+or logit bias runs only in a variant with their arrays (variant_serves.serves), and warm-up
+leaves those out: on a GPU each compile takes 25-60 s of the worker's start. Without them, the
+first such requests at a fresh worker compiled as they came, and every stream on it waited
+(the demo on the 2-core CPU, session 73: one request each with frequency_penalty and logit_bias,
+then one with echo and logprobs, compiled 5 variants with 3.3 s of stalls).
+
+So, after its warm-up, a worker queues warm-up's variants with every sampler switch (the
+widest sampling family), now with penalties and logit bias as well, at array widths that serve
+any request up to the model's context with up to LOGIT_BIAS_LADDER[0] bias entries. It compiles
+them in the background one at a time, and only while no request runs, so a burst finds its
+cores free but for one compile at most. A batch with penalties or bias then borrows one at once,
+and its own exact variant compiles in the background if such batches keep coming
+(runner._choose_shape). Speculation's draft shapes are left out: sequences with penalties take
+no drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+from worker.engine.batch import LOGIT_BIAS_LADDER, OUTPUT_IDS_AHEAD, StepShape, bucket, sampler_flags, step_cost
+from worker.engine.sampler import SamplerFlags
+from worker.engine.sampling_params import SamplingParams
+
+
+def widest_sampling(max_logprobs: int) -> SamplingParams:
+    """Warm-up's third sampling family: every sampler switch a request without penalties or logit
+    bias can set (top-p needs the cut, min-p its softmax, logprobs the top alternatives)."""
+    return SamplingParams(temperature=1.0, top_p=0.5, min_p=0.01, logprobs=max_logprobs)
+
+
+def idle_variants(compiled: Iterable[tuple[StepShape, SamplerFlags]], max_logprobs: int,
+                  max_model_len: int) -> list[tuple[StepShape, SamplerFlags]]:
+    """For each of the `compiled` variants (warm-up's) with the widest family's flags, the same
+    shape with penalties and logit bias: output ids for OUTPUT_IDS_AHEAD tokens, prompt ids for
+    the whole context, LOGIT_BIAS_LADDER[0] bias entries. Cheapest steps first."""
+    widest = sampler_flags([widest_sampling(max_logprobs)], max_logprobs)
+    widths = (OUTPUT_IDS_AHEAD, bucket(max_model_len), LOGIT_BIAS_LADDER[0])
+    wanted = {(shape, replace(flags, penalties=True, bias=True, widths=widths)) for shape, flags in compiled
+              if replace(flags, apart=False) == widest and not shape.drafts and not shape.prompt_logprobs}
+    return sorted(wanted, key=lambda v: (step_cost(v[0]), v[0].num_decode, v[1].apart))
