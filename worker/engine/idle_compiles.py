@@ -10,8 +10,8 @@ then one with echo and logprobs, compiled 5 variants with 3.3 s of stalls).
 So, after its warm-up, a worker queues warm-up's variants with every sampler switch (the
 widest sampling family), now with penalties and logit bias as well, at array widths that serve
 any request up to the model's context with up to LOGIT_BIAS_LADDER[0] bias entries. It compiles
-them in the background one at a time, and only while no request runs, so a burst finds its
-cores free but for one compile at most. A batch with penalties or bias then borrows one at once,
+them in the background, only while no request runs, as many at once as background compiles
+may take (one on the 2-core VM: a burst finds the other core free). A batch with penalties or bias then borrows one at once,
 and its own exact variant compiles in the background if such batches keep coming
 (runner._choose_shape). Speculation's draft shapes are left out: sequences with penalties take
 no drafts.

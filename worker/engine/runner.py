@@ -306,10 +306,11 @@ class ModelRunner:
         return self._step.lower(*specs[:2], pack(db), specs[2], shape=shape, flags=flags)
 
     def compile_idle(self) -> int:
-        """Called while the engine has nothing to run: with no compile under way, start compiling
-        the idle queue's next variant in the background (one at a time: a request that comes
-        meanwhile finds every other core free). Returns how many are queued or compiling."""
-        while self.idle_queue and not self.compiling:
+        """Called while the engine has nothing to run: start compiling the idle queue's next
+        variants in the background, as many at once as `background_compiles` allows (the 2-core
+        VM: one, so a request that comes meanwhile finds the other core free). Returns how many
+        are queued or compiling."""
+        while self.idle_queue and len(self.compiling) < self.background_compiles:
             key = self.idle_queue.pop(0)
             if key not in self.compiled and key not in self.ready:
                 self._compile_in_background(key, empty_batch(*key), idle=True)

@@ -109,8 +109,8 @@ class Worker:
         return 0
 
     def _compile_idle(self) -> None:
-        """Nothing to run: the runner's idle queue goes on compiling (idle_compiles.py), one variant
-        at a time, in the background; a line once it is done."""
+        """Nothing to run: the runner's idle queue goes on compiling in the background
+        (idle_compiles.py); a line once it is done."""
         runner = self.engine.runner
         if self.state is not WorkerState.SERVING or not (runner.idle_queue or self._idle_compiling):
             return
