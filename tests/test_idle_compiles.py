@@ -9,11 +9,13 @@ import signal
 import threading
 import time
 
+import numpy as np
+import pytest
 import redis
 
 from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.stack_support import wait_until
-from tests.test_engine import hf, make_engine, model, prompts, random_ckpt  # noqa: F401 (fixtures)
+from tests.test_engine import hf, hf_logprobs, make_engine, model, prompts, random_ckpt  # noqa: F401 (fixtures)
 from tests.test_serving import model_dir  # noqa: F401 (fixture)
 from worker import contract
 from worker.contract import OutputDelta, RequestMessage, WorkerStats
@@ -37,19 +39,20 @@ def _compile_queue(engine: LLMEngine) -> int:
     return queued
 
 
-def test_after_the_idle_compiles_penalties_and_logit_bias_join_a_running_batch_without_a_stall(
+def test_after_the_idle_compiles_penalties_logit_bias_and_prompt_logprobs_join_a_running_batch_without_a_stall(
         model, tokenizer, hf, prompts):
-    """Greedy requests run; one with a repetition penalty and one with logit bias arrive among
-    them. With the idle queue compiled, they borrow its variants (greedy rows in a sampling
-    variant with every switch) and nothing compiles on the engine thread; without it (`queue`
-    off) each compiled its own there. Tokens: generate's with the penalty, the bias request's as
-    an engine gives them alone."""
+    """Greedy requests run; one with a repetition penalty, one with logit bias and one scoring
+    its prompt arrive among them. With the idle queue compiled, they borrow its variants (greedy
+    rows in a sampling variant with every switch) and nothing compiles on the engine thread;
+    without it each compiled its own there. Tokens: generate's with the penalty, the bias
+    request's as an engine gives them alone; prompt logprobs: the torch forward's."""
     engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
     engine.warmup()
     runner = engine.runner
     queued = _compile_queue(engine)
     assert queued > 0 and runner.compiles.idle == queued
     assert all(f.penalties and f.bias and not s.drafts for s, f in runner.ready if f.penalties)
+    assert {s.num_decode for s, _ in runner.ready if s.prompt_logprobs} == {0, max(s.num_decode for s, _ in runner.ready)}
     compiled, stall = runner.compiles.reading()
     penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=24, ignore_eos=True)
     biased = SamplingParams(temperature=0.0, logit_bias=((5, 3.0), (9, -2.0)), max_tokens=12, ignore_eos=True)
@@ -62,12 +65,17 @@ def test_after_the_idle_compiles_penalties_and_logit_bias_join_a_running_batch_w
         elif k == 3:
             engine.add_request("pen", prompts[4], penalised)
             engine.add_request("bias", prompts[5], biased)
+            engine.add_request("echo", prompts[6], SamplingParams(prompt_logprobs=2, max_tokens=0))
 
     results = drain(engine, arrive)
     assert runner.compiles.reading()[1] == stall  # the engine thread never waited for a compile
     assert runner.compiles.reading()[0] - compiled <= 3  # exact variants asked for, in the background
     assert results[("pen", 0)].token_ids == hf_greedy(hf, prompts[4], 24, repetition_penalty=1.3)
     assert results[("plain0", 0)].token_ids == hf_greedy(hf, prompts[0], 40)
+    ref = hf_logprobs(hf, prompts[6])
+    for pos, entry in enumerate(results[("echo", 0)].prompt_logprobs[1:], start=1):
+        assert entry["logprob"] == pytest.approx(ref[pos - 1][prompts[6][pos]], abs=2e-4), pos
+        assert [t for t, _ in entry["top"]] == np.argsort(-ref[pos - 1])[:2].tolist(), pos
     alone = make_engine(model, tokenizer, ROOMY, decode_steps=4)
     alone.add_request("bias", prompts[5], biased)
     assert results[("bias", 0)].token_ids == drain(alone)[("bias", 0)].token_ids

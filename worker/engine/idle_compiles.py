@@ -1,17 +1,20 @@
 """The step variants a worker compiles while it has nothing to run (ModelRunner.compile_idle).
 
 Warm-up compiles the variants plain requests meet (LLMEngine.warmup). A request with penalties
-or logit bias runs only in a variant with their arrays (variant_serves.serves), and warm-up
-leaves those out: on a GPU each compile takes 25-60 s of the worker's start. Without them, the
+or logit bias runs only in a variant with their arrays (variant_serves.serves), one scoring its
+prompt (`echo` with logprobs) only in one whose head computes every prompt token's logits, and
+warm-up leaves those out: on a GPU each compile takes 25-60 s of the worker's start. Without them, the
 first such requests at a fresh worker compiled as they came, and every stream on it waited
 (the demo on the 2-core CPU, session 73: one request each with frequency_penalty and logit_bias,
 then one with echo and logprobs, compiled 5 variants with 3.3 s of stalls).
 
 So, after its warm-up, a worker queues warm-up's variants with every sampler switch (the
 widest sampling family), now with penalties and logit bias as well, at array widths that serve
-any request up to the model's context with up to LOGIT_BIAS_LADDER[0] bias entries. It compiles
+any request up to the model's context with up to LOGIT_BIAS_LADDER[0] bias entries, and, where
+prompt chunks are packed (the CPU kernel), the widest envelopes scoring their prompt tokens (on
+a GPU the head over a whole step's tokens costs too much to borrow for a few). It compiles
 them in the background, only while no request runs, as many at once as background compiles
-may take (one on the 2-core VM: a burst finds the other core free). A batch with penalties or bias then borrows one at once,
+may take (one on the 2-core VM: a burst finds the other core free). A batch with penalties, bias or prompt scoring then borrows one at once,
 and its own exact variant compiles in the background if such batches keep coming
 (runner._choose_shape). Speculation's draft shapes are left out: sequences with penalties take
 no drafts.
@@ -22,7 +25,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
-from worker.engine.batch import LOGIT_BIAS_LADDER, OUTPUT_IDS_AHEAD, StepShape, bucket, sampler_flags, step_cost
+from worker.engine.batch import (LOGIT_BIAS_LADDER, OUTPUT_IDS_AHEAD, StepShape, bucket, sampler_flags, scored_slots,
+                                 step_cost)
 from worker.engine.sampler import SamplerFlags
 from worker.engine.sampling_params import SamplingParams
 
@@ -37,9 +41,22 @@ def idle_variants(compiled: Iterable[tuple[StepShape, SamplerFlags]], max_logpro
                   max_model_len: int) -> list[tuple[StepShape, SamplerFlags]]:
     """For each of the `compiled` variants (warm-up's) with the widest family's flags, the same
     shape with penalties and logit bias: output ids for OUTPUT_IDS_AHEAD tokens, prompt ids for
-    the whole context, LOGIT_BIAS_LADDER[0] bias entries. Cheapest steps first."""
+    the whole context, LOGIT_BIAS_LADDER[0] bias entries. Where prompt chunks are packed (the CPU
+    kernel's envelopes), also the widest envelope with and without decode rows scoring every
+    prompt token (`echo` with logprobs, `prompt_logprobs`), with and without penalties and bias:
+    a scoring batch borrows one of those until its own variant compiles. Cheapest steps first."""
+    compiled = list(compiled)
     widest = sampler_flags([widest_sampling(max_logprobs)], max_logprobs)
     widths = (OUTPUT_IDS_AHEAD, bucket(max_model_len), LOGIT_BIAS_LADDER[0])
-    wanted = {(shape, replace(flags, penalties=True, bias=True, widths=widths)) for shape, flags in compiled
+    penalised = replace(widest, penalties=True, bias=True, widths=widths)
+    wanted = {(shape, replace(penalised, apart=flags.apart)) for shape, flags in compiled
               if replace(flags, apart=False) == widest and not shape.drafts and not shape.prompt_logprobs}
-    return sorted(wanted, key=lambda v: (step_cost(v[0]), v[0].num_decode, v[1].apart))
+    envelopes: dict[int, StepShape] = {}  # decode rows -> the envelope with the most prompt tokens
+    for shape, flags in compiled:
+        if flags == widest and shape.packed and not shape.prompt_logprobs:
+            best = envelopes.get(shape.num_decode)
+            if best is None or (shape.prefill_tokens, shape.num_prefill) > (best.prefill_tokens, best.num_prefill):
+                envelopes[shape.num_decode] = shape
+    wanted |= {(replace(s, prompt_logprobs=True, scored=scored_slots(s.prefill_tokens, s.num_tokens)), flags)
+               for s in envelopes.values() for flags in (widest, penalised)}
+    return sorted(wanted, key=lambda v: (step_cost(v[0]), v[0].num_decode, v[1].apart, v[0].prompt_logprobs))

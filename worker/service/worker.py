@@ -77,7 +77,7 @@ class Worker:
             t0 = time.perf_counter()
             n = self.engine.warmup()
             log.info("worker %s warmed up %d step variants in %.1f s", self.config.name, n, time.perf_counter() - t0)
-            runner = self.engine.runner  # and compiles those for penalties and logit bias while idle
+            runner = self.engine.runner  # and those warm-up left out: compiled while idle
             runner.idle_queue = idle_variants((*runner.compiled, *runner.ready), self.engine.config.max_logprobs,
                                               self.engine.max_model_len)
         freeze_startup_heap()  # the model, tokenizer and compiled steps: out of the collector's walks
@@ -117,7 +117,8 @@ class Worker:
         self._idle_compiling = runner.compile_idle() > 0
         if not self._idle_compiling:
             counts = runner.compiles
-            log.info("worker %s compiled %d step variants for penalties and logit bias while idle (%.1f s of compiles)",
+            log.info("worker %s compiled %d step variants for penalties, logit bias and prompt logprobs while idle (%.1f s of "
+                     "compiles)",
                      self.config.name, counts.idle, counts.idle_s)
 
     def _on_signal(self, signum, frame) -> None:
