@@ -127,3 +127,29 @@ def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_d
     assert all(key in engine.runner.ready for key in queued)
     assert (seen["after"].step_compiles, seen["after"].compile_stall_s) == (0, 0.0)
     assert seen["served"].compile_stall_s == 0.0 and seen["served"].requests_finished == 1
+
+
+def test_the_idle_queue_holds_the_widest_samplers_shapes_with_penalties_and_packed_scoring_envelopes():
+    """Which variants a worker queues: each of warm-up's widest-sampler shapes (drafts aside) with
+    penalty and bias arrays for any request up to the context; for packed prompt chunks, the
+    envelope with the most prompt tokens per decode-row count, scoring them, with and without
+    penalties; row-layout prefill shapes (the GPU's) get no scoring variant."""
+    from dataclasses import replace
+
+    from worker.engine.batch import LOGIT_BIAS_LADDER, OUTPUT_IDS_AHEAD, StepShape, sampler_flags
+    from worker.engine.idle_compiles import widest_sampling
+
+    widest = sampler_flags([widest_sampling(20)], 20)
+    greedy = sampler_flags([SamplingParams(temperature=0.0)], 20)
+    shape = lambda d, p=0, tp=0, qp=0, **kw: StepShape(d, p, qp, 16, kw.pop("k", 1), False, 16, 96, tp, **kw)  # noqa: E731
+    decode, fused, drafts = shape(8), shape(8, k=4), shape(8, drafts=True)
+    small, wide, mixed = shape(0, 4, 128), shape(0, 8, 512), shape(64, 8, 256)
+    rows = shape(0, 2, qp=32)  # row layout
+    compiled = [(s, widest) for s in (decode, fused, drafts, small, wide, mixed, rows)]
+    compiled += [(decode, replace(widest, apart=True)), (shape(16), greedy)]
+    got = idle_variants(compiled, 20, 1000)
+    penalised = replace(widest, penalties=True, bias=True, widths=(OUTPUT_IDS_AHEAD, 1024, LOGIT_BIAS_LADDER[0]))
+    scoring = {replace(wide, prompt_logprobs=True, scored=512), replace(mixed, prompt_logprobs=True, scored=256)}
+    assert set(got) == ({(s, penalised) for s in (decode, fused, small, wide, mixed, rows)}
+                        | {(decode, replace(penalised, apart=True))} | {(s, f) for s in scoring for f in (widest, penalised)})
+    assert len(got) == len(set(got)) and got[0][0] == decode  # cheapest first
