@@ -3,21 +3,21 @@
 Warm-up compiles the variants plain requests meet (LLMEngine.warmup). A request with penalties
 or logit bias runs only in a variant with their arrays (variant_serves.serves), one scoring its
 prompt (`echo` with logprobs) only in one whose head computes every prompt token's logits, and
-warm-up leaves those out: on a GPU each compile takes 25-60 s of the worker's start. Without them, the
-first such requests at a fresh worker compiled as they came, and every stream on it waited
-(the demo on the 2-core CPU, session 73: one request each with frequency_penalty and logit_bias,
-then one with echo and logprobs, compiled 5 variants with 3.3 s of stalls).
+warm-up leaves those out: on a GPU each compile takes 25-60 s of the worker's start. Without
+them, the first such requests at a fresh worker compiled as they came, and every stream on it
+waited (the demo on the 2-core CPU, session 73: one request each with frequency_penalty and
+logit_bias, then one with echo and logprobs, compiled 5 variants with 3.3 s of stalls).
 
 So, after its warm-up, a worker queues warm-up's variants with every sampler switch (the
 widest sampling family), now with penalties and logit bias as well, at array widths that serve
 any request up to the model's context with up to LOGIT_BIAS_LADDER[0] bias entries, and, where
 prompt chunks are packed (the CPU kernel), the widest envelopes scoring their prompt tokens (on
-a GPU the head over a whole step's tokens costs too much to borrow for a few). It compiles
-them in the background, only while no request runs, as many at once as background compiles
-may take (one on the 2-core VM: a burst finds the other core free). A batch with penalties, bias or prompt scoring then borrows one at once,
-and its own exact variant compiles in the background if such batches keep coming
-(runner._choose_shape). Speculation's draft shapes are left out: sequences with penalties take
-no drafts.
+a GPU the head over a whole step's tokens costs too much to borrow for a few). It compiles them
+in the background, only while no request runs, as many at once as background compiles may take
+(one on the 2-core VM: a burst finds the other core free). A batch with penalties, bias or
+prompt scoring then borrows one at once, and its own exact variant compiles in the background if
+such batches keep coming (runner._choose_shape). Speculation's draft shapes are left out:
+sequences with penalties take no drafts.
 """
 
 from __future__ import annotations
