@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +87,28 @@ def wait_until(check, timeout_s: float) -> None:
             last = exc
         time.sleep(0.2)
     raise TimeoutError(f"condition not met in {timeout_s}s (last error: {last!r})")
+
+
+def run_worker_while(worker, watch) -> None:
+    """Run `worker` (a service.worker.Worker) on this thread until `watch`, on a thread of its own,
+    returns or raises; then it drains as after a SIGTERM, and the signal handlers its run()
+    installed are put back."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def watched() -> None:
+        try:
+            watch()
+        finally:
+            worker._on_signal(signal.SIGTERM, None)  # drains, and run() returns
+
+    watcher = threading.Thread(target=watched, daemon=True)
+    watcher.start()
+    try:
+        assert worker.run() == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    watcher.join(timeout=10)
 
 
 def jax_cache_env(folder: Path) -> dict[str, str]:

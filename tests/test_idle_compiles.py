@@ -5,8 +5,6 @@ engine's with the request alone)."""
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 import redis
 
 from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
-from tests.stack_support import wait_until
+from tests.stack_support import run_worker_while, wait_until
 from tests.test_engine import hf, hf_logprobs, make_engine, model, prompts, random_ckpt  # noqa: F401 (fixtures)
 from tests.test_serving import model_dir  # noqa: F401 (fixture)
 from worker import contract
@@ -94,32 +92,20 @@ def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_d
     key = contract.worker_key(config.name)
     stats = lambda: WorkerStats.decode(client.hgetall(key))  # noqa: E731
     seen: dict[str, object] = {}
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # run() installs its own
 
     def watch() -> None:
-        try:
-            wait_until(lambda: client.exists(key) and stats().state == "serving", 120)
-            seen["pending at first"] = stats().compiles_pending
-            wait_until(lambda: stats().compiles_pending == 0, 300)
-            seen["after"] = stats()
-            params = SamplingParams(temperature=0.0, frequency_penalty=0.5, max_tokens=8, ignore_eos=True).to_dict()
-            contract.ensure_group(client)
-            client.xadd(contract.REQUESTS, RequestMessage("pen", "tinyllama", [3, 5, 7, 11, 13], params).encode())
-            wait_until(lambda: any(OutputDelta.decode(f).done for _, f in client.xrange(contract.out_stream("pen"))),
-                       60)
-            time.sleep(2 * contract.HEARTBEAT_INTERVAL_S)
-            seen["served"] = stats()
-        finally:
-            worker._on_signal(signal.SIGTERM, None)
+        wait_until(lambda: client.exists(key) and stats().state == "serving", 120)
+        seen["pending at first"] = stats().compiles_pending
+        wait_until(lambda: stats().compiles_pending == 0, 300)
+        seen["after"] = stats()
+        params = SamplingParams(temperature=0.0, frequency_penalty=0.5, max_tokens=8, ignore_eos=True).to_dict()
+        contract.ensure_group(client)
+        client.xadd(contract.REQUESTS, RequestMessage("pen", "tinyllama", [3, 5, 7, 11, 13], params).encode())
+        wait_until(lambda: any(OutputDelta.decode(f).done for _, f in client.xrange(contract.out_stream("pen"))), 60)
+        time.sleep(2 * contract.HEARTBEAT_INTERVAL_S)
+        seen["served"] = stats()
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        assert worker.run() == 0
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    watcher.join(timeout=10)
+    run_worker_while(worker, watch)
     engine = worker.engine
     queued = idle_variants((*engine.runner.compiled, *engine.runner.ready), engine.config.max_logprobs,
                            engine.max_model_len)  # (warm-up's variants pick them; the idle ones are not among those)

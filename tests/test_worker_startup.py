@@ -13,7 +13,7 @@ import threading
 import pytest
 import redis
 
-from tests.stack_support import wait_until
+from tests.stack_support import run_worker_while, wait_until
 from tests.test_serving import model_dir  # noqa: F401 (fixture)
 from tests.test_worker_backlog import _message
 from worker import contract
@@ -51,25 +51,13 @@ def test_a_warming_worker_heartbeats_as_starting_and_serves_what_queued_meanwhil
         return n
 
     worker.engine.warmup = watched_warmup
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # run() installs its own
+    def served() -> None:
+        wait_until(lambda: _finished(client, "req-0"), 120)
+        key = contract.worker_key(config.name)  # the heartbeat thread refreshes the hash once a second
+        wait_until(lambda: WorkerStats.decode(client.hgetall(key)).state == "serving", 10)
+        seen["serving"] = True
 
-    def stop_when_served() -> None:
-        try:
-            wait_until(lambda: _finished(client, "req-0"), 120)
-            key = contract.worker_key(config.name)  # the heartbeat thread refreshes the hash once a second
-            wait_until(lambda: WorkerStats.decode(client.hgetall(key)).state == "serving", 10)
-            seen["serving"] = True
-        finally:
-            worker._on_signal(signal.SIGTERM, None)  # drains, and run() returns
-
-    stopper = threading.Thread(target=stop_when_served, daemon=True)
-    stopper.start()
-    try:
-        assert worker.run() == 0
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    stopper.join(timeout=10)
+    run_worker_while(worker, served)
     assert seen["state"] == "starting"
     assert seen["pending"] == 0  # nothing pulled (nor claimed) while compiling
     assert seen["serving"]
