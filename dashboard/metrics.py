@@ -94,7 +94,7 @@ class FleetCollector:
         drafts = GaugeMetricFamily(P + "spec_decode_draft_acceptance_rate", "Share of a worker's recently checked "
                                    "draft tokens (--speculative-tokens) that stood.", labels=labels)
         pending = GaugeMetricFamily(P + "step_compiles_pending", "Step variants a worker is compiling in the background "
-                                    "or has queued to compile while idle (for penalties and logit bias).", labels=labels)
+                                    "or has queued to compile while idle (variants warm-up left out).", labels=labels)
         gate = GaugeMetricFamily(P + "spec_decode_drafts_chosen", "1 where a worker's batches of min_batch_size up to "
                                  "twice that take drafts, having measured them faster than fused steps; 0 where fused "
                                  "steps won.", labels=[*labels, "min_batch_size"])

@@ -312,7 +312,7 @@ class ModelRunner:
         are queued or compiling."""
         while self.idle_queue and len(self.compiling) < self.background_compiles:
             key = self.idle_queue.pop(0)
-            if key not in self.compiled and key not in self.ready:
+            if key not in self.compiled and key not in self.ready and key not in self.compiling:
                 self._compile_in_background(key, empty_batch(*key), idle=True)
         return len(self.idle_queue) + len(self.compiling)
 
