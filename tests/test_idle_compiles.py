@@ -134,7 +134,7 @@ def test_the_idle_queue_holds_the_widest_samplers_shapes_with_penalties_and_pack
     compiled = [(s, widest) for s in (decode, fused, drafts, small, wide, mixed, rows)]
     compiled += [(decode, replace(widest, apart=True)), (shape(16), greedy)]
     got = idle_variants(compiled, 20, 1000)
-    penalised = replace(widest, penalties=True, bias=True, widths=(OUTPUT_IDS_AHEAD, 1024, LOGIT_BIAS_LADDER[0]))
+    penalised = replace(widest, penalties=True, bias=True, widths=(OUTPUT_IDS_AHEAD, 1024, LOGIT_BIAS_LADDER[1]))
     scoring = {replace(wide, prompt_logprobs=True, scored=512), replace(mixed, prompt_logprobs=True, scored=256)}
     assert set(got) == ({(s, penalised) for s in (decode, fused, small, wide, mixed, rows)}
                         | {(decode, replace(penalised, apart=True))} | {(s, f) for s in scoring for f in (widest, penalised)})

@@ -10,7 +10,7 @@ logit_bias, then one with echo and logprobs, compiled 5 variants with 3.3 s of s
 
 So, after its warm-up, a worker queues warm-up's variants with every sampler switch (the
 widest sampling family), now with penalties and logit bias as well, at array widths that serve
-any request up to the model's context with up to LOGIT_BIAS_LADDER[0] bias entries, and, where
+any request up to the model's context with up to LOGIT_BIAS_LADDER[1] bias entries, and, where
 prompt chunks are packed (the CPU kernel), the widest envelopes scoring their prompt tokens (on
 a GPU the head over a whole step's tokens costs too much to borrow for a few). It compiles them
 in the background, only while no request runs, as many at once as background compiles may take
@@ -41,13 +41,13 @@ def idle_variants(compiled: Iterable[tuple[StepShape, SamplerFlags]], max_logpro
                   max_model_len: int) -> list[tuple[StepShape, SamplerFlags]]:
     """For each of the `compiled` variants (warm-up's) with the widest family's flags, the same
     shape with penalties and logit bias: output ids for OUTPUT_IDS_AHEAD tokens, prompt ids for
-    the whole context, LOGIT_BIAS_LADDER[0] bias entries. Where prompt chunks are packed (the CPU
+    the whole context, LOGIT_BIAS_LADDER[1] bias entries. Where prompt chunks are packed (the CPU
     kernel's envelopes), also the widest envelope with and without decode rows scoring every
     prompt token (`echo` with logprobs, `prompt_logprobs`), with and without penalties and bias:
     a scoring batch borrows one of those until its own variant compiles. Cheapest steps first."""
     compiled = list(compiled)
     widest = sampler_flags([widest_sampling(max_logprobs)], max_logprobs)
-    widths = (OUTPUT_IDS_AHEAD, bucket(max_model_len), LOGIT_BIAS_LADDER[0])
+    widths = (OUTPUT_IDS_AHEAD, bucket(max_model_len), LOGIT_BIAS_LADDER[1])
     penalised = replace(widest, penalties=True, bias=True, widths=widths)
     wanted = {(shape, replace(penalised, apart=flags.apart)) for shape, flags in compiled
               if replace(flags, apart=False) == widest and not shape.drafts and not shape.prompt_logprobs}
