@@ -15,14 +15,12 @@ from tests.engine_support import ROOMY, drain, hf_greedy, tokenizer  # noqa: F40
 from tests.stack_support import run_worker_while, wait_until
 from tests.test_engine import hf, hf_logprobs, make_engine, model, prompts, random_ckpt  # noqa: F401 (fixtures)
 from tests.test_serving import model_dir  # noqa: F401 (fixture)
+from tests.test_worker_backlog import _worker
 from worker import contract
 from worker.contract import OutputDelta, RequestMessage, WorkerStats
-from worker.engine.config import EngineConfig
 from worker.engine.idle_compiles import idle_variants
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
-from worker.service.config import WorkerConfig
-from worker.service.worker import Worker
 
 
 def _compile_queue(engine: LLMEngine) -> int:
@@ -83,13 +81,9 @@ def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_d
     """The heartbeat says how many variants are still to compile (`compiles_pending`, the
     dashboard's tooltip, `redjax:step_compiles_pending`, what `bench stack` waits for); they are
     not counted as compiles requests caused; a penalised request after them stalls nothing."""
-    engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=64)
-    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-idle", warmup=True,
-                          engine=engine_config)
+    worker = _worker(model_dir, redis_url, name="w-idle", warmup=True)
     client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
-    key = contract.worker_key(config.name)
+    key = contract.worker_key(worker.config.name)
     stats = lambda: WorkerStats.decode(client.hgetall(key))  # noqa: E731
     seen: dict[str, object] = {}
 

@@ -32,10 +32,12 @@ from worker.service.worker import Worker
 SEQS, BACKLOG = 4, 3
 
 
-def _worker(model_dir, redis_url, stream_interval_ms: float = 50.0, log_stats_interval_s: float = 10.0) -> Worker:  # noqa: F811
+def _worker(model_dir, redis_url, stream_interval_ms: float = 50.0, log_stats_interval_s: float = 10.0,  # noqa: F811
+            name: str = "w-backlog", warmup: bool = False) -> Worker:
+    """A worker on the tiny served model, in this process, over a flushed Redis (its run() not started)."""
     engine_config = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=64, page_size=8, num_pages=64)
-    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-backlog", backlog=BACKLOG,
-                          warmup=False, stream_interval_ms=stream_interval_ms, log_stats_interval_s=log_stats_interval_s,
+    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name=name, backlog=BACKLOG,
+                          warmup=warmup, stream_interval_ms=stream_interval_ms, log_stats_interval_s=log_stats_interval_s,
                           engine=engine_config)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()

@@ -15,7 +15,7 @@ import redis
 
 from tests.stack_support import run_worker_while, wait_until
 from tests.test_serving import model_dir  # noqa: F401 (fixture)
-from tests.test_worker_backlog import _message
+from tests.test_worker_backlog import _message, _worker
 from worker import contract
 from worker.contract import OutputDelta, WorkerStats
 from worker.engine.config import EngineConfig
@@ -31,12 +31,8 @@ def _finished(client: redis.Redis, request_id: str) -> bool:
 
 
 def test_a_warming_worker_heartbeats_as_starting_and_serves_what_queued_meanwhile(model_dir, redis_url):  # noqa: F811
-    engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, num_pages=64)
-    config = WorkerConfig(model_dir=str(model_dir), redis_url=redis_url, name="w-startup", warmup=True,
-                          engine=engine_config)
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    worker = Worker(config, LLMEngine.from_path(str(model_dir), engine_config), client)
+    worker = _worker(model_dir, redis_url, name="w-startup", warmup=True)
+    config, client = worker.config, redis.Redis.from_url(redis_url)
     contract.ensure_group(client)
     client.xadd(contract.REQUESTS, _message(0).encode())  # queued before the worker is warm
     seen: dict[str, object] = {}
