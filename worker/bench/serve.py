@@ -55,6 +55,7 @@ class Load:
     top_k: int | None = None  # an extension (vLLM's, redjax's); None: not sent
     min_p: float | None = None  # the same
     logprobs: int | None = None  # every request asks for its tokens' logprobs and this many alternatives
+    extra_body: dict | None = None  # more fields every request sends (a server's own extensions), last
 
     def sampling(self) -> dict:
         """The sampling fields every request sends."""
@@ -75,10 +76,10 @@ class Load:
         if self.endpoint == "chat":
             if self.logprobs is not None:  # the chat API's spelling of the same request
                 body |= {"logprobs": True, "top_logprobs": self.logprobs}
-            return {**body, "messages": [{"role": "user", "content": prompt.text}]}
+            return {**body, "messages": [{"role": "user", "content": prompt.text}], **(self.extra_body or {})}
         if self.logprobs is not None:
             body["logprobs"] = self.logprobs
-        return {**body, "prompt": prompt.text}
+        return {**body, "prompt": prompt.text, **(self.extra_body or {})}
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> Result:

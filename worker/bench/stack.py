@@ -52,30 +52,32 @@ class StackRun:
     prefix_len: int = 0  # random words before every prompt, the same in all of a pair
     workers: int = 1  # redjax serve's workers, each on its own cores; offline, as many engines on the same
     offline_argv: tuple[str, ...] = ()  # each offline engine's flags with several (its share of KV memory)
+    compare: str = "offline"  # the baseline half: the engine alone, or "hf": transformers serve (hf_server.py)
 
 
 def bench_stack(run: StackRun, log=print) -> dict:
-    """Runs `run.pairs` serving/offline pairs; returns each pair and the medians."""
+    """Runs `run.pairs` serving/baseline pairs (the baseline: the engine alone, or with
+    `run.compare` "hf" transformers' own server); returns each pair and the medians."""
     pairs: list[dict] = []
     prompt_tokens = 0  # per request, from the first serving run
+    base = run.compare
     for i in range(run.pairs):
         seed = run.seed + 1000 * i
-        order = ("serve", "offline") if i % 2 == 0 else ("offline", "serve")
+        order = ("serve", base) if i % 2 == 0 else (base, "serve")
         pair: dict = {"first": order[0]}
         for half in order:
-            print(f"pair {i + 1}/{run.pairs}: {'serving through redjax serve' if half == 'serve' else 'offline engine'}",
-                  file=sys.stderr, flush=True)
+            print(f"pair {i + 1}/{run.pairs}: {HALVES[half]}", file=sys.stderr, flush=True)
             if half == "serve":
                 report, pair["serve_cpu"] = _serve_once(run, seed)
                 prompt_tokens = prompt_tokens or max(1, round(report["prompt_tokens"] / max(1, report["completed"])))
-                pair["serve_output_tokens_per_s"] = report["output_token_throughput"]
-                pair["serve_prompt_tokens"] = report["prompt_tokens"]
-                pair["serve_output_tokens"] = report["output_tokens"]
-                pair["serve_cached_prompt_tokens"] = report["cached_prompt_tokens"]
-                pair["serve_failed"] = report["failed"]
+                pair.update(_served("serve", report))
                 pair["serve_step_compiles"] = report["step_compiles"]
                 pair["serve_compile_stall_s"] = report["compile_stall_s"]
-                pair["serve_report"] = report
+            elif half == "hf":
+                from worker.bench.hf_server import hf_serve_once
+
+                report, pair["hf_cpu"] = hf_serve_once(run, seed)
+                pair.update(_served("hf", report))
             else:
                 offline = _offline_once(run, seed)
                 pair["offline_output_tokens_per_s"] = offline["output_tokens_per_s"]
@@ -85,32 +87,53 @@ def bench_stack(run: StackRun, log=print) -> dict:
                 pair["offline_cpu"] = offline["cpu"]
                 if "engines" in offline:  # several engines, each on its own cores: each one's figures
                     pair["offline_engines"] = offline["engines"]
-        pair["ratio"] = pair["serve_output_tokens_per_s"] / pair["offline_output_tokens_per_s"]
+        pair["ratio"] = pair["serve_output_tokens_per_s"] / pair[f"{base}_output_tokens_per_s"]
         pairs.append(pair)
         log(f"pair {i + 1}/{run.pairs} ({order[0]} first): serving {pair['serve_output_tokens_per_s']:.1f}, "
-            f"offline {pair['offline_output_tokens_per_s']:.1f} output tok/s -> {pair['ratio']:.3f}x")
+            f"{BASELINES[base]} {pair[f'{base}_output_tokens_per_s']:.1f} output tok/s -> {pair['ratio']:.3f}x")
         log(f"  serving CPU, {cpu_usage.describe(pair['serve_cpu'])}")
         if pair["serve_step_compiles"] is not None:
             log(f"  serving run: {pair['serve_step_compiles']} step variants compiled by the workers, "
                 f"{pair['serve_compile_stall_s']:.2f} s of stalled streams")
-        log(f"  offline CPU, {cpu_usage.describe(pair['offline_cpu'])}")
+        log(f"  {BASELINES[base]} CPU, {cpu_usage.describe(pair[f'{base}_cpu'])}")
+        if base == "hf":
+            log(f"  p50 ttft {_p50(pair, 'serve', 'ttft')} against {_p50(pair, 'hf', 'ttft')} ms, "
+                f"tpot {_p50(pair, 'serve', 'tpot')} against {_p50(pair, 'hf', 'tpot')} ms")
         if run.prefix_len:
             log(f"  prefix cache hits (prompt tokens): serving {pair['serve_cached_prompt_tokens']}, "
-                f"offline {pair['offline_cached_prompt_tokens']} of {pair['serve_prompt_tokens']}")
+                f"{BASELINES[base]} {pair[f'{base}_cached_prompt_tokens']} of {pair['serve_prompt_tokens']}")
     serve = [p["serve_output_tokens_per_s"] for p in pairs]
-    offline = [p["offline_output_tokens_per_s"] for p in pairs]
+    baseline = [p[f"{base}_output_tokens_per_s"] for p in pairs]
     return {
         "model": run.model_dir, "num_prompts": run.num_prompts, "input_words": run.input_len,
         "range_ratio": run.range_ratio, "prefix_words": run.prefix_len,
         "prompt_tokens_per_request": prompt_tokens, "output_len": run.output_len, "engine_flags": list(run.engine_argv),
-        "workers": run.workers,
-        "pairs": [{k: v for k, v in p.items() if k != "serve_report"} for p in pairs],
+        "workers": run.workers, "baseline": base,
+        "pairs": [{k: v for k, v in p.items() if not k.endswith("_report")} for p in pairs],
         "serve_output_tokens_per_s": statistics.median(serve),
-        "offline_output_tokens_per_s": statistics.median(offline),
+        f"{base}_output_tokens_per_s": statistics.median(baseline),
         "median_ratio": statistics.median(p["ratio"] for p in pairs),
-        "failed": sum(p["serve_failed"] for p in pairs),
+        "failed": sum(p["serve_failed"] + p.get("hf_failed", 0) for p in pairs),
         "last_serve_report": pairs[-1]["serve_report"],
+        **({"last_hf_report": pairs[-1]["hf_report"]} if base == "hf" else {}),
     }
+
+
+HALVES = {"serve": "serving through redjax serve", "offline": "offline engine",
+          "hf": "serving through transformers serve --continuous-batching"}
+BASELINES = {"offline": "offline", "hf": "transformers serve"}
+
+
+def _served(half: str, report: dict) -> dict:
+    """A served half's figures in the pair, each key starting with `half`."""
+    return {f"{half}_output_tokens_per_s": report["output_token_throughput"], f"{half}_prompt_tokens": report["prompt_tokens"],
+            f"{half}_output_tokens": report["output_tokens"], f"{half}_cached_prompt_tokens": report["cached_prompt_tokens"],
+            f"{half}_failed": report["failed"], f"{half}_report": report}
+
+
+def _p50(pair: dict, half: str, key: str) -> str:
+    value = pair[f"{half}_report"][key]["p50_ms"]
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:

@@ -16,7 +16,8 @@ def stack_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="redjax bench stack",
         description="serving through Redis and the API (redjax serve, saturated) against the engine alone "
-                    "(bench offline), in alternating pairs on this machine; prints the ratio")
+                    "(bench offline), or against transformers' own server (--compare hf), in alternating pairs on "
+                    "this machine; prints the ratio")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="local Hugging Face model directory (default: the demo model)")
     src.add_argument("--dummy", metavar="PRESET", help="random weights of a preset shape (llama-100m, ...) or of a "
@@ -33,10 +34,22 @@ def stack_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=3, help="serving/offline pairs, alternating which goes first")
     p.add_argument("--workers", type=int, default=1, help="redjax serve's workers, each on its own share of the "
                    "cores; the offline half then runs as many engines on the same shares at once (default 1)")
+    p.add_argument("--compare", choices=["offline", "hf"], default="offline",
+                   help="the baseline half of each pair: offline, the engine alone on the same prompts (default); "
+                        "hf, Hugging Face's own server (transformers serve --continuous-batching, PyTorch on the "
+                        "CPU) on the same model, sent the same load by the same load generator")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
     _engine_flags(p)
     return p
+
+
+def _hf_serve_available() -> bool:
+    import importlib.util
+
+    from transformers.utils import is_serve_available
+
+    return is_serve_available() and importlib.util.find_spec("torch") is not None
 
 
 def stack(argv: list[str]) -> int:
@@ -50,6 +63,12 @@ def stack(argv: list[str]) -> int:
         parser.error("--range-ratio must be in [0, 1)")
     if args.prefix_len < 0:
         parser.error("--prefix-len must be >= 0")
+    if args.compare == "hf" and args.quantization:
+        parser.error("--compare hf serves the checkpoint's weights through transformers serve, which has no CPU "
+                     "counterpart of --quantization; compare without it")
+    if args.compare == "hf" and not _hf_serve_available():
+        parser.error("--compare hf runs transformers serve, which needs PyTorch and transformers' serving extra: "
+                     "pip install 'transformers[serving]' torch (redjax's dev extra has them)")
     from worker.bench.stack import StackRun, bench_stack
     from worker.engine.config import EngineConfig
     from worker.service.cores import kv_share
@@ -69,17 +88,24 @@ def stack(argv: list[str]) -> int:
         shared = kv_share(overrides, args.workers, EngineConfig(**overrides))
         run = StackRun(tmp or resolve_model(args.model), args.num_prompts, args.input_len,
                        args.output_len, args.pairs, args.seed, tuple(engine_argv(overrides)), args.range_ratio,
-                       args.prefix_len, args.workers, tuple(engine_argv(shared)))
+                       args.prefix_len, args.workers, tuple(engine_argv(shared)), args.compare)
         report = bench_stack(run, log=(lambda *a: None) if args.json else print)
     if args.dummy:
         report["model"] = f"dummy:{args.dummy}"
     if args.json:
         print(json.dumps(report))
     else:
+        from worker.bench.stack import BASELINES
+
+        base = args.compare
+        workers = (f", {args.workers} workers{' and engines' if base == 'offline' else ''}, each on its own cores"
+                   if args.workers > 1 else "")
         print(f"{args.num_prompts} requests x ~{report['prompt_tokens_per_request']} prompt tokens / "
               f"{args.output_len}{f' +-{args.range_ratio:.0%}' if args.range_ratio else ''} out, {args.pairs} pairs"
-              f"{f', {args.workers} workers and engines, each on its own cores' if args.workers > 1 else ''}: serving {report['serve_output_tokens_per_s']:.1f}, "
-              f"offline {report['offline_output_tokens_per_s']:.1f} output tok/s (medians); "
+              f"{workers}: serving {report['serve_output_tokens_per_s']:.1f}, {BASELINES[base]} "
+              f"{report[f'{base}_output_tokens_per_s']:.1f} output tok/s (medians); "
               f"median ratio {report['median_ratio']:.3f}x")
         print("last serving run, " + _summary(report["last_serve_report"]))
+        if base == "hf":
+            print("last transformers serve run, " + _summary(report["last_hf_report"]))
     return 0 if report["failed"] == 0 else 1

@@ -6,7 +6,7 @@ Host side only (no JAX import). Frozen and hashable, so it can be a static jit a
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,15 +132,26 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, file: Path) -> "ModelConfig":
-        """A Hugging Face config.json file."""
+        """A Hugging Face config.json file. A generation_config.json beside it adds the end-of-sequence
+        ids it lists: chat checkpoints name their end-of-turn token there (Llama 3 Instruct's
+        <|eot_id|>, Qwen's <|im_end|>), and transformers' `generate` and its server stop at it."""
         try:
             data = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise ModelConfigError(f"{file}: not valid JSON ({exc})") from exc
         try:
-            return cls.from_hf_dict(data)
+            cfg = cls.from_hf_dict(data)
         except KeyError as exc:
             raise ModelConfigError(f"{file}: missing field {exc}") from exc
+        generation = file.parent / "generation_config.json"
+        if not generation.is_file():
+            return cfg
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ModelConfigError(f"{generation}: not a JSON object ({exc})") from exc
+        more = [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int) and i not in cfg.eos_token_ids]
+        return replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(dict.fromkeys(more)))
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
