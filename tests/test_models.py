@@ -271,6 +271,25 @@ def test_config_round_trips_through_hf_dict(checkpoint):
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
+def test_generation_config_adds_its_end_of_sequence_ids(tmp_path):
+    """Chat checkpoints name their end-of-turn token in generation_config.json (Llama 3 Instruct:
+    config.json 128001, generation_config.json [128001, 128009]); generation stops at every id
+    either file names, config.json's first, as transformers' generate stops. A generation_config
+    that is not a JSON object is refused by name."""
+    d = {**ModelConfig.preset("llama-100m").to_hf_dict(), "eos_token_id": 7}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (7,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9, 9, 11], "do_sample": True}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (7, 9, 11)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (7, 5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (7,)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match="generation_config.json: not a JSON object"):
+        ModelConfig.from_dir(tmp_path)
+
+
 def test_sliding_window_is_parsed_per_layer(tmp_path):
     make_hf_model("qwen2", tmp_path)
     assert ModelConfig.from_dir(tmp_path).sliding_windows == (None, 5)
