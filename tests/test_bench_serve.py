@@ -347,6 +347,28 @@ def test_serve_without_ignore_eos_sends_only_standard_fields(stack, tmp_path):
     assert report["completed"] == 3 and 3 <= report["output_tokens"] <= 3 * 8 and report["ignore_eos"] is False
 
 
+def test_serve_extra_body_goes_to_its_own_server_after_the_standard_fields(served, stack, redis_url, tmp_path):
+    """--extra-body's fields go into every request to --url, after those the flags set (so they
+    can also replace one); --compare-extra-body's into the baseline's (by default --extra-body's).
+    Here --url's requests run to 3 tokens and the baseline's to the --output-len of 8."""
+    from worker.bench.prompts import Prompt
+    from worker.bench.serve import Load
+
+    body = Load(1, output_len=8, extra_body={"max_tokens": 3, "top_k": 2}).body("m", Prompt("hi", None))
+    assert (body["max_tokens"], body["top_k"], body["ignore_eos"]) == (3, 2, True)
+    api, other = start_api(served, redis_url)
+    try:
+        out = tmp_path / "compare.json"
+        code, text = run_bench("serve", "--url", stack, "--compare-url", other, "--num-prompts", "3", "--input-len", "6",
+                               "--output-len", "8", "--extra-body", '{"max_tokens": 3}', "--compare-extra-body", "{}",
+                               "--json-out", str(out))
+    finally:
+        stop(api)
+    assert code == 0, text
+    pair = json.loads(out.read_text())["loads"][0]["pairs"][0]
+    assert (pair["report"]["output_tokens"], pair["baseline"]["output_tokens"]) == (3 * 3, 3 * 8)
+
+
 def test_serve_sends_the_sampling_flags_with_every_request(stack, tmp_path):
     """--temperature, --top-p, --top-k and --min-p go into every request body (greedy and nothing
     else by default); the server runs the sampled requests, and the report records them."""

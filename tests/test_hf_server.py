@@ -94,6 +94,21 @@ def test_greedy_completions_match_transformers_serve(servers):
     assert a.usage.completion_tokens == b.usage.completion_tokens == 12
 
 
+def test_greedy_chat_matches_transformers_serve(servers):
+    """Chat requests: both servers render the model's chat template alike (the same prompt token
+    counts) and give each conversation the same greedy reply."""
+    ours, theirs, hf_model, _, end_text = servers
+    served = ours.models.list().data[0].id
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        a = ours.chat.completions.create(model=served, messages=messages, max_tokens=12, temperature=0)
+        b = theirs.chat.completions.create(model=hf_model, messages=messages, max_tokens=12, temperature=0)
+        assert a.choices[0].finish_reason == b.choices[0].finish_reason, prompt
+        end = end_text if a.choices[0].finish_reason == "stop" else ""
+        assert a.choices[0].message.content + end == b.choices[0].message.content, prompt
+        assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (b.usage.prompt_tokens, b.usage.completion_tokens)
+
+
 def test_stack_measures_redjax_against_transformers_serve(tmp_path):
     """`bench stack --compare hf`: each pair serves the same prompts through redjax serve and
     through transformers serve, the same number of tokens each (its requests ignore EOS the way

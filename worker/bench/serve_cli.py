@@ -70,6 +70,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-model", help="model name to send the baseline (default: the first it lists)")
     p.add_argument("--compare-api-key", default=os.environ.get("COMPARE_API_KEY") or None,
                    help="the baseline's Bearer key (default: $COMPARE_API_KEY, else --api-key's)")
+    p.add_argument("--extra-body", metavar="JSON", help="a JSON object whose fields every request to --url also "
+                   "sends, after those set here (a server's own extensions: e.g. '{\"repetition_penalty\": 1.1}')")
+    p.add_argument("--compare-extra-body", metavar="JSON", help="the same for the baseline (default: --extra-body's). "
+                   "transformers serve refuses ignore_eos: with --no-ignore-eos, --extra-body '{\"ignore_eos\": true}' "
+                   "and this '{\"generation_config\": \"{\\\"eos_token_id\\\": -1}\"}' both servers run to max_tokens")
     p.add_argument("--pairs", type=int, default=1, help="with --compare-url: pairs of runs at each load (default 1); "
                    "the ratio is their median")
     p.add_argument("--save-detailed", action="store_true", help="--json-out also holds each request's figures "
@@ -105,8 +110,11 @@ def serve(argv: list[str]) -> int:
         parser.error("--save-detailed adds to --json-out's report: give --json-out too")
     if args.pairs < 1 or (args.pairs > 1 and not args.compare_url):
         parser.error("--pairs must be >= 1, and more than 1 needs --compare-url")
-    if (args.compare_model or args.compare_api_key) and not args.compare_url:
-        parser.error("--compare-model and --compare-api-key go with --compare-url")
+    if (args.compare_model or args.compare_api_key or args.compare_extra_body) and not args.compare_url:
+        parser.error("--compare-model, --compare-api-key and --compare-extra-body go with --compare-url")
+    extra = _json_object(parser, "--extra-body", args.extra_body)
+    compare_extra = extra if args.compare_extra_body is None else _json_object(parser, "--compare-extra-body",
+                                                                               args.compare_extra_body)
     if not 0 <= args.range_ratio < 1:
         parser.error("--range-ratio must be in [0, 1)")
     if not (args.temperature >= 0 and (args.top_p is None or 0 < args.top_p <= 1)
@@ -119,9 +127,10 @@ def serve(argv: list[str]) -> int:
     sweep = bool(args.sweep) or len(runs) > 1
     if args.plot and not sweep:
         parser.error("--plot needs a sweep (--sweep, or several --concurrency values)")
-    servers = [Server(args.url, args.model, args.api_key)]
+    servers = [Server(args.url, args.model, args.api_key, extra)]
     if args.compare_url:
-        servers.append(Server(_base_url(args.compare_url), args.compare_model, args.compare_api_key or args.api_key))
+        servers.append(Server(_base_url(args.compare_url), args.compare_model, args.compare_api_key or args.api_key,
+                              compare_extra))
     for i, server in enumerate(servers):
         try:
             servers[i] = server._replace(model=server.model or served_model(server.url, server.key, args.ready_timeout))
@@ -145,7 +154,7 @@ def serve(argv: list[str]) -> int:
     for index, (rate, concurrency) in enumerate(runs):
         if index and not args.prompts_file:  # fresh words, the same lengths: nothing cached by an earlier run
             prompts = _serve_prompts(parser, args, draw=index)
-        load = _load(args, args.num_prompts, rate, concurrency)
+        load = _load(args, args.num_prompts, rate, concurrency, extra)
         reports.append({**bench_serve(args.url, servers[0].model, prompts, load, args.api_key, slo, percentiles,
                                       args.save_detailed),
                         "warmup_requests": 0 if index else 1 + args.warmup})
@@ -169,13 +178,26 @@ class Server(NamedTuple):
     url: str
     model: str | None  # None: the first the server lists
     key: str | None
+    extra: dict | None = None  # more fields every request to it sends (--extra-body)
 
 
-def _load(args, num_prompts: int, rate: float, concurrency: int | None):
+def _json_object(parser: argparse.ArgumentParser, flag: str, text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        parser.error(f"{flag} is not valid JSON ({exc})")
+    if not isinstance(value, dict):
+        parser.error(f"{flag} must be a JSON object, e.g. '{{\"top_k\": 20}}'")
+    return value
+
+
+def _load(args, num_prompts: int, rate: float, concurrency: int | None, extra: dict | None = None):
     from worker.bench.serve import Load
 
     return Load(num_prompts, rate, concurrency, args.output_len, args.seed, args.burstiness, args.endpoint,
-                args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p, args.logprobs)
+                args.ignore_eos, args.temperature, args.top_p, args.top_k, args.min_p, args.logprobs, extra)
 
 
 def _warm_prompts(args, prompts: list) -> list:
@@ -200,7 +222,8 @@ def _warm_up(args, server: Server, warm: list, first_run: tuple[float, int | Non
     from worker.bench.serve import first_request, warm_up
 
     t0 = time.perf_counter()
-    first = first_request(server.url, server.model, warm[0], _load(args, 1, *first_run), server.key, args.ready_timeout)
+    first = first_request(server.url, server.model, warm[0], _load(args, 1, *first_run, server.extra), server.key,
+                          args.ready_timeout)
     if not first.ok:
         print(f"redjax bench serve: the first (untimed) request to {server.url} failed, so no load was sent: "
               f"{first.error}", file=sys.stderr)
@@ -209,8 +232,8 @@ def _warm_up(args, server: Server, warm: list, first_run: tuple[float, int | Non
           file=sys.stderr)
     if args.warmup:
         t0 = time.perf_counter()
-        results = warm_up(server.url, server.model, warm[1:], _load(args, args.warmup, float("inf"), first_run[1]),
-                          server.key)
+        results = warm_up(server.url, server.model, warm[1:],
+                          _load(args, args.warmup, float("inf"), first_run[1], server.extra), server.key)
         failed = [r.error for r in results if not r.ok]
         if failed:
             print(f"redjax bench serve: {len(failed)} of {args.warmup} warm-up requests failed, so no load was sent: "

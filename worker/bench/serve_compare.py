@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 import sys
 from collections.abc import Callable
 
@@ -38,8 +39,8 @@ def compare(args, servers: list, runs: list[tuple[float, int | None]], prompts_f
             reports = {}
             for i in order:
                 server = servers[i]
-                reports[i] = bench_serve(server.url, server.model, prompts, load, server.key, slo, percentiles,
-                                         args.save_detailed)
+                reports[i] = bench_serve(server.url, server.model, prompts, replace(load, extra_body=server.extra),
+                                         server.key, slo, percentiles, args.save_detailed)
             pair = {"first": "url" if order[0] == 0 else "compare_url", "report": reports[0], "baseline": reports[1],
                     "ratio": _ratio(reports[0], reports[1])}
             pairs.append(pair)
