@@ -17,7 +17,7 @@ import transformers
 from tests.bench_support import check_serve_report, run_bench
 from tests.conftest import free_port
 from tests.stack_support import jax_cache_env, make_served_model, start_api, start_worker, stop, wait_until
-from worker.bench.hf_server import NO_EOS, _wait_listening, hf_serve_argv
+from worker.bench.hf_server import NO_EOS, wait_listening, hf_serve_argv
 
 PROMPTS = ["hello world", "the quick brown fox", "a tiny tokenizer for tests", "the answer is"]
 ENGINE = ("--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--page-size", "8", "--num-pages", "128")
@@ -54,7 +54,7 @@ def servers(tmp_path_factory, redis_url):
         hf = subprocess.Popen(hf_serve_argv(model_dir, port, ()), stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
         try:
-            _wait_listening(hf, f"http://127.0.0.1:{port}", log)
+            wait_listening(hf, f"http://127.0.0.1:{port}", log)
             wait_until(lambda: openai.OpenAI(base_url=base + "/v1", api_key="x").models.list().data, 120)
             yield (openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300),
                    openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300),

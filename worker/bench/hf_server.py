@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
@@ -43,7 +42,7 @@ def hf_serve_once(run, seed: int) -> tuple[dict, dict | None]:
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})  # a local directory: never the hub
         try:
-            _wait_listening(proc, url, out)
+            wait_listening(proc, url, out)
             warm = min(run.num_prompts, WARMUP_PROMPTS)
             bench_serve(url, None, random_workload(warm, run.input_len, WARMUP_OUTPUT_LEN, 0.0, seed + 7, run.prefix_len),
                         Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7, ignore_eos=False, extra_body=NO_EOS))
@@ -65,17 +64,9 @@ def hf_serve_argv(model_dir: str, port: int, engine_argv: tuple[str, ...]) -> li
             "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", model_dir]
 
 
-def _wait_listening(proc: subprocess.Popen, url: str, out) -> None:
+def wait_listening(proc: subprocess.Popen, url: str, out) -> None:
     """Until the server lists its model; its own output where it exits first."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out.seek(0)
-            raise RuntimeError(f"transformers serve exited {proc.returncode} before it listened:\n{out.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass  # not listening yet
-        time.sleep(0.5)
-    raise RuntimeError(f"transformers serve did not listen within {READY_TIMEOUT_S:.0f} s")
+    from worker.bench.stack import wait_up
+
+    wait_up(proc, out, "transformers serve", lambda: httpx.get(url + "/v1/models", timeout=2.0).status_code == 200,
+            READY_TIMEOUT_S)

@@ -269,19 +269,28 @@ def _wait_compiled(url: str) -> None:
 
 def _wait_ready(proc: subprocess.Popen, url: str, out, workers: int = 1) -> None:
     """Until /ready says `workers` workers serve the model; the stack's own output on failure."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    def ready() -> bool:
+        answer = httpx.get(url + "/ready", timeout=2.0)
+        return answer.status_code == 200 and len(answer.json()["workers"]) >= workers
+
+    wait_up(proc, out, "redjax serve", ready, READY_TIMEOUT_S)
+
+
+def wait_up(proc: subprocess.Popen, out, name: str, ready, timeout_s: float) -> None:
+    """Until `ready()` (an HTTP check; an HTTP error counts as not yet), for up to `timeout_s`;
+    where the server `proc` exits first, an error with the end of its output (the file `out`)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             out.seek(0)
-            raise RuntimeError(f"redjax serve exited {proc.returncode} before it was ready:\n{out.read()[-2000:]}")
+            raise RuntimeError(f"{name} exited {proc.returncode} before it was ready:\n{out.read()[-2000:]}")
         try:
-            ready = httpx.get(url + "/ready", timeout=2.0)
-            if ready.status_code == 200 and len(ready.json()["workers"]) >= workers:
+            if ready():
                 return
         except httpx.HTTPError:
             pass  # not listening yet
         time.sleep(0.5)
-    raise RuntimeError(f"redjax serve was not ready within {READY_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"{name} was not ready within {timeout_s:.0f} s")
 
 
 def _stop(proc: subprocess.Popen) -> None:
