@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import replace
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 
 def compare(args, servers: list, runs: list[tuple[float, int | None]], prompts_for: Callable[[int], list],

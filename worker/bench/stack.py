@@ -126,9 +126,10 @@ BASELINES = {"offline": "offline", "hf": "transformers serve"}
 
 def _served(half: str, report: dict) -> dict:
     """A served half's figures in the pair, each key starting with `half`."""
-    return {f"{half}_output_tokens_per_s": report["output_token_throughput"], f"{half}_prompt_tokens": report["prompt_tokens"],
-            f"{half}_output_tokens": report["output_tokens"], f"{half}_cached_prompt_tokens": report["cached_prompt_tokens"],
-            f"{half}_failed": report["failed"], f"{half}_report": report}
+    figures = {"output_tokens_per_s": report["output_token_throughput"], "prompt_tokens": report["prompt_tokens"],
+               "output_tokens": report["output_tokens"], "cached_prompt_tokens": report["cached_prompt_tokens"],
+               "failed": report["failed"], "report": report}
+    return {f"{half}_{key}": value for key, value in figures.items()}
 
 
 def _p50(pair: dict, half: str, key: str) -> str:
