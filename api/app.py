@@ -26,7 +26,8 @@ def create_app(config: ApiConfig, *, model: ModelInfo | None = None, mounts: Seq
     """The API app. `model` defaults to loading config.model_dir; `mounts` are extra routes or
     `starlette.routing.Mount`s (e.g. the dashboard) served after the API's own routes, under the
     same middleware (the API key guards /v1/* only)."""
-    model = model or ModelInfo.load(config.model_dir, config.model_name, config.max_model_len)
+    model = model or ModelInfo.load(config.model_dir, config.model_name, config.max_model_len,
+                                    generation_defaults=config.sampling_defaults == "model")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -36,6 +37,10 @@ def create_app(config: ApiConfig, *, model: ModelInfo | None = None, mounts: Seq
         freeze_startup_heap()  # collections then skip the tokenizer and everything else loaded so far
         log.info("api serving %s (max_model_len %d) on redis %s", model.name, model.max_model_len,
                  _without_password(config.redis_url))  # fmt: skip
+        if model.sampling_defaults:
+            log.info("sampling defaults from the model's generation_config.json, where a request sets none: %s "
+                     "(--sampling-defaults openai: the OpenAI API's)",
+                     ", ".join(f"{k}={v}" for k, v in model.sampling_defaults.items()))
         try:
             yield
         finally:

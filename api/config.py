@@ -26,9 +26,11 @@ ENV_NAMES = {
     "host": "REDJAX_API_HOST",
     "port": "REDJAX_API_PORT",
     "log_level": "REDJAX_LOG_LEVEL",
+    "sampling_defaults": "REDJAX_SAMPLING_DEFAULTS",
 }
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+SAMPLING_DEFAULTS = ("model", "openai")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    # sampling fields a request leaves out: "model", the checkpoint's generation_config.json values
+    # where it sets any (as vLLM and transformers); "openai", the OpenAI API's (temperature 1, ...)
+    sampling_defaults: str = "model"
 
     def __post_init__(self) -> None:
         checks = {
@@ -66,6 +71,7 @@ class ApiConfig:
             "shutdown_grace_s must be >= 0": self.shutdown_grace_s >= 0,
             "port must be in [0, 65535]": 0 <= self.port <= 65535,
             f"log_level must be one of {LOG_LEVELS}": self.log_level in LOG_LEVELS,
+            f"sampling_defaults must be one of {SAMPLING_DEFAULTS}": self.sampling_defaults in SAMPLING_DEFAULTS,
         }
         for message, ok in checks.items():
             if not ok:

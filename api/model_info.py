@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.engine.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -18,12 +20,15 @@ class ModelInfo:
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     max_model_len: int  # prompt tokens + generated tokens at most
     vocab_size: int  # token ids must be below this
+    # sampling fields a request leaves out -> the checkpoint's values (generation_config.json), see below
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     # token id -> its own text (logprobs name every alternative by it): filled as ids are first seen,
     # at most the vocabulary; a decode call per new id, then a lookup (~12 us -> ~1 us for 5 ids)
     _token_text: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def load(cls, model_dir: str, name: str, max_model_len: int | None = None) -> "ModelInfo":
+    def load(cls, model_dir: str, name: str, max_model_len: int | None = None,
+             generation_defaults: bool = True) -> "ModelInfo":
         from transformers import AutoTokenizer
 
         folder = Path(model_dir)
@@ -39,7 +44,9 @@ class ModelInfo:
                 raise ValueError(f"{config_path} has no max_position_embeddings; set max_model_len")
             max_model_len = model_limit
         vocab_size = config.get("vocab_size") or len(tokenizer)
-        return cls(name=name, tokenizer=tokenizer, max_model_len=max_model_len, vocab_size=int(vocab_size))
+        defaults = sampling_defaults(folder / "generation_config.json") if generation_defaults else {}
+        return cls(name=name, tokenizer=tokenizer, max_model_len=max_model_len, vocab_size=int(vocab_size),
+                   sampling_defaults=defaults)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -64,3 +71,30 @@ class ModelInfo:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # The template writes BOS itself when the model wants one.
         return self.encode(text, add_special_tokens=False)
+
+
+# generation_config.json's sampling fields a request may leave out, with transformers' own default
+# for each: a checkpoint's value other than that default is the value its makers chose to sample with
+# (Llama 3 Instruct: temperature 0.6, top_p 0.9; Qwen2.5 Instruct: 0.7, 0.8, top_k 20,
+# repetition_penalty 1.05), which transformers' generate, vLLM and SGLang use where a request sets none.
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def sampling_defaults(path: Path) -> dict[str, float | int]:
+    """The checkpoint's sampling defaults from its generation_config.json (none where there is no
+    such file); `do_sample` is not read, as vLLM does not: a request's own fields decide."""
+    if not path.is_file():
+        return {}
+    try:
+        generation = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(generation, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    defaults = {name: generation[name] for name, default in GENERATION_DEFAULTS.items()
+                if generation.get(name) is not None and generation[name] != default}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return defaults

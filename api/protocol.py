@@ -131,8 +131,9 @@ def _build(
 
 
 def _sampling_params(body: dict[str, Any], model: ModelInfo, **extra: Any) -> SamplingParams:
-    """Typed fields of the body -> SamplingParams, whose own checks give the range errors."""
-    kwargs: dict[str, Any] = {}
+    """Typed fields of the body -> SamplingParams, whose own checks give the range errors. A
+    sampling field the body leaves out takes the checkpoint's default (ModelInfo.sampling_defaults)."""
+    kwargs: dict[str, Any] = dict(model.sampling_defaults)
     for name in ("max_tokens", "top_k", "n"):
         if (value := _get(body, name, int)) is not None:
             kwargs[name] = value

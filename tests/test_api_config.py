@@ -52,6 +52,67 @@ def test_completion_maps_to_sampling_params(tiny_model):
     assert isinstance(params.seed, int) and parsed.echo and parsed.logprobs == 3 and parsed.prompt_texts == ["hello"]
 
 
+def test_sampling_fields_left_out_take_the_checkpoints_defaults(tmp_path):
+    """A checkpoint's generation_config.json values other than transformers' defaults become the
+    sampling defaults of every request that leaves those fields out, completions and chats (as
+    vLLM and transformers apply them; do_sample is not read); a request's own fields win. With
+    --sampling-defaults openai (`generation_defaults=False`) the OpenAI API's defaults stay."""
+    import json
+
+    from api.model_info import ModelInfo, sampling_defaults
+    from tests.api_support import make_model_dir
+
+    folder = make_model_dir(tmp_path / "m")
+    generation = {"do_sample": False, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "min_p": None,
+                  "repetition_penalty": 1.05, "eos_token_id": 2}  # fmt: skip
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    chosen = {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05}  # top_k 50 is transformers' default
+    model = ModelInfo.load(str(folder), MODEL_NAME)
+    assert model.sampling_defaults == sampling_defaults(folder / "generation_config.json") == chosen
+
+    def params(body: dict, model: ModelInfo = model, chat: bool = False) -> SamplingParams:
+        if chat:
+            parsed = parse_chat({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **body}, model)
+        else:
+            parsed = parse_completion({"model": MODEL_NAME, "prompt": "hello", **body}, model, max_prompts=4)
+        return SamplingParams.from_dict(parsed.requests[0].params)
+
+    for chat in (False, True):
+        p = params({}, chat=chat)
+        assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.9, 0, 1.05)
+    p = params({"temperature": 0, "top_p": 1, "repetition_penalty": 1.2, "top_k": 5})
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.0, 1.0, 5, 1.2)
+    openai_defaults = ModelInfo.load(str(folder), MODEL_NAME, generation_defaults=False)
+    assert openai_defaults.sampling_defaults == {}
+    p = params({}, openai_defaults)
+    assert (p.temperature, p.top_p, p.repetition_penalty) == (1.0, 1.0, 1.0)
+
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 250.0}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature must be in"):
+        ModelInfo.load(str(folder), MODEL_NAME)
+    (folder / "generation_config.json").write_text("[0.6]")
+    with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
+        ModelInfo.load(str(folder), MODEL_NAME)
+    (folder / "generation_config.json").unlink()
+    assert ModelInfo.load(str(folder), MODEL_NAME).sampling_defaults == {}
+
+
+def test_sampling_defaults_setting_from_flag_and_environment():
+    """`--sampling-defaults` on `redjax serve` and `redjax api`, REDJAX_SAMPLING_DEFAULTS, refused
+    when neither model nor openai."""
+    from worker.cli import parser
+
+    assert ApiConfig(model_dir="/m").sampling_defaults == "model"
+    env = {"REDJAX_MODEL_DIR": "/m", "REDJAX_SAMPLING_DEFAULTS": "openai"}
+    assert ApiConfig.from_env(environ=env).sampling_defaults == "openai"
+    assert ApiConfig.from_env({"sampling_defaults": "model"}, environ=env).sampling_defaults == "model"
+    with pytest.raises(ValueError, match="sampling_defaults must be one of"):
+        ApiConfig(model_dir="/m", sampling_defaults="vllm")
+    for command in ("serve", "api"):
+        assert parser().parse_args([command, "--sampling-defaults", "openai"]).sampling_defaults == "openai"
+        assert parser().parse_args([command]).sampling_defaults is None  # the setting's own default
+
+
 def test_chat_parsing(tiny_model):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "logprobs": True, "max_completion_tokens": 7}  # fmt: skip

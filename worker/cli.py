@@ -139,6 +139,11 @@ def engine_argv(overrides: dict) -> list[str]:
     return argv
 
 
+SAMPLING_HELP = ("sampling fields a request leaves out: model, the checkpoint's generation_config.json values where it "
+                 "sets any (temperature, top_p, top_k, min_p, repetition_penalty; as vLLM and transformers do), or "
+                 "openai, the OpenAI API's (temperature 1, no truncation) (default: model)")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="redjax", description="LLM serving on JAX/Flax with a Redis Streams queue")
     sub = top.add_subparsers(dest="command", required=True)
@@ -152,6 +157,7 @@ def parser() -> argparse.ArgumentParser:
                    help="worker processes, each pinned to its own share of this machine's cores and taking its "
                         "share of the KV memory fraction (default 1: one worker over all cores)")
     p.add_argument("--served-model-name")
+    p.add_argument("--sampling-defaults", choices=["model", "openai"], help=SAMPLING_HELP)
     _engine_flags(p)
 
     p = sub.add_parser("api", help="the OpenAI-compatible API alone")
@@ -160,6 +166,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--served-model-name")
+    p.add_argument("--sampling-defaults", choices=["model", "openai"], help=SAMPLING_HELP)
     p.add_argument("--dashboard", action="store_true", help="also mount the dashboard at /dashboard and /metrics")
 
     p = sub.add_parser("worker", help="one engine worker pulling from Redis")
@@ -310,7 +317,8 @@ def cmd_api(args) -> int:
 
     model = args.model or os.environ.get("REDJAX_MODEL_DIR") or None
     config = ApiConfig.from_env({"model_dir": resolve_model(model), "redis_url": args.redis, "host": args.host,
-                                 "port": args.port, "served_model_name": args.served_model_name})
+                                 "port": args.port, "served_model_name": args.served_model_name,
+                                 "sampling_defaults": args.sampling_defaults})
     mounts = _dashboard_mounts(config.redis_url, config.api_key) if args.dashboard else ()
     run_api(config, mounts=mounts)
     return 0

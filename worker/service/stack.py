@@ -34,7 +34,8 @@ def serve(args, model_dir: str, engine_overrides: dict) -> int:
         embedded = EmbeddedRedis()
         redis_url = embedded.url
     api_config = ApiConfig.from_env({"model_dir": model_dir, "redis_url": redis_url, "host": args.host,
-                                     "port": args.port, "served_model_name": args.served_model_name})
+                                     "port": args.port, "served_model_name": args.served_model_name,
+                                     "sampling_defaults": args.sampling_defaults})
     if (busy := _unbindable(api_config.host, api_config.port)) is not None:  # not after a minute of warm-up
         print(f"redjax: cannot serve the API on {api_config.host}:{api_config.port}: {busy}", file=sys.stderr,
               flush=True)  # fmt: skip
