@@ -7,6 +7,9 @@ Each pair of runs is one serving run and one offline run on the same machine:
 - offline: `redjax bench offline` in its own process, on the same prompts (`--prompts-file`, through
   the model's tokenizer as the API tokenizes them) and as many output tokens.
 
+With `--compare hf` the other half is Hugging Face's own server on the same model instead, sent the
+same load (hf_server.py).
+
 Pairs alternate which run goes first, so a machine that drifts over the minutes of a benchmark
 weighs on both. The load generator runs in this process, on the same cores as the stack: on a
 small machine its CPU counts against the serving figure (`bench serve` pointed at a remote

@@ -31,7 +31,7 @@ def stack_parser() -> argparse.ArgumentParser:
                    "uniformly from [len * (1 - R), len * (1 + R)] (default 0: fixed)")
     p.add_argument("--prefix-len", type=int, default=0, help="this many random words before each prompt, the same "
                    "in all (a shared system prompt: both halves' prefix caches serve it)")
-    p.add_argument("--pairs", type=int, default=3, help="serving/offline pairs, alternating which goes first")
+    p.add_argument("--pairs", type=int, default=3, help="serving/baseline pairs, alternating which goes first")
     p.add_argument("--workers", type=int, default=1, help="redjax serve's workers, each on its own share of the "
                    "cores; the offline half then runs as many engines on the same shares at once (default 1)")
     p.add_argument("--compare", choices=["offline", "hf"], default="offline",
