@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.engine.sampling_params import SamplingParams
+from worker.models.config import generation_config
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,7 @@ GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": N
 def sampling_defaults(path: Path) -> dict[str, float | int]:
     """The checkpoint's sampling defaults from its generation_config.json (none where there is no
     such file); `do_sample` is not read, as vLLM does not: a request's own fields decide."""
-    if not path.is_file():
-        return {}
-    try:
-        generation = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(generation, dict):
-        raise ValueError(f"{path}: not a JSON object")
+    generation = generation_config(path.parent)
     defaults = {name: generation[name] for name, default in GENERATION_DEFAULTS.items()
                 if generation.get(name) is not None and generation[name] != default}
     try:

@@ -31,9 +31,8 @@ READY_TIMEOUT_S = 300.0
 def hf_serve_once(run, seed: int) -> tuple[dict, dict | None]:
     """The baseline's measured report on the pair's prompts, and where the machine's CPU went
     during it (`run`: stack.StackRun)."""
-    from worker.bench.prompts import random_workload
     from worker.bench.serve import Load, bench_serve
-    from worker.bench.stack import WARMUP_OUTPUT_LEN, WARMUP_PROMPTS, _free_port, _prompts, _stop
+    from worker.bench.stack import _free_port, _prompts, _stop, warm_up
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -43,9 +42,7 @@ def hf_serve_once(run, seed: int) -> tuple[dict, dict | None]:
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})  # a local directory: never the hub
         try:
             wait_listening(proc, url, out)
-            warm = min(run.num_prompts, WARMUP_PROMPTS)
-            bench_serve(url, None, random_workload(warm, run.input_len, WARMUP_OUTPUT_LEN, 0.0, seed + 7, run.prefix_len),
-                        Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7, ignore_eos=False, extra_body=NO_EOS))
+            warm_up(url, run, seed, ignore_eos=False, extra_body=NO_EOS)
             roles = {"transformers serve": [proc.pid], "load generator": [os.getpid()]}
             before = cpu_usage.take(roles)
             report = bench_serve(url, None, _prompts(run, seed), Load(run.num_prompts, output_len=run.output_len,

@@ -142,7 +142,6 @@ def _p50(pair: dict, half: str, key: str) -> str:
 
 def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
     """The measured run's report, and where the machine's CPU went during it."""
-    from worker.bench.prompts import random_workload
     from worker.bench.serve import Load, bench_serve
 
     port = _free_port()
@@ -156,10 +155,7 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
         try:
             _wait_ready(proc, url, out, run.workers)
             _wait_compiled(url)
-            warm = min(run.num_prompts, WARMUP_PROMPTS)
-            # shaped as the measured prompts (a prefix of their own: the cache serves it in the same places)
-            bench_serve(url, None, random_workload(warm, run.input_len, WARMUP_OUTPUT_LEN, 0.0, seed + 7, run.prefix_len),
-                        Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7))
+            warm_up(url, run, seed)
             prompts = _prompts(run, seed)
             roles = {"API": [proc.pid], "worker": cpu_usage.children(proc.pid, "worker"), "load generator": [os.getpid()]}
             compiled = _compiles(url)
@@ -170,6 +166,18 @@ def _serve_once(run: StackRun, seed: int) -> tuple[dict, dict | None]:
             return report, usage
         finally:
             _stop(proc)
+
+
+def warm_up(url: str, run: StackRun, seed: int, **load) -> None:
+    """A fresh server's untimed load before the measured one: at most WARMUP_PROMPTS requests of
+    WARMUP_OUTPUT_LEN tokens, shaped as the measured prompts (a prefix of their own: a prefix cache
+    serves it in the same places); `load`: more Load fields (a server's own way to ignore EOS)."""
+    from worker.bench.prompts import random_workload
+    from worker.bench.serve import Load, bench_serve
+
+    warm = min(run.num_prompts, WARMUP_PROMPTS)
+    bench_serve(url, None, random_workload(warm, run.input_len, WARMUP_OUTPUT_LEN, 0.0, seed + 7, run.prefix_len),
+                Load(warm, output_len=WARMUP_OUTPUT_LEN, seed=seed + 7, **load))
 
 
 def _prompts(run: StackRun, seed: int) -> list:

@@ -143,13 +143,7 @@ class ModelConfig:
             cfg = cls.from_hf_dict(data)
         except KeyError as exc:
             raise ModelConfigError(f"{file}: missing field {exc}") from exc
-        generation = file.parent / "generation_config.json"
-        if not generation.is_file():
-            return cfg
-        try:
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise ModelConfigError(f"{generation}: not a JSON object ({exc})") from exc
+        eos = generation_config(file.parent).get("eos_token_id")
         more = [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int) and i not in cfg.eos_token_ids]
         return replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(dict.fromkeys(more)))
 
@@ -229,3 +223,18 @@ def _dtype_name(value: Any) -> str:
     if name not in ("float32", "bfloat16", "float16"):
         raise ModelConfigError(f"unsupported checkpoint dtype {name!r}")
     return name
+
+
+def generation_config(folder: str | Path) -> dict[str, Any]:
+    """A checkpoint's generation_config.json ({} where it has none): what its makers chose for
+    generation (end-of-sequence ids, sampling values). ModelConfigError where it is not a JSON object."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path}: not a JSON object")
+    return data
