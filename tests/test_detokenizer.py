@@ -229,6 +229,25 @@ def test_both_detokenizers_stream_the_same_text_after_a_text_prompt(byte_level):
             stream(byte_level, prompt, output, sizes, make=windows)), (prompt, output)
 
 
+@BOTH
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_past_the_tokenizers_vocabulary_are_no_text(byte_level, make, skip):
+    """A model's embedding can have more rows than its tokenizer has tokens (a padded vocab_size);
+    a padded id, sampled or in the prompt, is no text, as in the tokenizer's own decode, and never
+    an error (session 76: the byte table raised IndexError, which stopped the engine)."""
+    rng = random.Random(13)
+    padded = range(len(byte_level), len(byte_level) + 64)
+    for _ in range(200):
+        pick = lambda: rng.choice(padded) if rng.random() < 0.3 else rng.randrange(len(byte_level))  # noqa: E731
+        prompt = [pick() for _ in range(rng.randrange(1, 7))]
+        output = [pick() for _ in range(rng.randrange(0, 30))]
+        sizes = [rng.randrange(1, 9) for _ in range(len(output))]
+        known = lambda ids: [i for i in ids if i < len(byte_level)]  # noqa: E731
+        assert byte_level.decode(prompt + output) == byte_level.decode(known(prompt + output))  # HF: no text
+        streamed = "".join(stream(byte_level, prompt, output, sizes, skip, make=make))
+        assert streamed == "".join(stream(byte_level, known(prompt), known(output), [1], skip, make=make))
+
+
 def test_the_engine_picks_the_table_for_byte_level_tokenizers_only(byte_level, metaspace):
     assert isinstance(detokenizers(byte_level)([1, 2], True), ByteLevelDetokenizer)
     assert isinstance(detokenizers(metaspace)([1, 2], True), IncrementalDetokenizer)

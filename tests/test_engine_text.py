@@ -131,3 +131,25 @@ def test_text_deltas_never_split_a_character(cycle_ckpt, tokenizer, decode_steps
         assert not any("\ufffd" in d for d in got.deltas), got.deltas
         # streamed in pieces, not at the end (a fused call decodes its tokens' text at once)
         assert sum(1 for d in got.deltas if d) > (10 if decode_steps == 1 else 3)
+
+
+def test_a_padded_vocabulary_streams_its_padded_ids_as_no_text(tokenizer, tmp_path):
+    """A checkpoint whose vocab_size exceeds its tokenizer (rows padded for alignment, as many real
+    ones have): a request steered onto a padded id by logit_bias gets the ids and no text, and the
+    request beside it is untouched, its greedy tokens transformers'. (Session 76: the first padded
+    id sampled raised IndexError in the detokenizer and stopped the engine.)"""
+    padded = len(tokenizer) + 16
+    hf = make_hf_model("llama", tmp_path, seed=5, vocab_size=padded)
+    tokenizer.save_pretrained(tmp_path)
+    engine = LLMEngine.from_path(tmp_path, EngineConfig(**ROOMY))
+    prompt = tokenizer.encode("the quick brown fox", add_special_tokens=False)
+    pad = padded - 3
+    engine.add_request("pad", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                     logit_bias=((pad, 100.0),)))
+    engine.add_request("plain", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    results = drain(engine)
+    got = results[("pad", 0)]
+    assert (got.token_ids, got.text, got.finish_reason) == ([pad] * 6, "", "length")
+    got = results[("plain", 0)]
+    assert got.token_ids == hf_greedy(hf, prompt, 8)
+    assert got.text == completion_text(tokenizer, prompt, got.token_ids)

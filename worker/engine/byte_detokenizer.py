@@ -100,4 +100,8 @@ class ByteLevelDetokenizer:
         return delta
 
     def _join(self, token_ids: list[int]) -> bytes:
-        return b"".join(map(self._bytes.__getitem__, token_ids))
+        try:
+            return b"".join(map(self._bytes.__getitem__, token_ids))
+        except IndexError:  # an id past the tokenizer's vocabulary: a padded row of the model's
+            n = len(self._bytes)  # embedding (a tokenizer smaller than vocab_size); no text, as HF decode
+            return b"".join(self._bytes[i] if i < n else b"" for i in token_ids)
