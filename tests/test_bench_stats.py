@@ -51,3 +51,31 @@ def test_summary_without_measurements_reports_none_not_zero():
     report = summarize([failed], 1.0, {})
     assert report["ttft"] == {"mean_ms": None, "p50_ms": None, "p90_ms": None, "p99_ms": None}
     assert report["completed"] == 0 and report["failed"] == 1
+
+
+def test_requests_that_stream_no_text_have_no_ttft_not_a_ttft_of_zero():
+    """A model whose tokens decode to nothing (ids past its tokenizer's vocabulary: random weights
+    over a padded vocab) streams chunks without text. Such a request has no TTFT or TPOT: they leave
+    it out of their figures (session 76: counted as 0 ms they read p50 TTFT 0.0 at saturation), the
+    report counts it, and for goodput its first text came no sooner than its end."""
+    import asyncio
+
+    from worker.bench.serve import _read_stream
+    from worker.bench.serve_cli import _summary
+
+    class Content:
+        async def iter_any(self):
+            yield b'data: {"choices": [{"text": ""}]}\n\ndata: {"choices": [{"text": ""}]}\n\n'
+            yield b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+
+    silent = Result(start=0.0)
+    asyncio.run(_read_stream(Content(), silent))
+    assert silent.ttft is None and silent.tpot is None and silent.output_tokens == 2 and not silent.itl
+    silent.ok, silent.e2e = True, 0.5
+    talking = Result(ok=True, ttft=0.1, e2e=0.4, prompt_tokens=4, output_tokens=4)
+    report = summarize([silent, talking], 1.0, {"ttft": 300.0})
+    assert report["no_text_requests"] == 1
+    assert report["ttft"]["p50_ms"] == pytest.approx(100.0) and report["tpot"]["p50_ms"] == pytest.approx(100.0)
+    assert report["good_requests"] == 1  # the silent one's 500 ms to its end misses a 300 ms TTFT
+    assert summarize([silent, talking], 1.0, {"ttft": 600.0})["good_requests"] == 2
+    assert "1 requests streamed no text" in _summary({**report, "request_rate": None, "concurrency": None})

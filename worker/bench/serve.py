@@ -26,7 +26,8 @@ class Result:
     ok: bool = False
     error: str = ""
     start: float = 0.0
-    ttft: float = 0.0  # seconds to the first chunk with text
+    ttft: float | None = None  # seconds to the first chunk with text; None if none had any (a model
+    # whose tokens all decode to nothing: ids past its tokenizer's vocabulary), not a latency of zero
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
     prompt_tokens: int = 0
@@ -36,8 +37,10 @@ class Result:
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first."""
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+        """Time per output token after the first (None without two tokens, or without a first text)."""
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ async def _read_stream(content: aiohttp.StreamReader, r: Result) -> None:
             chunk = json.loads(payload)
             now = time.perf_counter()
             if any(_content(c) for c in chunk.get("choices") or []):
-                if r.ttft == 0.0:
+                if r.ttft is None:
                     r.ttft = now - r.start
                 else:
                     r.itl.append(now - last)

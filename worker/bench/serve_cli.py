@@ -298,6 +298,8 @@ def _summary(r: dict) -> str:
         d = r[key]
         stats = "  ".join(f"{k.removesuffix('_ms')} " + ("n/a" if v is None else f"{v:.1f}") for k, v in d.items())
         lines.append(f"  {key:5s} ms: {stats}")
+    if r.get("no_text_requests"):
+        lines.append(f"  {r['no_text_requests']} requests streamed no text: their TTFT and TPOT are not in the figures")
     if r["completed"] and r["prompt_tokens"]:  # what the server counted, special tokens included
         lines.append(f"  prompt tokens: {r['prompt_tokens'] / r['completed']:.1f} a request, as the server counted them")
     if r["cached_prompt_tokens"] is not None:

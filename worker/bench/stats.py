@@ -43,7 +43,8 @@ def summarize(results: list, seconds: float, slo_ms: dict[str, float],
     in_tokens = sum(r.prompt_tokens for r in ok)
 
     def meets(r) -> bool:
-        values = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2e": r.e2e}
+        # no text at all: the client had its first text no sooner than the end
+        values = {"ttft": r.e2e if r.ttft is None else r.ttft, "tpot": r.tpot or 0.0, "e2e": r.e2e}
         return all(values[k] * 1e3 <= v for k, v in slo_ms.items())
 
     good = [r for r in ok if meets(r)]
@@ -56,7 +57,9 @@ def summarize(results: list, seconds: float, slo_ms: dict[str, float],
         "cached_prompt_tokens": sum(cached) if cached else None,
         "request_throughput": len(ok) / seconds, "output_token_throughput": out_tokens / seconds,
         "total_token_throughput": (in_tokens + out_tokens) / seconds,
-        "ttft": distribution([r.ttft for r in ok], percentiles),
+        # requests that streamed no text have no TTFT (nor TPOT): left out, and counted here
+        "no_text_requests": sum(r.ttft is None for r in ok),
+        "ttft": distribution([r.ttft for r in ok if r.ttft is not None], percentiles),
         "tpot": distribution([r.tpot for r in ok if r.tpot is not None], percentiles),
         "itl": distribution([g for r in ok for g in r.itl], percentiles),
         "e2e": distribution([r.e2e for r in ok], percentiles),
