@@ -78,4 +78,4 @@ def test_requests_that_stream_no_text_have_no_ttft_not_a_ttft_of_zero():
     assert report["ttft"]["p50_ms"] == pytest.approx(100.0) and report["tpot"]["p50_ms"] == pytest.approx(100.0)
     assert report["good_requests"] == 1  # the silent one's 500 ms to its end misses a 300 ms TTFT
     assert summarize([silent, talking], 1.0, {"ttft": 600.0})["good_requests"] == 2
-    assert "1 requests streamed no text" in _summary({**report, "request_rate": None, "concurrency": None})
+    assert "streamed no text: 1 of the requests" in _summary({**report, "request_rate": None, "concurrency": None})

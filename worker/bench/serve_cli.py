@@ -299,7 +299,7 @@ def _summary(r: dict) -> str:
         stats = "  ".join(f"{k.removesuffix('_ms')} " + ("n/a" if v is None else f"{v:.1f}") for k, v in d.items())
         lines.append(f"  {key:5s} ms: {stats}")
     if r.get("no_text_requests"):
-        lines.append(f"  {r['no_text_requests']} requests streamed no text: their TTFT and TPOT are not in the figures")
+        lines.append(f"  streamed no text: {r['no_text_requests']} of the requests (not in the TTFT and TPOT figures)")
     if r["completed"] and r["prompt_tokens"]:  # what the server counted, special tokens included
         lines.append(f"  prompt tokens: {r['prompt_tokens'] / r['completed']:.1f} a request, as the server counted them")
     if r["cached_prompt_tokens"] is not None:
