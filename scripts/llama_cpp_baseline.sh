@@ -40,7 +40,8 @@ text = text.replace(anchor, "        if res is None:  # redjax: unknown byte-lev
 open(path, "w").write(text)
 EOF
 fi
-"$PY" -m pip install -q --target "$OUT/pylib" sentencepiece  # the converter imports it for every Llama
+[ -d "$OUT/pylib/sentencepiece" ] ||  # the converter imports it for every Llama
+  "$PY" -m pip install -q --target "$OUT/pylib" sentencepiece
 
 if [ ! -f "$MODEL/model.safetensors" ]; then
   "$PY" - "$ROOT" "$MODEL" <<'EOF'
