@@ -123,7 +123,7 @@ def assert_pages_returned(engine: LLMEngine, free_at_start: int) -> None:
 
 # the last: the accelerators' default, every call launched from the helper thread (`launch_thread`)
 @pytest.mark.parametrize("sizes,overlap,decode_steps", [(s, o, d) for s in ("roomy", "tight") for o in (True, False)
-                                                        for d in (1, 4)] + [("tight-thread", True, 4)])
+                                                        for d in (1, 4)] + [("tight-thread", True, 4), ("tight", None, 4)])
 def test_greedy_batch_equals_generate_per_prompt(model, tokenizer, prompts, greedy_refs, sizes, overlap, decode_steps):
     engine = make_engine(model, tokenizer, SIZES[sizes], async_overlap=overlap, decode_steps=decode_steps)
     chunks = record_chunks(engine)
@@ -205,6 +205,28 @@ def test_context_limit_ends_with_length(model, tokenizer, prompts, greedy_refs):
     assert results[("capped", 0)].token_ids == greedy_refs[2][:5]
     assert {r.finish_reason for r in results.values()} == {"length"}
     assert_pages_returned(engine, free)
+
+
+def test_auto_overlap_dispatches_ahead_only_while_a_new_request_could_not_start(model, tokenizer, prompts, greedy_refs):
+    """The CPU's default (async_overlap None): a step stays in flight while the next is launched only
+    while every sequence slot is taken or requests wait; with a slot free a new arrival starts at the
+    next call, not behind one more dispatched ahead. The tokens are those of every other mode."""
+    engine = make_engine(model, tokenizer, ROOMY, max_num_seqs=3, decode_steps=4)
+    assert engine.config.async_overlap is None
+    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    for i in range(5):
+        engine.add_request(f"r{i}", prompts[i], params)
+    results: dict = {}
+    states = []  # (a newcomer would wait anyway, a step left in flight) after each step() that launched one
+    while engine.has_unfinished():
+        launched = engine.num_steps
+        collect(results, engine.step())
+        if engine.num_steps > launched:
+            states.append((engine.num_waiting > 0 or engine.num_running >= 3, engine._inflight is not None))
+    assert all(full == ahead for full, ahead in states), states
+    assert (True, True) in states and (False, False) in states  # both seen: 5 requests through 3 slots
+    for i in range(5):
+        assert results[(f"r{i}", 0)].token_ids == greedy_refs[i]
 
 
 # ---- 2. logits and logprobs of the paged step equal the plain forward ----

@@ -84,3 +84,21 @@ def test_pallas_prefill_from_the_cli_and_the_environment():
     assert off["pallas_prefill"] is False and _engine_overrides(_worker_args(*engine_argv(off))) == off
     for raw, value in (("0", False), ("auto", None)):
         assert WorkerConfig.from_env({"model_dir": "m"}, environ={"REDJAX_PALLAS_PREFILL": raw}).engine.pallas_prefill is value
+
+
+def test_async_overlap_auto_always_or_never_from_the_cli_and_the_environment():
+    for flags, value in ((("--async-overlap",), True), (("--no-async-overlap",), False)):
+        overrides = _engine_overrides(_worker_args(*flags))
+        assert overrides["async_overlap"] is value
+        assert _engine_overrides(_worker_args(*engine_argv(overrides))) == overrides  # what `redjax serve` passes on
+    assert "async_overlap" not in _engine_overrides(_worker_args())
+
+    def engine(env: dict) -> EngineConfig:
+        return WorkerConfig.from_env({"model_dir": "m"}, environ=env).engine
+
+    assert [engine({"REDJAX_ASYNC_OVERLAP": v}).async_overlap for v in ("auto", "true", "false")] == [None, True, False]
+    # auto: always on accelerators and with speculation; decided step by step on the CPU (LLMEngine._dispatch_ahead)
+    assert EngineConfig().for_backend("gpu").async_overlap is True
+    assert EngineConfig().for_backend("cpu").async_overlap is None
+    assert EngineConfig(speculative_tokens=4).for_backend("cpu").async_overlap is True
+    assert EngineConfig(async_overlap=False).for_backend("gpu").async_overlap is False

@@ -48,6 +48,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-window-ms", type=float,
                    help="auto decode steps: the longest one fused call should take (default 100); a longer "
                         f"window fuses no more than {MAX_AUTO_DECODE_STEPS} steps (give --decode-steps a number for more)")
+    g.add_argument("--async-overlap", dest="async_overlap", action="store_const", const=True,
+                   help="always dispatch the next step before reading back the one in flight (default on "
+                        "accelerators; on the CPU only while a new request could not start at once anyway)")
     g.add_argument("--no-async-overlap", dest="async_overlap", action="store_const", const=False,
                    help="read each step back before dispatching the next")
     g.add_argument("--launch-thread", action="store_const", const=True,
@@ -129,7 +132,8 @@ def engine_argv(overrides: dict) -> list[str]:
     argv: list[str] = []
     for key, value in overrides.items():
         if isinstance(value, bool):  # a flag that gives the value other than the default
-            flag = {("async_overlap", False): "--no-async-overlap", ("enable_prefix_cache", False): "--no-prefix-cache",
+            flag = {("async_overlap", False): "--no-async-overlap", ("async_overlap", True): "--async-overlap",
+                    ("enable_prefix_cache", False): "--no-prefix-cache",
                     ("pallas_prefill", True): "--pallas-prefill", ("pallas_prefill", False): "--no-pallas-prefill",
                     ("launch_thread", True): "--launch-thread", ("launch_thread", False): "--no-launch-thread"}.get((key, value))
             if flag:

@@ -30,7 +30,12 @@ class EngineConfig:
     decode_window_ms: float = 100.0  # auto decode_steps: how long one fused call should take at most. A
     # request that arrives during a call waits for its end, and streams get their text this far apart;
     # 100 ms is about where a pause starts to be noticed
-    async_overlap: bool = True  # dispatch step k+1 before reading back step k
+    async_overlap: bool | None = None  # dispatch step k+1 before reading back step k. None: on accelerators
+    # (and with speculation) always; on the CPU only while a request arriving now could not start at the
+    # next step anyway (every sequence slot taken, or requests waiting). There the "device" is the host's
+    # own cores, so the read-back hidden behind the next step is worth little (llama-100m: none measured
+    # at 64 rows, sessions 63 and 77), while the step dispatched ahead is one more call a new arrival
+    # waits for: under light Poisson load its first token came 20-27 ms later (session 77)
     launch_thread: bool | None = None  # launch each step's jitted call from a helper thread, while the
     # engine thread reads back the step before and schedules the next; None: on accelerators, off on the
     # CPU. On an H200 the launch held the engine thread 4.4-7.8 ms a call (sessions 42, 46); on the thread,
@@ -122,7 +127,11 @@ class EngineConfig:
         page_size = self.page_size or DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE)
         launch_thread = backend != "cpu" if self.launch_thread is None else self.launch_thread
         min_rows = self.min_decode_rows or (1 if backend == "cpu" else 8)
-        return replace(self, page_size=page_size, launch_thread=launch_thread, min_decode_rows=min_rows)
+        overlap = self.async_overlap
+        if overlap is None and (backend != "cpu" or self.speculative_tokens):
+            overlap = True  # (speculation: a step's drafts are looked up past the guess that the last ones stand)
+        return replace(self, page_size=page_size, launch_thread=launch_thread, min_decode_rows=min_rows,
+                       async_overlap=overlap)
 
     def fused_steps_for(self, step_s: float) -> int:
         """Auto decode_steps for a full-batch decode step of `step_s` seconds: as many as fit in the

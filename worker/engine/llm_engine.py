@@ -203,11 +203,20 @@ class LLMEngine:
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         if launched is not None:
-            if self.config.async_overlap:
+            if self._dispatch_ahead():
                 self._inflight = launched
             else:
                 outputs += self._postprocess(launched)
         return outputs
+
+    def _dispatch_ahead(self) -> bool:
+        """Whether the step just launched stays in flight while the next is scheduled and launched
+        (async overlap), or is read back now. Auto on the CPU (config.async_overlap None): only while
+        a request arriving now could not start at the next step anyway, as every sequence slot is
+        taken or requests already wait; otherwise it would wait for the step dispatched ahead too."""
+        if self.config.async_overlap is not None:
+            return self.config.async_overlap
+        return self.scheduler.num_waiting > 0 or self.scheduler.num_running >= self.config.max_num_seqs
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)
