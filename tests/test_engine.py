@@ -21,7 +21,7 @@ import torch
 
 from tests.engine_support import ROOMY, Choice, collect, drain, hf_greedy, tokenizer  # noqa: F401 (a fixture)
 from tests.hf_models import make_hf_model
-from worker.engine import cpu_attention, cpu_matmul, paged_attention
+from worker.engine import cpu_attention, cpu_matmul, llm_engine, paged_attention
 from worker.engine.config import EngineConfig
 from worker.engine.llm import LLM
 from worker.engine.llm_engine import LLMEngine
@@ -207,10 +207,15 @@ def test_context_limit_ends_with_length(model, tokenizer, prompts, greedy_refs):
     assert_pages_returned(engine, free)
 
 
-def test_auto_overlap_dispatches_ahead_only_while_a_new_request_could_not_start(model, tokenizer, prompts, greedy_refs):
+@pytest.mark.parametrize("short_call_s", [0.0, 60.0], ids=["long-calls", "short-calls"])
+def test_auto_overlap_dispatches_ahead_only_while_a_new_request_could_not_start(model, tokenizer, prompts, greedy_refs,
+                                                                                short_call_s, monkeypatch):
     """The CPU's default (async_overlap None): a step stays in flight while the next is launched only
     while every sequence slot is taken or requests wait; with a slot free a new arrival starts at the
-    next call, not behind one more dispatched ahead. The tokens are those of every other mode."""
+    next call, not behind one more dispatched ahead. Calls shorter than SHORT_CALL_S (this test model's
+    are all shorter than a minute, none shorter than 0 s) are dispatched ahead anyway. The tokens are
+    those of every other mode."""
+    monkeypatch.setattr(llm_engine, "SHORT_CALL_S", short_call_s)
     engine = make_engine(model, tokenizer, ROOMY, max_num_seqs=3, decode_steps=4)
     assert engine.config.async_overlap is None
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
@@ -223,8 +228,8 @@ def test_auto_overlap_dispatches_ahead_only_while_a_new_request_could_not_start(
         collect(results, engine.step())
         if engine.num_steps > launched:
             states.append((engine.num_waiting > 0 or engine.num_running >= 3, engine._inflight is not None))
-    assert all(full == ahead for full, ahead in states), states
-    assert (True, True) in states and (False, False) in states  # both seen: 5 requests through 3 slots
+    assert (True, True) in states and (False, False if short_call_s == 0 else True) in states  # 5 requests, 3 slots
+    assert all(ahead == (full or short_call_s > 0) for full, ahead in states), states
     for i in range(5):
         assert results[(f"r{i}", 0)].token_ids == greedy_refs[i]
 

@@ -46,6 +46,10 @@ log = logging.getLogger("redjax.engine")
 
 KV_DTYPES = DTYPES | {"int8": jnp.int8}  # int8 pages: kv_quant.py
 CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_steps)
+# Auto async overlap on the CPU with a sequence slot free: calls shorter than this are still dispatched
+# ahead. The demo model's batch-1 calls (~4 ms) ran 5-11 % slower read back one by one, llama-100m's
+# (~24 ms) no slower, and each such call dispatched ahead is time an arrival waits (session 77)
+SHORT_CALL_S = 0.010
 
 
 class LLMEngine:
@@ -90,6 +94,7 @@ class LLMEngine:
         self._detokenizer = detokenizers(tokenizer)  # (prompt ids, skip specials) -> a sequence's detokenizer
         self._seq_ids = itertools.count()
         self._inflight: InFlight | None = None
+        self._last_call_s = 0.0  # the last call read back: its time from launch (or the call before's end) to read-back
         self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_steps = 0
         self.num_step_seqs = 0  # sum of sequences over steps (mean batch size)
@@ -213,10 +218,13 @@ class LLMEngine:
         """Whether the step just launched stays in flight while the next is scheduled and launched
         (async overlap), or is read back now. Auto on the CPU (config.async_overlap None): only while
         a request arriving now could not start at the next step anyway, as every sequence slot is
-        taken or requests already wait; otherwise it would wait for the step dispatched ahead too."""
+        taken or requests already wait; otherwise it would wait for the step dispatched ahead too.
+        A call shorter than SHORT_CALL_S (a small model's) is dispatched ahead anyway: there the host
+        work it hides is a large share of the call, and an arrival waits little more."""
         if self.config.async_overlap is not None:
             return self.config.async_overlap
-        return self.scheduler.num_waiting > 0 or self.scheduler.num_running >= self.config.max_num_seqs
+        return (self.scheduler.num_waiting > 0 or self.scheduler.num_running >= self.config.max_num_seqs
+                or self._last_call_s < SHORT_CALL_S)
 
     def _postprocess(self, flight: InFlight) -> list[RequestOutput]:
         sampled_lps = any(c.seq.params.logprobs is not None for c in flight.rows if c is not None)
@@ -249,8 +257,8 @@ class LLMEngine:
                 out.top_logprobs[:steps, rows, :n].reshape(m, n).tolist()))
             results.append(self._take_tokens(seq, track, tokens, lps))
         kind = "drafts" if flight.shape.drafts else "fused" if flight.shape.decode_steps > 1 else None  # (draft_gate.py)
-        self.scheduler.gate.record(kind, len(flight.batch.chunks), self.num_generated_tokens - generated,
-                                   flight.launched_at, done)
+        self._last_call_s = self.scheduler.gate.record(kind, len(flight.batch.chunks), self.num_generated_tokens - generated,
+                                                       flight.launched_at, done)
         return results
 
     def _take_tokens(self, seq: Sequence, track: Track, tokens: list[int], lps: list | None) -> RequestOutput:
