@@ -212,26 +212,36 @@ def test_auto_overlap_dispatches_ahead_only_while_a_new_request_could_not_start(
                                                                                 short_call_s, monkeypatch):
     """The CPU's default (async_overlap None): a step stays in flight while the next is launched only
     while every sequence slot is taken or requests wait; with a slot free a new arrival starts at the
-    next call, not behind one more dispatched ahead. Calls shorter than SHORT_CALL_S (this test model's
-    are all shorter than a minute, none shorter than 0 s) are dispatched ahead anyway. The tokens are
-    those of every other mode."""
+    next call, not behind one more dispatched ahead. Overlap ends with a step that only reads back the
+    call in flight, so its tokens do not wait for another call. Calls shorter than SHORT_CALL_S (this
+    test model's are all shorter than a minute, none shorter than 0 s) are dispatched ahead anyway.
+    The tokens are those of every other mode."""
     monkeypatch.setattr(llm_engine, "SHORT_CALL_S", short_call_s)
     engine = make_engine(model, tokenizer, ROOMY, max_num_seqs=3, decode_steps=4)
     assert engine.config.async_overlap is None
-    params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
-    for i in range(5):
-        engine.add_request(f"r{i}", prompts[i], params)
+    for i in range(5):  # ends apart: slots free up one by one
+        engine.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0.0, max_tokens=GEN - 3 * i, ignore_eos=True))
     results: dict = {}
-    states = []  # (a newcomer would wait anyway, a step left in flight) after each step() that launched one
+    kinds = set()
+
+    def full() -> bool:  # a request arriving now could not start at the next step
+        return engine.num_waiting > 0 or engine.num_running >= 3
+
     while engine.has_unfinished():
-        launched = engine.num_steps
+        before, full_before, launched = engine._inflight, full(), engine.num_steps
         collect(results, engine.step())
-        if engine.num_steps > launched:
-            states.append((engine.num_waiting > 0 or engine.num_running >= 3, engine._inflight is not None))
-    assert (True, True) in states and (False, False if short_call_s == 0 else True) in states  # 5 requests, 3 slots
-    assert all(ahead == (full or short_call_s > 0) for full, ahead in states), states
+        launched, after = engine.num_steps > launched, engine._inflight
+        if before is not None and not full_before and not short_call_s:
+            assert not launched and after is None  # overlap ends: read back, nothing launched
+            kinds.add("ends")
+        elif launched and (before is None or short_call_s):
+            assert (after is not None) == (full() or short_call_s > 0)
+            kinds.add("ahead" if after is not None else "read back at once")
+        elif launched:
+            assert after is not None and after is not before  # overlap goes on
+    assert kinds == ({"ends", "ahead", "read back at once"} if not short_call_s else {"ahead"})
     for i in range(5):
-        assert results[(f"r{i}", 0)].token_ids == greedy_refs[i]
+        assert results[(f"r{i}", 0)].token_ids == greedy_refs[i][:GEN - 3 * i]
 
 
 # ---- 2. logits and logprobs of the paged step equal the plain forward ----

@@ -186,12 +186,20 @@ class LLMEngine:
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and dispatch the next step, then read back the previous one."""
+        """Schedule and dispatch the next step, then read back the previous one (async overlap), or
+        the step itself."""
         outputs: list[RequestOutput] = []
         # read back first: penalties count every earlier token; drafts are looked up past one step's tokens, not a fused call's
         if self._inflight is not None and (self._inflight.penalised or self.scheduler.must_read_back()):
             outputs += self._postprocess(self._inflight)
             self._inflight = None
+        elif self._inflight is not None and not self._dispatch_ahead():
+            # overlap ends: the call in flight is read back and its tokens go out now; read after the
+            # next call's, they would wait for that call too (the next step reads its call back at once)
+            outputs = self._postprocess(self._inflight)
+            self._inflight = None
+            return outputs
+        overlapping = self._inflight is not None
         batch = self.scheduler.schedule(self.decode_steps)
         launched = None
         if batch is not None:
@@ -208,15 +216,15 @@ class LLMEngine:
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         if launched is not None:
-            if self._dispatch_ahead():
+            if overlapping or self._dispatch_ahead():
                 self._inflight = launched
             else:
                 outputs += self._postprocess(launched)
         return outputs
 
     def _dispatch_ahead(self) -> bool:
-        """Whether the step just launched stays in flight while the next is scheduled and launched
-        (async overlap), or is read back now. Auto on the CPU (config.async_overlap None): only while
+        """Whether steps stay in flight while the next is scheduled and launched (async overlap), or
+        are read back as soon as launched. Auto on the CPU (config.async_overlap None): only while
         a request arriving now could not start at the next step anyway, as every sequence slot is
         taken or requests already wait; otherwise it would wait for the step dispatched ahead too.
         A call shorter than SHORT_CALL_S (a small model's) is dispatched ahead anyway: there the host
