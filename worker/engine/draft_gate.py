@@ -68,19 +68,19 @@ class DraftGate:
             return False
         return b.rate("drafts") >= b.rate("fused")
 
-    def record(self, kind: str | None, num_seqs: int, tokens: int, launched_at: float, read_at: float) -> float:
+    def record(self, kind: str | None, num_seqs: int, tokens: int, launched_at: float, read_at: float) -> None:
         """Each call read back: one of `kind` ("drafts": some sequence's drafts checked; "fused":
         several steps; None: neither, not counted) for `num_seqs` sequences, launched and read back
         at those times (time.perf_counter), gave `tokens` tokens. Its time: from its launch, or from
-        the read-back of the call before where it ran behind that one, to its own read-back; returned."""
+        the read-back of the call before where it ran behind that one, to its own read-back."""
         seconds = read_at - max(launched_at, self._read_at)
         self._read_at = read_at
         if kind is None or seconds <= 0:
-            return seconds
+            return
         b = self._buckets.setdefault(_key(num_seqs), _Bucket())
         b.calls[kind].append((tokens, seconds))
         if not (b.measured("drafts") and b.measured("fused")):
-            return seconds
+            return
         winner = "drafts" if b.rate("drafts") >= b.rate("fused") else "fused"
         if b.trying or winner != b.winner:  # a choice made (the first), changed, or confirmed by a try
             b.tries = b.tries + 1 if b.trying and winner == b.winner else 0
@@ -91,7 +91,6 @@ class DraftGate:
             if b.on_winner >= SPACING * (1 << min(b.tries, MAX_TRIES)) * sum(t for _, t in b.calls[other]):
                 b.calls[other].clear()  # try it again: its next calls measure it afresh
                 b.trying = True
-        return seconds
 
     def choices(self) -> dict[int, str]:
         """Batch size (a power of two: that size up to twice it) -> the kind chosen, where both are measured."""

@@ -95,6 +95,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._inflight: InFlight | None = None
         self._last_call_s = 0.0  # the last call read back: its time from launch (or the call before's end) to read-back
+        self._read_at = 0.0  # time.perf_counter() of the last read-back
         self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_steps = 0
         self.num_step_seqs = 0  # sum of sequences over steps (mean batch size)
@@ -265,8 +266,10 @@ class LLMEngine:
                 out.top_logprobs[:steps, rows, :n].reshape(m, n).tolist()))
             results.append(self._take_tokens(seq, track, tokens, lps))
         kind = "drafts" if flight.shape.drafts else "fused" if flight.shape.decode_steps > 1 else None  # (draft_gate.py)
-        self._last_call_s = self.scheduler.gate.record(kind, len(flight.batch.chunks), self.num_generated_tokens - generated,
-                                                       flight.launched_at, done)
+        self.scheduler.gate.record(kind, len(flight.batch.chunks), self.num_generated_tokens - generated,
+                                   flight.launched_at, done)
+        # the call's own time: from its launch, or from the read-back of the call it ran behind
+        self._last_call_s, self._read_at = done - max(flight.launched_at, self._read_at), done
         return results
 
     def _take_tokens(self, seq: Sequence, track: Track, tokens: list[int], lps: list | None) -> RequestOutput:
