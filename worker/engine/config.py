@@ -35,7 +35,7 @@ class EngineConfig:
     # next step anyway (every sequence slot taken, or requests waiting). There the "device" is the host's
     # own cores, so the read-back hidden behind the next step is worth little (llama-100m: none measured
     # at 64 rows, sessions 63 and 77), while the step dispatched ahead is one more call a new arrival
-    # waits for: under light Poisson load its first token came 20-27 ms later (session 77)
+    # waits for: served llama-100m at 1-4 Poisson requests/s gave p50 TTFT 10-58 ms longer (session 77)
     launch_thread: bool | None = None  # launch each step's jitted call from a helper thread, while the
     # engine thread reads back the step before and schedules the next; None: on accelerators, off on the
     # CPU. On an H200 the launch held the engine thread 4.4-7.8 ms a call (sessions 42, 46); on the thread,
