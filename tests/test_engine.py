@@ -244,6 +244,69 @@ def test_auto_overlap_dispatches_ahead_only_while_a_new_request_could_not_start(
         assert results[(f"r{i}", 0)].token_ids == greedy_refs[i][:GEN - 3 * i]
 
 
+def test_beside_a_decoding_stream_long_prompts_go_in_pieces_of_the_prompt_cap(model, tokenizer, prompts, greedy_refs):
+    """While a stream decodes, a step takes at most `Scheduler.prompt_cap` prompt tokens, so its next
+    token does not wait for newcomers' whole prompts; decode steps fuse again once they are in; the
+    tokens are transformers' greedy ones."""
+    engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
+    free = engine.allocator.num_free_pages
+    engine.scheduler.prompt_cap = 8
+    steps: list[tuple[int, bool, int]] = []  # (prompt tokens, a stream decoded in it, fused steps)
+    schedule = engine.scheduler.schedule
+
+    def spy(*args, **kwargs):
+        streaming = any(seq.num_output_tokens for seq in engine.scheduler.running)
+        batch = schedule(*args, **kwargs)
+        if batch is not None and batch.chunks:
+            steps.append((sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1), streaming, batch.num_steps))
+        return batch
+
+    engine.scheduler.schedule = spy
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+
+    def arrive(k: int) -> None:
+        if k == 0:
+            engine.add_request("stream", prompts[1], greedy(GEN))
+        if k == 3:  # the stream decodes by now
+            for i in (7, 6, 5):
+                engine.add_request(f"long{i}", prompts[i], greedy(6))
+
+    results = drain(engine, arrive)
+    beside = [tokens for tokens, streaming, _ in steps if streaming and tokens]
+    assert beside and max(beside) <= 8 and sum(beside) >= sum(PROMPT_LENGTHS[5:]) - 8
+    assert any(k > 1 for _, _, k in steps[steps.index(next(s for s in steps if s[0] == beside[-1])):])
+    assert results[("stream", 0)].token_ids == greedy_refs[1][:GEN]
+    for i in (7, 6, 5):
+        assert results[(f"long{i}", 0)].token_ids == greedy_refs[i][:6]
+    assert_pages_returned(engine, free)
+
+
+def test_the_prompt_cap_follows_the_timed_calls(model, tokenizer, prompts, monkeypatch):
+    """The engine times calls with prompt tokens (here any call carrying one) into a running mean of
+    a prompt token's time, and caps a step's prompt tokens beside decoding streams at what runs in
+    decode_window_ms: the largest warm-up envelope's prompt slots that fit (for a 256-token budget 64,
+    96, 128, 192, 256), else packed slots, never under MIN_PROMPT_CAP; a whole budget where everything fits."""
+    monkeypatch.setattr(llm_engine, "TIMED_PROMPT_SLOTS", 1)
+    engine = make_engine(model, tokenizer, ROOMY, decode_window_ms=100.0)
+    assert engine.scheduler.prompt_cap == 256 and engine.prompt_token_s is None
+    engine.add_request("r", prompts[7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    drain(engine)
+    assert engine.prompt_token_s is not None and 0 < engine.prompt_token_s < 60
+    engine.prompt_token_s, caps = None, []
+    for token_s in (1e-3, 1e-3, 1.0):
+        engine._time_prompts(token_s)
+        caps.append(engine.scheduler.prompt_cap)
+    # 100 ms at 1 ms a token: 100 fit, the 96 rung; then a 1 s call moves the mean to 0.3007 s: the floor
+    assert caps == [96, 96, llm_engine.MIN_PROMPT_CAP]
+    assert engine.prompt_token_s == pytest.approx(1e-3 + 0.3 * (1.0 - 1e-3))
+    engine.prompt_token_s = None
+    engine._time_prompts(1e-6)  # 100000 tokens fit: no cap
+    assert engine.scheduler.prompt_cap == 256
+    engine.prompt_token_s = None
+    engine._time_prompts(0.1 / 40)  # 40 fit: under the smallest rung, over no slots of 32 but the floor
+    assert engine.scheduler.prompt_cap == llm_engine.MIN_PROMPT_CAP
+
+
 # ---- 2. logits and logprobs of the paged step equal the plain forward ----
 
 @pytest.mark.parametrize("overlap,attention", [(True, "kernel"), (False, "kernel"), (True, "jnp")],

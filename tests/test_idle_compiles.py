@@ -109,15 +109,17 @@ def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_d
     assert seen["served"].compile_stall_s == 0.0 and seen["served"].requests_finished == 1
 
 
-def test_the_idle_queue_holds_the_widest_samplers_shapes_with_penalties_and_packed_scoring_envelopes():
+def test_the_idle_queue_holds_the_widest_samplers_shapes_with_penalties_and_packed_scoring_and_light_envelopes():
     """Which variants a worker queues: each of warm-up's widest-sampler shapes (drafts aside) with
     penalty and bias arrays for any request up to the context; for packed prompt chunks, the
     envelope with the most prompt tokens per decode-row count, scoring them, with and without
-    penalties; row-layout prefill shapes (the GPU's) get no scoring variant."""
+    penalties; row-layout prefill shapes (the GPU's) get no scoring variant; every mixed envelope,
+    whatever its sampler, again with LIGHT_DECODE_ROWS decode rows (prompt pieces beside a few
+    streams)."""
     from dataclasses import replace
 
     from worker.engine.batch import LOGIT_BIAS_LADDER, OUTPUT_IDS_AHEAD, StepShape, sampler_flags
-    from worker.engine.idle_compiles import widest_sampling
+    from worker.engine.idle_compiles import LIGHT_DECODE_ROWS, widest_sampling
 
     widest = sampler_flags([widest_sampling(20)], 20)
     greedy = sampler_flags([SamplingParams(temperature=0.0)], 20)
@@ -126,10 +128,11 @@ def test_the_idle_queue_holds_the_widest_samplers_shapes_with_penalties_and_pack
     small, wide, mixed = shape(0, 4, 128), shape(0, 8, 512), shape(64, 8, 256)
     rows = shape(0, 2, qp=32)  # row layout
     compiled = [(s, widest) for s in (decode, fused, drafts, small, wide, mixed, rows)]
-    compiled += [(decode, replace(widest, apart=True)), (shape(16), greedy)]
+    compiled += [(decode, replace(widest, apart=True)), (shape(16), greedy), (mixed, greedy)]
     got = idle_variants(compiled, 20, 1000)
     penalised = replace(widest, penalties=True, bias=True, widths=(OUTPUT_IDS_AHEAD, 1024, LOGIT_BIAS_LADDER[1]))
     scoring = {replace(wide, prompt_logprobs=True, scored=512), replace(mixed, prompt_logprobs=True, scored=256)}
     assert set(got) == ({(s, penalised) for s in (decode, fused, small, wide, mixed, rows)}
-                        | {(decode, replace(penalised, apart=True))} | {(s, f) for s in scoring for f in (widest, penalised)})
+                        | {(decode, replace(penalised, apart=True))} | {(s, f) for s in scoring for f in (widest, penalised)}
+                        | {(shape(LIGHT_DECODE_ROWS, 8, 256), f) for f in (widest, greedy)})
     assert len(got) == len(set(got)) and got[0][0] == decode  # cheapest first

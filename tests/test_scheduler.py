@@ -166,6 +166,29 @@ def test_chunked_prefill_respects_token_budget():
     assert batch.is_pure_decode and [(c.start, c.num_tokens) for c in batch.chunks] == [(40, 1), (3, 1)]
 
 
+def test_beside_decoding_streams_a_step_takes_at_most_prompt_cap_prompt_tokens():
+    """Once a running sequence has sampled, prompt chunks (running ones' and newcomers') share
+    `prompt_cap` tokens a step; decodes are not capped; before any stream the whole budget goes to
+    prompts. Arrivals keep coming; everything finishes with its pages back."""
+    sched, new, rng = make(num_pages=96, max_tokens=32, max_num_seqs=6), Requests(), random.Random(5)
+    sched.prompt_cap = 8
+    groups = [new(sched, [rng.randrange(1, 99) for _ in range(30)], max_tokens=12, ignore_eos=True)]
+    seen = []  # (prompt tokens, a stream was running) per step
+
+    def on_step(before, batch):
+        prompt = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1) if batch else 0
+        seen.append((prompt, any(s.num_output_tokens for s in before)))
+        if len(groups) < 10:
+            n = rng.randrange(2, 40)
+            groups.append(new(sched, [rng.randrange(1, 99) for _ in range(n)], max_tokens=12, ignore_eos=True))
+
+    drive(sched, depth=1, decode_steps=4, on_step=on_step)
+    assert seen[0] == (30, False)  # nothing streams yet: the whole prompt at once
+    assert max(p for p, streaming in seen if streaming) == 8
+    assert all(g.sequences[0].num_output_tokens == 12 for g in groups)
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+
+
 def test_a_step_takes_no_more_prompt_chunks_than_max_prefill_chunks():
     """Warm-up caps a step's prompt chunks at the widest compiled envelope's rows: the rest of a
     burst of short prompts waits a step instead of the step needing a shape nothing compiled."""

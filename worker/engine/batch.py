@@ -156,6 +156,14 @@ def slot_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def slots_at_most(n: int) -> int:
+    """The most packed prefill token slots on plan_packed's ladder that fit in `n` (0 under PACK_GRANULE)."""
+    k = n // PACK_GRANULE
+    while k > 0 and slot_bucket(k) != k:
+        k -= 1
+    return k * PACK_GRANULE
+
+
 def plan_packed(lengths: list[int], max_rows: int) -> tuple[int, int]:
     """Packed prefill chunks: -> (padded row count, padded token slots). Slots come in multiples
     of PACK_GRANULE on the slot_bucket ladder, rows in powers of two (a padding row costs only
@@ -198,13 +206,19 @@ def envelopes(max_decode: int, budget: int, max_pages: int, page_size: int, max_
     warm-up the scheduler takes no more prefill chunks in a step than it has rows
     (`Scheduler.max_prefill_chunks`).
     """
-    spare = max_rows - max_decode
-    rows_for: dict[int, int] = {}  # prefill tokens -> rows (a small budget collapses rungs: keep the most rows)
-    for rows, share in ENVELOPE_LADDER:
-        tokens = plan_packed([max(1, int(budget * share))], 1)[1]
-        rows_for[tokens] = max(rows_for.get(tokens, 0), min(rows, spare))
+    rows_for = envelope_rungs(budget, max_rows - max_decode)
     return [StepShape(decode, rows, 0, max_pages, 1, False, page_size, max_rows, tokens)
             for decode in (max_decode, 0) for tokens, rows in sorted(rows_for.items())]
+
+
+def envelope_rungs(budget: int, spare_rows: int) -> dict[int, int]:
+    """The envelopes' prompt token slots -> their prompt rows, on ENVELOPE_LADDER for a step budget
+    (a small budget collapses rungs: each keeps the most rows)."""
+    rows_for: dict[int, int] = {}
+    for rows, share in ENVELOPE_LADDER:
+        tokens = plan_packed([max(1, int(budget * share))], 1)[1]
+        rows_for[tokens] = max(rows_for.get(tokens, 0), min(rows, spare_rows))
+    return rows_for
 
 
 def empty_batch(shape: StepShape, flags: SamplerFlags) -> DeviceBatch:

@@ -18,6 +18,11 @@ in the background, only while no request runs, as many at once as background com
 prompt scoring then borrows one at once, and its own exact variant compiles in the background if
 such batches keep coming (runner._choose_shape). Speculation's draft shapes are left out:
 sequences with penalties take no drafts.
+
+Warm-up's mixed envelopes carry every decode row a step can have. At light load a few streams
+decode while a newcomer's prompt goes in, in pieces of the scheduler's prompt cap: padded into a
+full envelope, 64 empty decode rows made each 192-256-token piece of llama-100m a quarter longer
+(session 78). So the queue also holds each such envelope with LIGHT_DECODE_ROWS decode rows.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from worker.engine.batch import (LOGIT_BIAS_LADDER, OUTPUT_IDS_AHEAD, StepShape,
                                  step_cost)
 from worker.engine.sampler import SamplerFlags
 from worker.engine.sampling_params import SamplingParams
+
+LIGHT_DECODE_ROWS = 8  # decode rows of the light-load copies of warm-up's mixed envelopes
 
 
 def widest_sampling(max_logprobs: int) -> SamplingParams:
@@ -44,7 +51,8 @@ def idle_variants(compiled: Iterable[tuple[StepShape, SamplerFlags]], max_logpro
     the whole context, LOGIT_BIAS_LADDER[1] bias entries. Where prompt chunks are packed (the CPU
     kernel's envelopes), also the widest envelope with and without decode rows scoring every
     prompt token (`echo` with logprobs, `prompt_logprobs`), with and without penalties and bias:
-    a scoring batch borrows one of those until its own variant compiles. Cheapest steps first."""
+    a scoring batch borrows one of those until its own variant compiles; and each mixed envelope
+    with LIGHT_DECODE_ROWS decode rows, its flags as they are. Cheapest steps first."""
     compiled = list(compiled)
     widest = sampler_flags([widest_sampling(max_logprobs)], max_logprobs)
     widths = (OUTPUT_IDS_AHEAD, bucket(max_model_len), LOGIT_BIAS_LADDER[1])
@@ -59,4 +67,6 @@ def idle_variants(compiled: Iterable[tuple[StepShape, SamplerFlags]], max_logpro
                 envelopes[shape.num_decode] = shape
     wanted |= {(replace(s, prompt_logprobs=True, scored=scored_slots(s.prefill_tokens, s.num_tokens)), flags)
                for s in envelopes.values() for flags in (widest, penalised)}
+    wanted |= {(replace(shape, num_decode=LIGHT_DECODE_ROWS), flags) for shape, flags in compiled
+               if shape.packed and shape.num_decode > LIGHT_DECODE_ROWS and not shape.prompt_logprobs}
     return sorted(wanted, key=lambda v: (step_cost(v[0]), v[0].num_decode, v[1].apart, v[0].prompt_logprobs))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
-from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, sampler_flags
+from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, envelope_rungs, sampler_flags, slots_at_most
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, projections, screened_head, speculation
 from worker.engine.attention_choice import choose_attention
@@ -50,6 +50,14 @@ CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_
 # ahead. The demo model's batch-1 calls (~4 ms) ran 5-11 % slower read back one by one, llama-100m's
 # (~24 ms) no slower, and each such call dispatched ahead is time an arrival waits (session 77)
 SHORT_CALL_S = 0.010
+# The prompt cap (Scheduler.prompt_cap): calls carrying at least TIMED_PROMPT_SLOTS prompt token slots
+# time a prompt token (a running mean, the newest call weighing PROMPT_TIMING_WEIGHT), and a step beside
+# streams that are decoding takes the prompt tokens that run in decode_window_ms (an envelope's, where
+# one fits: batch.envelope_rungs), never under MIN_PROMPT_CAP. A 1024-token prompt of llama-100m on 2
+# cores is a ~0.4 s step: without the cap every stream's next token waited for it (session 78)
+TIMED_PROMPT_SLOTS = 128
+PROMPT_TIMING_WEIGHT = 0.3
+MIN_PROMPT_CAP = 64
 
 
 class LLMEngine:
@@ -82,6 +90,7 @@ class LLMEngine:
         # warm-up times a step (calibrate_decode_steps)
         self.decode_steps = config.decode_steps or DEFAULT_DECODE_STEPS
         self.decode_step_s: float | None = None  # the full-batch decode step auto timed
+        self.prompt_token_s: float | None = None  # a prompt token's time in the calls so far (_time_prompts)
         kernels = cpu_sampling.choose(config.sampler, config.tensor_parallel)
         self.sampler = "cpu-kernel" if kernels else "jnp"  # how sampled rows are filtered and drawn
         self.runner = ModelRunner(model, kv, config.page_size, 2 * bucket(config.max_num_seqs), config.max_logprobs,
@@ -270,7 +279,21 @@ class LLMEngine:
                                    flight.launched_at, done)
         # the call's own time: from its launch, or from the read-back of the call it ran behind
         self._last_call_s, self._read_at = done - max(flight.launched_at, self._read_at), done
+        if flight.shape.prefill_slots >= TIMED_PROMPT_SLOTS:
+            self._time_prompts(self._last_call_s / flight.shape.prefill_slots)
         return results
+
+    def _time_prompts(self, token_s: float) -> None:
+        """Fold a call's seconds per prompt token slot into `prompt_token_s` (its decode rows and
+        fixed costs counted in: the cap errs short) and set the scheduler's prompt cap from it: the
+        most prompt tokens of a warm-up envelope (else of packed slots) that run in decode_window_ms,
+        at most a step's budget."""
+        old = self.prompt_token_s
+        self.prompt_token_s = token_s if old is None else old + PROMPT_TIMING_WEIGHT * (token_s - old)
+        budget = self.config.max_num_batched_tokens
+        fit = int(self.config.decode_window_ms / 1e3 / self.prompt_token_s)
+        rungs = [tokens for tokens in envelope_rungs(budget, 1) if tokens <= fit]
+        self.scheduler.prompt_cap = min(budget, max(MIN_PROMPT_CAP, max(rungs, default=slots_at_most(fit))))
 
     def _take_tokens(self, seq: Sequence, track: Track, tokens: list[int], lps: list | None) -> RequestOutput:
         """Resolve read-back tokens up to the first that ends the sequence.

@@ -16,10 +16,14 @@ Engine protocol, once per step:
      scheduler once no in-flight token is left.
 
 Rules: running sequences first, oldest first (a decode token or their next prefill chunk), then
-waiting ones in arrival order. A running sequence short of pages first shrinks its chunk, then
-preempts the newest running sequence; only a sequence with no in-flight tokens in flight is
-preempted (otherwise the needy one and everything newer sit this step out while those
-in-flight tokens drain). Nothing is preempted for a newer sequence, so the oldest always progresses.
+waiting ones in arrival order. While any running sequence streams its output, a step's prompt
+chunks together take at most `prompt_cap` tokens (the engine sets it to what its calls compute in
+about decode_window_ms), so a newcomer's long prompt reaches the device in pieces instead of
+holding every stream's next token for the whole prompt. A running sequence short of pages first
+shrinks its chunk, then preempts the newest running sequence; only a sequence with no in-flight
+tokens in flight is preempted (otherwise the needy one and everything newer sit this step out
+while those in-flight tokens drain). Nothing is preempted for a newer sequence, so the oldest
+always progresses.
 """
 
 from __future__ import annotations
@@ -104,6 +108,10 @@ class Scheduler:
         # prefill rows: a burst of short prompts at an idle worker otherwise made a step of more chunks
         # than any compiled shape holds, and every stream waited while that shape compiled (session 49)
         self.max_prefill_chunks = config.max_num_seqs
+        # prompt tokens (chunks of more than one token) per step at most while a running sequence has
+        # sampled: its next token waits for the step. The engine lowers it from its calls' timing
+        # (LLMEngine._time_prompts); here, until then, a whole step budget
+        self.prompt_cap = config.max_num_batched_tokens
         self.num_lookup_tokens = 0  # tokens of admitted sequences (prefix-cache hit rate: hit / lookup)
         self.num_hit_tokens = 0  # of which served from the prefix cache
         self._groups: dict[str, SequenceGroup] = {}
@@ -167,9 +175,11 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         finished: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
-        budget, stalled = self._schedule_running(chunks, finished, budget)
+        streaming = self.prompt_cap < budget and any(seq.num_output_tokens for seq in self.running)
+        prompt = self.prompt_cap if streaming else budget  # prompt tokens this step may still take
+        budget, prompt, stalled = self._schedule_running(chunks, finished, budget, prompt)
         if not stalled:
-            budget = self._schedule_waiting(chunks, finished, budget)
+            budget = self._schedule_waiting(chunks, finished, budget, prompt)
         full = len(self.running) >= self.config.max_num_seqs
         fusable = max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode for c in chunks)
         if self.config.speculative_tokens and (not fusable or self.gate.drafts(len(chunks))):
@@ -216,9 +226,10 @@ class Scheduler:
         return 0
 
     def _schedule_running(
-        self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int
-    ) -> tuple[int, bool]:
-        """Chunks for running sequences, oldest first. Returns (token budget left, stalled)."""
+        self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int, prompt: int
+    ) -> tuple[int, int, bool]:
+        """Chunks for running sequences, oldest first, within `budget` tokens and `prompt` prompt
+        tokens. Returns (token budget left, prompt tokens left, stalled)."""
         size, i = self.config.page_size, 0
         while i < len(self.running):
             seq = self.running[i]
@@ -237,31 +248,37 @@ class Scheduler:
                 else:  # its last sampled tokens are still coming back
                     i += 1
                 continue
-            end = start + min(target - start, budget - later)
-            if end <= start:  # no token left in the budget (cannot happen: budget >= max_num_seqs)
+            take = target - start
+            if take > 1:
+                take = min(take, prompt)
+            end = start + min(take, budget - later)
+            if end <= start:  # no prompt token left (the budget always has one: budget >= max_num_seqs)
                 i += 1
                 continue
             while self._pages_short(seq, start + 1) and self.running[-1] is not seq:
                 victim = self.running[-1]
                 if victim.num_in_flight:
-                    return budget, True
+                    return budget, prompt, True
                 self._preempt(victim)
             if self._pages_short(seq, start + 1):
-                return budget, True  # older sequences hold the pages
+                return budget, prompt, True  # older sequences hold the pages
             end = min(end, (len(seq.page_table) + self.allocator.num_free_pages) * size)
             self._grow(seq, end)
             samples = end == seq.num_tokens and self.room(seq) > 0
             chunks.append(ScheduledChunk(seq, start, end - start, samples))
             budget -= end - start
+            if end - start > 1:
+                prompt -= end - start
             i += 1
-        return budget, False
+        return budget, prompt, False
 
-    def _schedule_waiting(self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int) -> int:
-        """Admit waiting sequences in arrival order while seats, tokens, pages and prompt chunks last.
-        Returns the token budget left."""
+    def _schedule_waiting(self, chunks: list[ScheduledChunk], finished: list[Sequence], budget: int,
+                          prompt: int) -> int:
+        """Admit waiting sequences in arrival order while seats, tokens, pages, prompt tokens and
+        prompt chunks last. Returns the token budget left."""
         size, deferred = self.config.page_size, []
         prefills = sum(c.num_tokens > 1 for c in chunks)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and prompt > 0 and len(self.running) < self.config.max_num_seqs:
             if prefills >= self.max_prefill_chunks:
                 break  # the rest are admitted next step
             seq = self.waiting[0]
@@ -280,7 +297,7 @@ class Scheduler:
                 max_hits = (target - 1) // size  # leave a token to compute, so the step samples
                 hits, keys = self.allocator.lookup(seq.token_range(0, max_hits * size), max_hits)
             start = len(hits) * size
-            end = start + min(target - start, budget)
+            end = start + min(target - start, budget, prompt)
             if not self.allocator.can_allocate(self.config.pages_for(end) - len(hits)):
                 self.allocator.free(hits)
                 break  # first come, first served: nobody jumps the queue for pages
@@ -296,7 +313,9 @@ class Scheduler:
             self._grow(seq, end)
             chunks.append(ScheduledChunk(seq, start, end - start, end == seq.num_tokens and self.room(seq) > 0))
             budget -= end - start
-            prefills += end - start > 1
+            if end - start > 1:
+                prompt -= end - start
+                prefills += 1
         self.waiting.extendleft(reversed(deferred))
         return budget
 
