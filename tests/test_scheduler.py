@@ -14,7 +14,7 @@ from collections import deque
 from worker.engine.config import EngineConfig
 from worker.engine.page_allocator import PageAllocator
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import ScheduledBatch, Scheduler
+from worker.engine.scheduler import LIGHT_DECODE_ROWS, ScheduledBatch, Scheduler
 from worker.engine.sequence import IN_FLIGHT, Sequence, SequenceGroup, SequenceStatus
 
 EOS_MOD = 97  # a sampled token divisible by this is EOS unless ignore_eos
@@ -166,26 +166,39 @@ def test_chunked_prefill_respects_token_budget():
     assert batch.is_pure_decode and [(c.start, c.num_tokens) for c in batch.chunks] == [(40, 1), (3, 1)]
 
 
-def test_beside_decoding_streams_a_step_takes_at_most_prompt_cap_prompt_tokens():
-    """Once a running sequence has sampled, prompt chunks (running ones' and newcomers') share
-    `prompt_cap` tokens a step; decodes are not capped; before any stream the whole budget goes to
-    prompts. Arrivals keep coming; everything finishes with its pages back."""
-    sched, new, rng = make(num_pages=96, max_tokens=32, max_num_seqs=6), Requests(), random.Random(5)
+def test_at_light_load_a_step_takes_at_most_prompt_cap_prompt_tokens():
+    """While 1 to LIGHT_DECODE_ROWS running sequences have sampled and at most one request waits,
+    prompt chunks (running ones' and newcomers') share `prompt_cap` tokens a step; decodes are not
+    capped. Before any stream, beside more streams, or with a queue, prompts take the whole budget.
+    Arrivals come one at a time, then in bursts; everything finishes with its pages back."""
+    sched, new, rng = make(num_pages=200, max_tokens=48, max_num_seqs=12), Requests(), random.Random(5)
     sched.prompt_cap = 8
-    groups = [new(sched, [rng.randrange(1, 99) for _ in range(30)], max_tokens=12, ignore_eos=True)]
-    seen = []  # (prompt tokens, a stream was running) per step
+    prompt = lambda: [rng.randrange(1, 99) for _ in range(rng.randrange(20, 40))]  # noqa: E731
+    groups = [new(sched, prompt(), max_tokens=16, ignore_eos=True)]
+    seen = []  # (prompt tokens, streams, waiting) per step
 
     def on_step(before, batch):
-        prompt = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1) if batch else 0
-        seen.append((prompt, any(s.num_output_tokens for s in before)))
-        if len(groups) < 10:
-            n = rng.randrange(2, 40)
-            groups.append(new(sched, [rng.randrange(1, 99) for _ in range(n)], max_tokens=12, ignore_eos=True))
+        tokens = sum(c.num_tokens for c in batch.chunks if c.num_tokens > 1) if batch else 0
+        seen.append((tokens, sum(s.num_output_tokens > 0 for s in before), waiting))
+        if len(seen) < 12:  # one at a time
+            groups.append(new(sched, prompt(), max_tokens=16, ignore_eos=True))
+        elif len(seen) in (14, 30):  # bursts
+            groups.extend(new(sched, prompt(), max_tokens=16, ignore_eos=True) for _ in range(6))
 
+    waiting = len(sched.waiting)
+    schedule = sched.schedule
+
+    def count_waiting(*args):  # the queue as the step is scheduled
+        nonlocal waiting
+        waiting = len(sched.waiting)
+        return schedule(*args)
+
+    sched.schedule = count_waiting
     drive(sched, depth=1, decode_steps=4, on_step=on_step)
-    assert seen[0] == (30, False)  # nothing streams yet: the whole prompt at once
-    assert max(p for p, streaming in seen if streaming) == 8
-    assert all(g.sequences[0].num_output_tokens == 12 for g in groups)
+    light = [tokens for tokens, streams, queued in seen if 0 < streams <= LIGHT_DECODE_ROWS and queued <= 1]
+    assert seen[0][0] > 8 and max(light) == 8  # nothing streams at first: the whole prompt at once
+    assert max(tokens for tokens, streams, queued in seen if streams > LIGHT_DECODE_ROWS or queued > 1) > 8
+    assert all(g.sequences[0].num_output_tokens == 16 for g in groups)
     assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
 
 

@@ -19,10 +19,11 @@ prompt scoring then borrows one at once, and its own exact variant compiles in t
 such batches keep coming (runner._choose_shape). Speculation's draft shapes are left out:
 sequences with penalties take no drafts.
 
-Warm-up's mixed envelopes carry every decode row a step can have. At light load a few streams
-decode while a newcomer's prompt goes in, in pieces of the scheduler's prompt cap: padded into a
-full envelope, 64 empty decode rows made each 192-256-token piece of llama-100m a quarter longer
-(session 78). So the queue also holds each such envelope with LIGHT_DECODE_ROWS decode rows.
+Warm-up's mixed envelopes carry every decode row a step can have. At light load (up to
+scheduler.LIGHT_DECODE_ROWS streams) a newcomer's prompt goes in beside them in pieces of the
+scheduler's prompt cap: padded into a full envelope, 64 empty decode rows made each 192-256-token
+piece of llama-100m a quarter longer (session 78). So the queue also holds each such envelope with
+LIGHT_DECODE_ROWS decode rows.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from worker.engine.batch import (LOGIT_BIAS_LADDER, OUTPUT_IDS_AHEAD, StepShape,
                                  step_cost)
 from worker.engine.sampler import SamplerFlags
 from worker.engine.sampling_params import SamplingParams
-
-LIGHT_DECODE_ROWS = 8  # decode rows of the light-load copies of warm-up's mixed envelopes
+from worker.engine.scheduler import LIGHT_DECODE_ROWS
 
 
 def widest_sampling(max_logprobs: int) -> SamplingParams:
