@@ -29,8 +29,9 @@ class EngineConfig:
     # None: auto, as many as one call runs in decode_window_ms at a full batch (timed at warm-up)
     decode_window_ms: float = 100.0  # auto decode_steps: how long one fused call should take at most. A
     # request that arrives during a call waits for its end, and streams get their text this far apart;
-    # 100 ms is about where a pause starts to be noticed. While streams decode, a step also takes only
-    # the prompt tokens that run in about this long (Scheduler.prompt_cap, timed by the engine)
+    # 100 ms is about where a pause starts to be noticed. At light load (1-8 streams decoding, at most
+    # one request waiting) a step also takes only the prompt tokens that run in about this long
+    # (Scheduler.prompt_cap, timed by the engine)
     async_overlap: bool | None = None  # dispatch step k+1 before reading back step k. None: on accelerators
     # (and with speculation) always; on the CPU only while a request arriving now could not start at the
     # next step anyway (every sequence slot taken, or requests waiting). There the "device" is the host's

@@ -51,8 +51,8 @@ CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_
 # (~24 ms) no slower, and each such call dispatched ahead is time an arrival waits (session 77)
 SHORT_CALL_S = 0.010
 # The prompt cap (Scheduler.prompt_cap): calls carrying at least TIMED_PROMPT_SLOTS prompt token slots
-# time a prompt token (a running mean, the newest call weighing PROMPT_TIMING_WEIGHT), and a step beside
-# streams that are decoding takes the prompt tokens that run in decode_window_ms (an envelope's, where
+# time a prompt token (a running mean, the newest call weighing PROMPT_TIMING_WEIGHT), and at light load
+# a step beside decoding streams takes the prompt tokens that run in decode_window_ms (an envelope's, where
 # one fits: batch.envelope_rungs), never under MIN_PROMPT_CAP. A 1024-token prompt of llama-100m on 2
 # cores is a ~0.4 s step: without the cap every stream's next token waited for it (session 78)
 TIMED_PROMPT_SLOTS = 128
@@ -293,7 +293,11 @@ class LLMEngine:
         budget = self.config.max_num_batched_tokens
         fit = int(self.config.decode_window_ms / 1e3 / self.prompt_token_s)
         rungs = [tokens for tokens in envelope_rungs(budget, 1) if tokens <= fit]
-        self.scheduler.prompt_cap = min(budget, max(MIN_PROMPT_CAP, max(rungs, default=slots_at_most(fit))))
+        cap = min(budget, max(MIN_PROMPT_CAP, max(rungs, default=slots_at_most(fit))))
+        if old is None:
+            log.info("prompt tokens a step beside a few streams: %d (a prompt token %.0f us; window %g ms)",
+                     cap, self.prompt_token_s * 1e6, self.config.decode_window_ms)
+        self.scheduler.prompt_cap = cap
 
     def _take_tokens(self, seq: Sequence, track: Track, tokens: list[int], lps: list | None) -> RequestOutput:
         """Resolve read-back tokens up to the first that ends the sequence.

@@ -22,11 +22,12 @@ stream their output and at most one request waits, a step's prompt chunks togeth
 newcomer's long prompt reaches the device in pieces instead of holding every stream's next token
 for the whole prompt. With more streams or a queue, prompts take the whole budget: throughput
 first, as the pieces' steps pad to a full batch's envelope or compile their own shapes (offline
-64 x 128/128 of llama-100m with the cap whenever a stream decodes: 9-14 % slower). A running sequence short of pages first
-shrinks its chunk, then preempts the newest running sequence; only a sequence with no in-flight
-tokens in flight is preempted (otherwise the needy one and everything newer sit this step out
-while those in-flight tokens drain). Nothing is preempted for a newer sequence, so the oldest
-always progresses.
+64 x 128/128 of llama-100m with the cap whenever a stream decoded: 9-14 % slower).
+
+A running sequence short of pages first shrinks its chunk, then preempts the newest running
+sequence; only a sequence with no in-flight tokens in flight is preempted (otherwise the needy one
+and everything newer sit this step out while those in-flight tokens drain). Nothing is preempted
+for a newer sequence, so the oldest always progresses.
 """
 
 from __future__ import annotations
