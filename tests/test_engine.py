@@ -244,10 +244,10 @@ def test_auto_overlap_dispatches_ahead_only_while_a_new_request_could_not_start(
         assert results[(f"r{i}", 0)].token_ids == greedy_refs[i][:GEN - 3 * i]
 
 
-def test_beside_a_decoding_stream_long_prompts_go_in_pieces_of_the_prompt_cap(model, tokenizer, prompts, greedy_refs):
-    """While a stream decodes, a step takes at most `Scheduler.prompt_cap` prompt tokens, so its next
-    token does not wait for newcomers' whole prompts; decode steps fuse again once they are in; the
-    tokens are transformers' greedy ones."""
+def test_at_light_load_long_prompts_go_in_pieces_of_the_prompt_cap(model, tokenizer, prompts, greedy_refs):
+    """At light load (a few streams decoding, at most one request waiting), a step takes at most
+    `Scheduler.prompt_cap` prompt tokens, so the streams' next tokens do not wait for a newcomer's
+    whole prompt; decode steps fuse again once it is in; the tokens are transformers' greedy ones."""
     engine = make_engine(model, tokenizer, ROOMY, decode_steps=4)
     free = engine.allocator.num_free_pages
     engine.scheduler.prompt_cap = 8
@@ -264,20 +264,23 @@ def test_beside_a_decoding_stream_long_prompts_go_in_pieces_of_the_prompt_cap(mo
     engine.scheduler.schedule = spy
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
-    def arrive(k: int) -> None:
+    pending = [7, 6, 5]
+
+    def arrive(k: int) -> None:  # one newcomer at a time (light load), each once the last one's prompt is in
         if k == 0:
             engine.add_request("stream", prompts[1], greedy(GEN))
-        if k == 3:  # the stream decodes by now
-            for i in (7, 6, 5):
-                engine.add_request(f"long{i}", prompts[i], greedy(6))
+        elif k >= 3 and pending and not engine.num_waiting and all(
+                seq.num_computed_tokens >= seq.num_prompt_tokens for seq in engine.scheduler.running):
+            i = pending.pop(0)
+            engine.add_request(f"long{i}", prompts[i], greedy(GEN))
 
     results = drain(engine, arrive)
+    assert not pending
     beside = [tokens for tokens, streaming, _ in steps if streaming and tokens]
-    assert beside and max(beside) <= 8 and sum(beside) >= sum(PROMPT_LENGTHS[5:]) - 8
+    assert max(beside) <= 8 and sum(beside) >= sum(PROMPT_LENGTHS[5:]) - 8
     assert any(k > 1 for _, _, k in steps[steps.index(next(s for s in steps if s[0] == beside[-1])):])
-    assert results[("stream", 0)].token_ids == greedy_refs[1][:GEN]
-    for i in (7, 6, 5):
-        assert results[(f"long{i}", 0)].token_ids == greedy_refs[i][:6]
+    for rid, i in (("stream", 1), ("long7", 7), ("long6", 6), ("long5", 5)):
+        assert results[(rid, 0)].token_ids == greedy_refs[i][:GEN]
     assert_pages_returned(engine, free)
 
 
