@@ -288,7 +288,7 @@ def test_the_prompt_cap_follows_the_timed_calls(model, tokenizer, prompts, monke
     """The engine times calls with prompt tokens (here any call carrying one) into a running mean of
     a prompt token's time, and caps a step's prompt tokens beside decoding streams at what runs in
     decode_window_ms: the largest warm-up envelope's prompt slots that fit (for a 256-token budget 64,
-    96, 128, 192, 256), else packed slots, never under MIN_PROMPT_CAP; a whole budget where everything fits."""
+    96, 128, 192, 256), at least the smallest's; a whole budget where everything fits."""
     monkeypatch.setattr(llm_engine, "TIMED_PROMPT_SLOTS", 1)
     engine = make_engine(model, tokenizer, ROOMY, decode_window_ms=100.0)
     assert engine.scheduler.prompt_cap == 256 and engine.prompt_token_s is None
@@ -299,15 +299,15 @@ def test_the_prompt_cap_follows_the_timed_calls(model, tokenizer, prompts, monke
     for token_s in (1e-3, 1e-3, 1.0):
         engine._time_prompts(token_s)
         caps.append(engine.scheduler.prompt_cap)
-    # 100 ms at 1 ms a token: 100 fit, the 96 rung; then a 1 s call moves the mean to 0.3007 s: the floor
-    assert caps == [96, 96, llm_engine.MIN_PROMPT_CAP]
+    # 100 ms at 1 ms a token: 100 fit, the 96 rung; then a 1 s call moves the mean to 0.3007 s: the smallest
+    assert caps == [96, 96, 64]
     assert engine.prompt_token_s == pytest.approx(1e-3 + 0.3 * (1.0 - 1e-3))
     engine.prompt_token_s = None
     engine._time_prompts(1e-6)  # 100000 tokens fit: no cap
     assert engine.scheduler.prompt_cap == 256
     engine.prompt_token_s = None
-    engine._time_prompts(0.1 / 40)  # 40 fit: under the smallest rung, over no slots of 32 but the floor
-    assert engine.scheduler.prompt_cap == llm_engine.MIN_PROMPT_CAP
+    engine._time_prompts(0.1 / 130)  # 130 fit: the 128 rung
+    assert engine.scheduler.prompt_cap == 128
 
 
 # ---- 2. logits and logprobs of the paged step equal the plain forward ----

@@ -156,14 +156,6 @@ def slot_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-def slots_at_most(n: int) -> int:
-    """The most packed prefill token slots on plan_packed's ladder that fit in `n` (0 under PACK_GRANULE)."""
-    k = n // PACK_GRANULE
-    while k > 0 and slot_bucket(k) != k:
-        k -= 1
-    return k * PACK_GRANULE
-
-
 def plan_packed(lengths: list[int], max_rows: int) -> tuple[int, int]:
     """Packed prefill chunks: -> (padded row count, padded token slots). Slots come in multiples
     of PACK_GRANULE on the slot_bucket ladder, rows in powers of two (a padding row costs only

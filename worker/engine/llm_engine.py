@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.contract import FinishReason
-from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, envelope_rungs, sampler_flags, slots_at_most
+from worker.engine.batch import StepShape, bucket, decode_rows, envelopes, envelope_rungs, sampler_flags
 from worker.engine.config import DEFAULT_DECODE_STEPS, EngineConfig
 from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, projections, screened_head, speculation
 from worker.engine.attention_choice import choose_attention
@@ -52,12 +52,12 @@ CALIBRATION_STEPS = 6  # timed single decode steps at a full batch (auto decode_
 SHORT_CALL_S = 0.010
 # The prompt cap (Scheduler.prompt_cap): calls carrying at least TIMED_PROMPT_SLOTS prompt token slots
 # time a prompt token (a running mean, the newest call weighing PROMPT_TIMING_WEIGHT), and at light load
-# a step beside decoding streams takes the prompt tokens that run in decode_window_ms (an envelope's, where
-# one fits: batch.envelope_rungs), never under MIN_PROMPT_CAP. A 1024-token prompt of llama-100m on 2
-# cores is a ~0.4 s step: without the cap every stream's next token waited for it (session 78)
+# a step beside decoding streams takes the prompt tokens of the largest warm-up envelope that runs in
+# decode_window_ms (batch.envelope_rungs), at least the smallest's. A 1024-token prompt of llama-100m on
+# 2 cores is a ~0.4 s step: without the cap every stream's next token waited for it (session 78). Pieces
+# under the smallest envelope padded into it (3x a 64-token piece's work on a 1B model)
 TIMED_PROMPT_SLOTS = 128
 PROMPT_TIMING_WEIGHT = 0.3
-MIN_PROMPT_CAP = 64
 
 
 class LLMEngine:
@@ -286,14 +286,14 @@ class LLMEngine:
     def _time_prompts(self, token_s: float) -> None:
         """Fold a call's seconds per prompt token slot into `prompt_token_s` (its decode rows and
         fixed costs counted in: the cap errs short) and set the scheduler's prompt cap from it: the
-        most prompt tokens of a warm-up envelope (else of packed slots) that run in decode_window_ms,
-        at most a step's budget."""
+        prompt tokens of the largest warm-up envelope that run in decode_window_ms, at least the
+        smallest's, at most a step's budget."""
         old = self.prompt_token_s
         self.prompt_token_s = token_s if old is None else old + PROMPT_TIMING_WEIGHT * (token_s - old)
         budget = self.config.max_num_batched_tokens
         fit = int(self.config.decode_window_ms / 1e3 / self.prompt_token_s)
-        rungs = [tokens for tokens in envelope_rungs(budget, 1) if tokens <= fit]
-        cap = min(budget, max(MIN_PROMPT_CAP, max(rungs, default=slots_at_most(fit))))
+        rungs = sorted(envelope_rungs(budget, 1))
+        cap = min(budget, max((tokens for tokens in rungs if tokens <= fit), default=rungs[0]))
         if old is None:
             log.info("prompt tokens a step beside a few streams: %d (a prompt token %.0f us; window %g ms)",
                      cap, self.prompt_token_s * 1e6, self.config.decode_window_ms)
