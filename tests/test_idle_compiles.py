@@ -21,6 +21,8 @@ from worker.contract import OutputDelta, RequestMessage, WorkerStats
 from worker.engine.idle_compiles import idle_variants
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.sampling_params import SamplingParams
+from worker.heap import freeze_startup_heap
+from worker.service import worker as worker_module
 
 
 def _compile_queue(engine: LLMEngine) -> int:
@@ -77,10 +79,20 @@ def test_after_the_idle_compiles_penalties_logit_bias_and_prompt_logprobs_join_a
     assert results[("bias", 0)].token_ids == drain(alone)[("bias", 0)].token_ids
 
 
-def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_done(model_dir, redis_url):  # noqa: F811
+def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_done(model_dir, redis_url,  # noqa: F811
+                                                                                   monkeypatch):
     """The heartbeat says how many variants are still to compile (`compiles_pending`, the
     dashboard's tooltip, `redjax:step_compiles_pending`, what `bench stack` waits for); they are
-    not counted as compiles requests caused; a penalised request after them stalls nothing."""
+    not counted as compiles requests caused; a penalised request after them stalls nothing. By the
+    time none is pending, what compiling them left alive is frozen out of the cycle collector's
+    walks, as the warm-up's was (a full collection over it held the GIL for ~90 ms while serving)."""
+    frozen: list[int] = []  # objects frozen at each freeze_startup_heap() of the worker's
+
+    def freeze() -> int:
+        frozen.append(freeze_startup_heap())
+        return frozen[-1]
+
+    monkeypatch.setattr(worker_module, "freeze_startup_heap", freeze)
     worker = _worker(model_dir, redis_url, name="w-idle", warmup=True)
     client = redis.Redis.from_url(redis_url)
     key = contract.worker_key(worker.config.name)
@@ -91,6 +103,7 @@ def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_d
         wait_until(lambda: client.exists(key) and stats().state == "serving", 120)
         seen["pending at first"] = stats().compiles_pending
         wait_until(lambda: stats().compiles_pending == 0, 300)
+        seen["frozen by then"] = list(frozen)
         seen["after"] = stats()
         params = SamplingParams(temperature=0.0, frequency_penalty=0.5, max_tokens=8, ignore_eos=True).to_dict()
         contract.ensure_group(client)
@@ -107,6 +120,8 @@ def test_a_serving_worker_compiles_its_idle_queue_and_reports_it_pending_until_d
     assert all(key in engine.runner.ready for key in queued)
     assert (seen["after"].step_compiles, seen["after"].compile_stall_s) == (0, 0.0)
     assert seen["served"].compile_stall_s == 0.0 and seen["served"].requests_finished == 1
+    # frozen after the warm-up, then again after the idle compiles, before none was reported pending
+    assert seen["frozen by then"] == frozen and len(frozen) == 2 and frozen[1] > frozen[0] > 0
 
 
 def test_the_idle_queue_holds_the_widest_samplers_shapes_with_penalties_and_packed_scoring_and_light_envelopes():
