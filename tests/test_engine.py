@@ -9,9 +9,11 @@ Engines share two KV shapes (ROOMY, TIGHT) and max_num_seqs 8 so few step varian
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -441,6 +443,38 @@ def test_n_choices_share_prompt_pages_and_differ(model, tokenizer, prompts):
 
 
 # ---- 5. pages come back after finishing and aborting ----
+
+def test_a_finished_request_is_freed_without_the_cycle_collector(model, tokenizer, prompts):
+    """Once a request's last output is out, nothing of it waits for Python's cycle collector: its
+    group, its sequences and their chunks go with their last reference. (A worker's collector held
+    every finished request until its next full pass, which then walked them all; the worker's
+    memory grew batch by batch until then.) Choices end by length, in pairs, and by abort while
+    fused calls run ahead of their read-back."""
+    engine = make_engine(model, tokenizer, ROOMY, async_overlap=True, decode_steps=4)
+    refs: list[weakref.ref] = []
+    aborted = []
+
+    def before_step(k):
+        if k == 0:
+            engine.add_request("len", prompts[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+            engine.add_request("pair", prompts[1], SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=9,
+                                                                  ignore_eos=True))
+            engine.add_request("cut", prompts[2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            for rid in ("len", "pair", "cut"):
+                group = engine._groups[rid]
+                refs.extend(weakref.ref(o) for o in (group, *group.sequences))
+        elif k == 4:
+            aborted.extend(engine.abort("cut"))
+
+    gc.collect()
+    gc.disable()
+    try:
+        results = drain(engine, before_step)
+        assert [o.finish_reason for o in aborted] == ["abort"] and results[("pair", 1)].finish_reason == "length"
+        assert len(refs) == 7 and [r() for r in refs] == [None] * 7
+    finally:
+        gc.enable()
+
 
 @pytest.mark.parametrize("launch_thread", [False, True], ids=["inline", "launch-thread"])
 def test_pages_return_after_aborts_mid_flight(model, tokenizer, prompts, launch_thread):

@@ -387,14 +387,19 @@ class LLMEngine:
         if seq.is_finished:  # its last output: choices finished together (abort) each still get theirs
             self._tracks.pop(seq.seq_id, None)
             done = seq.group.is_finished and not any(s.seq_id in self._tracks for s in seq.group.sequences)
-        if done:  # the request's last output says so, once
-            self._groups.pop(seq.request_id, None)
-        return RequestOutput(
+        output = RequestOutput(
             request_id=seq.request_id, index=seq.index, token_ids=ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.group.num_cached_prompt_tokens or 0, request_finished=done,
         )
+        if done:  # the request's last output says so, once
+            self._groups.pop(seq.request_id, None)
+            # no sequence <-> group cycle left: its objects are freed now, not at the cycle
+            # collector's next full pass (which walks every finished request's objects until then)
+            for choice in seq.group.sequences:
+                choice.group = None
+        return output
 
     def warmup(self, sampling: tuple[SamplingParams, ...] | None = None) -> int:
         """Compile the step variants a server meets first, for each of `sampling`: every pure-decode

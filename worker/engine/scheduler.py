@@ -166,6 +166,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
         seq.drop_in_flight()
+        seq.last_chunk = seq.cut = None  # (their chunks refer back to it: no cycle left for the collector)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
