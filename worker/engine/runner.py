@@ -289,7 +289,7 @@ class ModelRunner:
                     log.exception("compiling a planned step variant failed")
                     continue
                 compiled += 1
-                log_variant("compiled ahead", *key, seconds)
+                log_variant("compiled ahead", *key, seconds, level=logging.DEBUG)
         self.compiles.add(time.perf_counter() - t0, stalled=True, variants=compiled)  # waited for together
         log.info("%d planned step variants compiled in %.1f s (%d at a time)", compiled, time.perf_counter() - t0,
                  min(threads, len(todo)))
@@ -330,7 +330,8 @@ class ModelRunner:
                     self.compiles.add_idle(seconds)
                 else:
                     self.compiles.add(seconds, stalled=False)
-                log_variant("compiled while idle" if idle else "compiled in the background", *key, seconds)
+                log_variant("compiled while idle" if idle else "compiled in the background", *key, seconds,
+                            level=logging.DEBUG if idle else logging.INFO)
             except Exception:  # the step still runs through jit when this shape comes up again
                 log.exception("background compile of a step variant failed")
             finally:

@@ -52,8 +52,9 @@ def timed_compile(lowered) -> tuple[Any, float]:
     return lowered.compile(), time.perf_counter() - t0
 
 
-def log_variant(what: str, shape, flags, seconds: float | None = None) -> None:
-    """One line naming a step variant (a StepShape and its SamplerFlags): rows, pages, sampler."""
+def log_variant(what: str, shape, flags, seconds: float | None = None, level: int = logging.INFO) -> None:
+    """One line naming a step variant (a StepShape and its SamplerFlags): rows, pages, sampler. Variants
+    compiled by plan (ahead, or while idle) log at DEBUG, their counts at INFO: a worker plans ~100."""
     prefill = (f"{shape.num_prefill} packed in {shape.prefill_tokens} tokens" if shape.packed
                else f"{shape.num_prefill} x {shape.prefill_len}")
     took = "" if seconds is None else f" in {seconds:.1f} s"
@@ -64,5 +65,5 @@ def log_variant(what: str, shape, flags, seconds: float | None = None) -> None:
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     prefill += f", prompt logprobs {flags.num_logprobs} over {shape.scored} tokens" if shape.prompt_logprobs else ""
     prefill += ", drafts" if shape.drafts else ""
-    log.info("%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
+    log.log(level, "%s step variant: decode rows %d, prefill rows %s, pages %d, fused %d, sampler %s%s", what,
              shape.num_decode, prefill, shape.pages, shape.decode_steps, ", ".join(sampler), took)
