@@ -1,6 +1,6 @@
 """`redjax serve` and the other engine commands as a user starts them: bad engine settings are
-usage errors before anything starts, and a stack whose worker dies stops instead of queueing
-requests that nothing runs."""
+usage errors before anything starts, a worker that crashes while serving is started again, and a
+stack whose workers are all gone stops instead of queueing requests that nothing runs."""
 
 from __future__ import annotations
 
@@ -76,8 +76,10 @@ def running_serve(model: Path, workers: int = 1, *extra: str):
             serve.wait()
 
 
-def test_serve_goes_on_while_a_worker_is_left_and_stops_when_none_is(model):
-    with running_serve(model, workers=2) as (serve, workers, _):
+def test_serve_restarts_crashed_workers_goes_on_while_one_is_left_and_stops_when_none_is(model):
+    """Workers that crash while serving are started again within `--worker-restarts` (here 1);
+    past it, the others go on serving, and when none is left the stack stops with status 1."""
+    with running_serve(model, 2, "--worker-restarts", "1") as (serve, workers, _):
         mine = sorted(os.sched_getaffinity(0))
         runs = [sorted(os.sched_getaffinity(pid)) for pid in workers]
         if len(mine) >= 2:  # each worker its own run of the cores, together all of them
@@ -87,17 +89,68 @@ def test_serve_goes_on_while_a_worker_is_left_and_stops_when_none_is(model):
         for pid in workers:  # the pages are given outright: no share of the memory fraction to pass on
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             assert b"--num-pages" in argv and b"--kv-cache-memory-fraction" not in argv
-        os.kill(workers[0], signal.SIGKILL)
-        wait_until(lambda: not _alive(workers[0]), 30)
+        os.kill(workers[0], signal.SIGKILL)  # serving: started again, on its cores, under a new name
+        again = _new_worker(serve.pid, set(workers))
+        assert sorted(os.sched_getaffinity(again)) == runs[0]
+        assert re.search(rb"--name\0[^\0]*-w0r1-", Path(f"/proc/{again}/cmdline").read_bytes())
         url = serve.args[serve.args.index("--port") + 1]
         out = httpx.post(f"http://127.0.0.1:{url}/v1/completions", timeout=60,
                          json={"model": model.name, "prompt": "hello world", "max_tokens": 4, "temperature": 0})
-        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4  # the other one served it
-        os.kill(workers[1], signal.SIGKILL)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 4
+        os.kill(workers[1], signal.SIGKILL)  # the budget is spent: not started again
+        wait_until(lambda: not _alive(workers[1]), 30)
+        os.kill(again, signal.SIGKILL)
         out, err = serve.communicate(timeout=90)
     assert serve.returncode == 1, err[-2000:]
-    assert "exited (status -9); 1 still serving" in err and "exited (status -9); no worker left; stopping" in err
+    assert "worker 0 crashed while serving (status -9); starting it again" in err
+    # the last two exits in either order (their watchers race): one leaves the other, then none is left
+    ends = re.findall(r"worker (\d) exited \(status -9\)([^;\n]*); (1 still serving|no worker left; stopping)", err)
+    assert sorted(end for _, _, end in ends) == ["1 still serving", "no worker left; stopping"], err[-3000:]
+    assert ("1", " while serving, past the stack's restart budget") in [(i, why) for i, why, _ in ends]
     assert "redjax: stopped" in out
+
+
+def test_a_stream_survives_its_only_worker_crashing():
+    """The only worker SIGKILLed while a stream runs: the stack starts it again, the new worker
+    claims the request once the dead one's heartbeat expires and resumes it from the tokens already
+    sent, and the client (the official SDK) reads the same greedy text as a run left alone. The demo
+    model, whose text is whole words (a random model's bytes split across tokens may not decode
+    alike in pieces)."""
+    import openai
+
+    from worker.cli import DEMO_MODEL
+
+    with running_serve(DEMO_MODEL) as (serve, worker, _):
+        port = serve.args[serve.args.index("--port") + 1]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=180)
+        ask = dict(model=DEMO_MODEL.name, prompt="It is a truth universally", max_tokens=400, temperature=0,
+                   extra_body={"ignore_eos": True})
+        alone = client.completions.create(**ask).choices[0].text
+        parts = []
+        for event in client.completions.create(**ask, stream=True):
+            parts.append(event.choices[0].text if event.choices else "")
+            if len(parts) == 1:
+                os.kill(worker, signal.SIGKILL)
+        assert _new_worker(serve.pid, {worker})
+        os.killpg(serve.pid, signal.SIGINT)
+        out, err = serve.communicate(timeout=90)
+    assert "worker 0 crashed while serving (status -9); starting it again" in err, err[-3000:]
+    assert "from a dead worker" in err  # the new worker claimed the request: it was cut short
+    assert "".join(parts) == alone and len(parts) > 2  # streamed in pieces, the later ones by the new worker
+    assert serve.returncode == 0, err[-2000:]
+
+
+def _new_worker(serve: int, old: set[int], timeout_s: float = 60) -> int:
+    """The pid of serve's worker child once it is not one of `old`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in _children(serve):
+            with contextlib.suppress(FileNotFoundError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if pid not in old and argv[1:4] == [b"-m", b"worker.cli", b"worker"]:
+                    return pid
+        time.sleep(0.02)
+    raise TimeoutError(f"no new worker under {serve} in {timeout_s} s")
 
 
 def test_serve_with_int4_projections_and_int8_kv_pages_answers_the_openai_client(model):

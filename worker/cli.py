@@ -160,6 +160,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="worker processes, each pinned to its own share of this machine's cores and taking its "
                         "share of the KV memory fraction (default 1: one worker over all cores)")
+    p.add_argument("--worker-restarts", type=int, default=3, metavar="N",
+                   help="workers that crash while serving are started again, up to N times in 10 minutes "
+                        "(default 3; 0: never, a crashed worker stays down)")
     p.add_argument("--served-model-name")
     p.add_argument("--sampling-defaults", choices=["model", "openai"], help=SAMPLING_HELP)
     _engine_flags(p)
@@ -346,6 +349,8 @@ def cmd_serve(args) -> int:
     overrides = _engine_overrides(args)
     if args.workers < 1:
         usage_error("serve", "--workers must be at least 1")
+    if args.worker_restarts < 0:
+        usage_error("serve", "--worker-restarts must be at least 0")
     engine = worker_config("serve", {"model_dir": model_dir, "engine": overrides}).engine  # what workers will build
     return serve(args, model_dir, kv_share(overrides, args.workers, engine))
 
