@@ -21,7 +21,8 @@ from tests.conftest import free_port, redis_server
 from tests.stack_support import jax_cache_env, start_api, start_worker, stop, stop_when_in_flight, wait_until
 from tests.test_serving import _db_url, ids_of_dir, jax_cache, model_dir, offline, offline_greedy  # noqa: F401
 from worker import contract
-from worker.contract import OutputDelta, RequestEvent
+from worker.contract import OutputDelta, RequestEvent, RequestMessage
+from worker.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 200
 
@@ -183,3 +184,34 @@ def test_a_request_in_flight_finishes_across_a_restart_of_redis_with_aof(model_d
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.kill()
+
+
+def test_a_request_two_workers_died_holding_is_answered_with_an_error(api, model_dir, jax_cache):  # noqa: F811
+    """A request pending on a dead worker is claimed and resumed by the next one; one that two
+    workers in a row died holding (a request that crashes them) is answered with an error instead,
+    so it cannot take down every worker of a fleet, or every restart of `redjax serve`'s."""
+    url, base, r = api
+    params = SamplingParams(temperature=0.0, max_tokens=4, seed=1).to_dict()
+    entries = {}
+    for name in ("poison", "survivor"):
+        message = RequestMessage(id=f"{name}-1", model=model_dir.name, prompt_token_ids=ids_of_dir(model_dir, name),
+                                 params=params)
+        entries[name] = r.xadd(contract.REQUESTS, message.encode()).decode()
+    try:
+        r.xgroup_create(contract.REQUESTS, contract.WORKERS_GROUP, id="0", mkstream=True)
+    except redis.ResponseError:  # BUSYGROUP: the tests before made it
+        pass
+    r.xreadgroup(contract.WORKERS_GROUP, "gone-1", {contract.REQUESTS: ">"}, count=2)  # both delivered once...
+    r.xclaim(contract.REQUESTS, contract.WORKERS_GROUP, "gone-2", 0, [entries["poison"]])  # ...the poison twice
+    judge = start_worker(model_dir, url, "judge-w", env=jax_cache_env(jax_cache))
+    try:
+        def closed(request_id: str) -> OutputDelta | None:
+            deltas = [OutputDelta.decode(f) for _, f in r.xrange(contract.out_stream(request_id))]
+            return deltas[-1] if deltas and deltas[-1].done else None
+        wait_until(lambda: closed("poison-1") and closed("survivor-1"), 120)
+    finally:
+        assert stop(judge) == 0
+    poison, survivor = closed("poison-1"), closed("survivor-1")
+    assert poison.finish_reason == "error" and "workers that died" in poison.error
+    assert survivor.finish_reason == "length" and not survivor.error
+    assert r.xlen(contract.REQUESTS) == 0  # both settled: acknowledged and deleted

@@ -36,6 +36,9 @@ CANCEL_TTL_S = 3600
 WORKERS = f"{PREFIX}:workers"
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5  # a worker whose hash expired is gone; its pending entries may be claimed
+# a request entry delivered to this many workers that each died holding it (a request that crashes
+# workers, or two crashes in a row) is answered with an error by the next one instead of run again
+MAX_DEATHS = 2
 
 # Stream of finished-request records (RequestEvent as fields), capped; never prompt or output text.
 EVENTS = f"{PREFIX}:events"
@@ -125,7 +128,7 @@ class RequestMessage:
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams.to_dict(); seed is always set by the API
     enqueued_at: float = field(default_factory=time.time)
-    attempt: int = 0  # incremented each time a worker claims it from a dead one
+    attempt: int = 0  # incremented each time a draining worker hands it back to the queue
     notify: str = ""  # the enqueuing API's api_notify_stream ("": nobody to notify)
 
     def encode(self) -> dict[str, str]:

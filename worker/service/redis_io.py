@@ -50,6 +50,7 @@ class Incoming:
     finished: dict[int, str] = field(default_factory=dict)
     next_seq: int = 0
     cancelled: bool = False
+    failed: str = ""  # why it is answered with an error instead of run (claimed from too many dead workers)
 
 
 @dataclass
@@ -229,9 +230,10 @@ class RedisIO:
                 if self._capacity == 0:
                     self._room.clear()
 
-    def _admit(self, entries: list[tuple[str, dict]], resumed: bool = False) -> None:
+    def _admit(self, entries: list[tuple[str, dict]], resumed: bool = False, doomed: set[str] = frozenset()) -> None:
         """Hand pulled (or claimed) request entries to the engine thread; whether each was cancelled
-        before it got here is asked for all of them in one round trip."""
+        before it got here is asked for all of them in one round trip. `doomed` entries are handed
+        over to be answered with an error (Incoming.failed)."""
         admitted = []
         for entry_id, fields in entries:
             try:
@@ -256,6 +258,9 @@ class RedisIO:
             if orphan:
                 self._orphaned.add(incoming.message.id)
                 dropped += 1
+            if incoming.entry_id in doomed:
+                incoming.failed = (f"the request was running on {contract.MAX_DEATHS} or more workers that died; "
+                                   "it is not run again")
             self._pulled[incoming.message.id] = (incoming.entry_id, incoming.message.notify)
             self.inbox.put(incoming)
         if dropped:
@@ -305,7 +310,7 @@ class RedisIO:
             return
         pending = self.client.xpending_range(contract.REQUESTS, contract.WORKERS_GROUP, "-", "+", count=100)
         alive: dict[str, bool] = {}
-        orphans = []
+        orphans: dict[str, int] = {}  # entry id -> workers it was delivered to, each of them dead
         for p in pending:
             consumer = _s(p["consumer"])
             if consumer == self.config.name:
@@ -313,17 +318,22 @@ class RedisIO:
             if consumer not in alive:
                 alive[consumer] = bool(self.client.exists(contract.worker_key(consumer)))
             if not alive[consumer] and p["time_since_delivered"] >= contract.HEARTBEAT_TTL_S * 1000:
-                orphans.append(_s(p["message_id"]))
+                orphans[_s(p["message_id"])] = p["times_delivered"]
         if not orphans:
             return
         claimed = self.client.xclaim(
             contract.REQUESTS, contract.WORKERS_GROUP, self.config.name, contract.HEARTBEAT_TTL_S * 1000,
-            orphans[:capacity],
+            list(orphans)[:capacity],
         )
         entries = [(_s(entry_id), fields) for entry_id, fields in claimed if fields]
+        doomed = {entry_id for entry_id, _ in entries if orphans[entry_id] >= contract.MAX_DEATHS}
         for entry_id, _ in entries:
-            log.info("claimed request entry %s from a dead worker", entry_id)
-        self._admit(entries, resumed=True)
+            if entry_id in doomed:
+                log.warning("request entry %s was held by %d workers that died: answering it with an error instead "
+                            "of running it again", entry_id, orphans[entry_id])
+            else:
+                log.info("claimed request entry %s from a dead worker", entry_id)
+        self._admit(entries, resumed=True, doomed=doomed)
 
     def _heartbeat(self) -> None:
         """Write the heartbeat, and add what its running counts (preemptions, compiles) gained since

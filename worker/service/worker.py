@@ -175,6 +175,8 @@ class Worker:
                 raise ValueError(f"this worker serves {self.config.model_name!r}, not {message.model!r}")
         except (ValueError, TypeError) as exc:
             return self._reject(incoming, str(exc))
+        if incoming.failed and not incoming.cancelled:
+            return self._reject(incoming, incoming.failed)
         active = Active(incoming, params, incoming.next_seq, now)
         self.active[message.id] = active
         for index, tokens in incoming.emitted.items():
