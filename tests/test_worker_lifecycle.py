@@ -122,6 +122,33 @@ def test_sigkilled_worker_request_is_resumed_by_another(api, model_dir, offline,
     assert r.xlen(contract.REQUESTS) == 0
 
 
+def test_a_worker_restarted_under_its_dead_name_resumes_what_it_held(api, model_dir, offline, jax_cache):  # noqa: F811
+    """A container that restarts keeps its hostname, and its worker often its pid (1): the new
+    worker has the dead one's consumer name. It takes the entries pending under that name since
+    before it started as a dead worker's, and the stream goes on."""
+    url, base, r = api
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    ids = ids_of_dir(model_dir, "a restart under the same name")
+    ref = offline_greedy(offline, ids, MAX_TOKENS, ignore_eos=True)
+    first_life = start_worker(model_dir, url, "same-w", env=jax_cache_env(jax_cache))
+    second_life = None
+    try:
+        wait_until(lambda: httpx.get(base + "/ready").status_code == 200, 120)
+        stream, request_id, first = _catch_in_flight(r, first_life, client, model_dir.name, ids)
+        os.kill(first_life.pid, signal.SIGKILL)
+        assert first_life.wait(timeout=30) == -signal.SIGKILL
+        second_life = start_worker(model_dir, url, "same-w", env=jax_cache_env(jax_cache))
+        with ThreadPoolExecutor(1) as pool:
+            text, reason = pool.submit(_drain, stream).result(timeout=180)
+    finally:
+        if first_life.poll() is None:
+            first_life.kill()
+        if second_life is not None:
+            assert stop(second_life) == 0
+    assert (first + text, reason) == (ref.text, "length")
+    assert r.xlen(contract.REQUESTS) == 0
+
+
 def test_the_stack_serves_again_after_redis_restarts_empty(model_dir, offline, jax_cache, tmp_path):  # noqa: F811
     """Redis stops and a new one, holding nothing, starts at the same address: the worker makes the
     request stream's group again and rejoins, the API reconnects, and the next request is answered."""

@@ -34,6 +34,9 @@ PULL_BLOCK_S = 0.1  # longest XREADGROUP wait: how stale the pull's capacity and
 CANCEL_WAIT_S = 0.5  # longest wait for a cancel before the thread looks at the stop flag again
 RETRY_S = 0.5  # after a Redis error
 API_CHECK_S = 2.0  # how often the APIs of the requests held are checked for life
+# an entry pending under this worker's own name that has waited this much longer than the worker has
+# run was delivered to a dead worker of the same name (a restarted container: same hostname, pid 1)
+OWN_MARGIN_S = 1.0
 # WorkerStats running counts whose gains each heartbeat adds to a TOTALS field (/metrics' counters)
 HEARTBEAT_TOTALS = {"preemptions": contract.TOTAL_PREEMPTIONS, "step_compiles": contract.TOTAL_STEP_COMPILES,
                     "compile_stall_s": contract.TOTAL_COMPILE_STALL_S}
@@ -80,6 +83,7 @@ class RedisIO:
         self._stats: WorkerStats | None = None
         self._lock = threading.Lock()  # the capacity and the stats, between the engine loop and redis-in
         self._stop = threading.Event()
+        self._started = time.monotonic()  # before the first pull: every entry this process pulls is younger
         self._draining = False  # set by a signal handler: pull and claim nothing more
         # request id -> (entry id, its API's notify stream), for requests this worker holds
         self._pulled: dict[str, tuple[str, str]] = {}
@@ -303,7 +307,8 @@ class RedisIO:
         incoming.next_seq = seen + 1
 
     def _claim_orphans(self) -> None:
-        """Claim requests pending on consumers whose heartbeat has expired."""
+        """Claim requests pending on consumers whose heartbeat has expired, and those pending under
+        this worker's own name since before it started (a dead worker of the same name held them)."""
         with self._lock:
             capacity = self._capacity
         if capacity <= 0 or self._draining:
@@ -311,9 +316,12 @@ class RedisIO:
         pending = self.client.xpending_range(contract.REQUESTS, contract.WORKERS_GROUP, "-", "+", count=100)
         alive: dict[str, bool] = {}
         orphans: dict[str, int] = {}  # entry id -> workers it was delivered to, each of them dead
+        before_us_ms = (time.monotonic() - self._started + OWN_MARGIN_S) * 1000
         for p in pending:
             consumer = _s(p["consumer"])
             if consumer == self.config.name:
+                if p["time_since_delivered"] > before_us_ms:
+                    orphans[_s(p["message_id"])] = p["times_delivered"]
                 continue
             if consumer not in alive:
                 alive[consumer] = bool(self.client.exists(contract.worker_key(consumer)))
