@@ -234,7 +234,8 @@ class RedisIO:
                 if self._capacity == 0:
                     self._room.clear()
 
-    def _admit(self, entries: list[tuple[str, dict]], resumed: bool = False, doomed: set[str] = frozenset()) -> None:
+    def _admit(self, entries: list[tuple[str, dict]], resumed: bool = False,
+               doomed: frozenset[str] | set[str] = frozenset()) -> None:
         """Hand pulled (or claimed) request entries to the engine thread; whether each was cancelled
         before it got here is asked for all of them in one round trip. `doomed` entries are handed
         over to be answered with an error (Incoming.failed)."""

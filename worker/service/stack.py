@@ -24,6 +24,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from worker.contract import WorkerState
 from worker.service.cores import children_on, split_cores
 from worker.service.embedded_redis import EmbeddedRedis, die_with_parent
 
@@ -147,7 +148,7 @@ class WorkerWatch:
         while True:
             proc = self.workers[i]
             proc.wait()
-            was_serving = proc.returncode != 0 and _last_state(self.redis_url, proc) == "serving"
+            was_serving = proc.returncode != 0 and _last_state(self.redis_url, proc) == WorkerState.SERVING.value
             with self.lock:
                 if self.stopping.is_set():
                     return
