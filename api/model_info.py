@@ -67,9 +67,16 @@ class ModelInfo:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages -> prompt token ids, through the model's own jinja2 template."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Chat messages -> prompt token ids, through the model's own jinja2 template (sandboxed by
+        transformers). `continue_final_message` leaves the last message open, so the model goes on
+        with it (an assistant turn the client began); `template_kwargs` are the template's own
+        variables (e.g. Qwen3's `enable_thinking`)."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}),
+        )  # fmt: skip
         # The template writes BOS itself when the model wants one.
         return self.encode(text, add_special_tokens=False)
 

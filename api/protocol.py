@@ -27,7 +27,18 @@ SAMPLING_FIELDS = {
 }  # fmt: skip
 COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs",
+}  # fmt: skip
+# chat_template_kwargs may not name these: transformers' own apply_chat_template arguments (the
+# request's fields above set the two that matter) and the tokens it gives the template
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+    "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+}  # fmt: skip
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
@@ -43,6 +54,7 @@ class ParsedRequest:
     n: int  # choices per prompt; choice index in the response = prompt index * n + choice
     stream: bool
     include_usage: bool  # stream_options.include_usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats: the usage so far on every chunk too
     echo: bool  # completions: the prompt is prepended to each choice's text
     logprobs: int | None  # alternatives per token when logprobs were asked for, else None
 
@@ -85,8 +97,9 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     if not model.has_chat_template:
         raise ApiError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
     messages = _messages(_require(body, "messages"))
+    template = _template_options(body)
     try:
-        ids = model.render_chat(messages)
+        ids = model.render_chat(messages, **template)
     except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order) belong to the client
         raise ApiError(400, f"chat template rejected the messages: {exc}", param="messages") from None
     limit = {}  # an explicit max_tokens is read by _sampling_params
@@ -98,6 +111,26 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
         limit = {"max_tokens": max_tokens}
     params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **limit)
     return _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
+
+
+def _template_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's switches (vLLM's extensions of the name): `add_generation_prompt`
+    (default: true unless `continue_final_message`), `continue_final_message` (default false) and
+    `chat_template_kwargs`, the template's own variables."""
+    go_on = bool(_get(body, "continue_final_message", bool))
+    prompt = _get(body, "add_generation_prompt", bool)
+    if go_on and prompt:
+        raise ApiError(400, "add_generation_prompt and continue_final_message cannot both be true: the first opens "
+                       "a new assistant turn, the second continues the last message", param="continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+    for key in kwargs or {}:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            hint = " (a request field of its own)" if key in CHAT_FIELDS else ""
+            raise ApiError(400, f"chat_template_kwargs may not set {key!r}{hint}", param=f"chat_template_kwargs.{key}")
+    return {"add_generation_prompt": not go_on if prompt is None else prompt, "continue_final_message": go_on,
+            "template_kwargs": kwargs}  # fmt: skip
 
 
 def _build(
@@ -115,7 +148,7 @@ def _build(
         _check_context(len(ids), params.max_tokens, model.max_model_len)
     _get(body, "user", str)  # accepted for OpenAI compatibility; advisory, so not used further
     stream = bool(_get(body, "stream", bool))
-    include_usage = _stream_options(body, stream)
+    include_usage, continuous_usage = _stream_options(body, stream)
     if params.seed is None:  # always seeded, so another worker can resume the same random stream
         params = dataclasses.replace(params, seed=secrets.randbelow(2**31))
     now = time.time()
@@ -126,7 +159,8 @@ def _build(
     prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
     return ParsedRequest(
         kind=kind, response_id=prefix + requests[0].id, created=int(now), model=model.name, requests=requests,
-        prompt_texts=texts, n=params.n, stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
+        prompt_texts=texts, n=params.n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+        echo=echo, logprobs=logprobs,
     )  # fmt: skip
 
 
@@ -237,16 +271,24 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): OpenAI's field, and vLLM's extension that puts the
+    usage so far on every chunk as well (only beside include_usage, as there)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
-    _check_fields({f"stream_options.{k}": v for k, v in options.items()}, {"stream_options.include_usage"})
-    return bool(_get(options, "include_usage", bool))
+    known = {"stream_options.include_usage", "stream_options.continuous_usage_stats"}
+    _check_fields({f"stream_options.{k}": v for k, v in options.items()}, known)
+    include = bool(_get(options, "include_usage", bool))
+    continuous = bool(_get(options, "continuous_usage_stats", bool))
+    if continuous and not include:
+        raise ApiError(400, "stream_options.continuous_usage_stats requires stream_options.include_usage",
+                       param="stream_options.continuous_usage_stats")  # fmt: skip
+    return include, continuous
 
 
 def _prompts(value: Any) -> list[str | list[int]]:

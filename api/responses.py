@@ -16,23 +16,31 @@ def _envelope(parsed: ParsedRequest, stream: bool) -> dict[str, Any]:
     return {"id": parsed.response_id, "object": kind, "created": parsed.created, "model": parsed.model}
 
 
-def role_chunk(parsed: ParsedRequest) -> dict[str, Any]:
+def _usage_field(parsed: ParsedRequest, usage: dict[str, Any] | None) -> dict[str, Any]:
+    """A stream chunk's usage: absent unless include_usage; then null, or the usage so far where
+    continuous_usage_stats asked for it."""
+    if not parsed.include_usage:
+        return {}
+    return {"usage": usage if parsed.continuous_usage else None}
+
+
+def role_chunk(parsed: ParsedRequest, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     """First chat chunk: every choice's assistant role."""
     choices = [
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for i in range(parsed.n * len(parsed.requests))
     ]
-    return {**_envelope(parsed, True), "choices": choices, **({"usage": None} if parsed.include_usage else {})}
+    return {**_envelope(parsed, True), "choices": choices, **_usage_field(parsed, usage)}
 
 
-def piece_chunk(parsed: ParsedRequest, piece: Piece) -> dict[str, Any]:
+def piece_chunk(parsed: ParsedRequest, piece: Piece, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     if parsed.kind == "chat":
         delta = {"content": piece.text} if piece.text or not piece.finish_reason else {}
         choice = {"index": piece.index, "delta": delta}
     else:
         choice = {"index": piece.index, "text": piece.text}
     choice |= {"logprobs": piece.logprobs, "finish_reason": piece.finish_reason}
-    return {**_envelope(parsed, True), "choices": [choice], **({"usage": None} if parsed.include_usage else {})}
+    return {**_envelope(parsed, True), "choices": [choice], **_usage_field(parsed, usage)}
 
 
 def usage_chunk(parsed: ParsedRequest, usage: dict[str, int]) -> dict[str, Any]:

@@ -99,14 +99,22 @@ async def _sse(run: Run, assembler: Assembler, first: list[Piece]) -> AsyncItera
     """
     parsed = assembler.parsed
     events: list[str] = []
+
+    def chunks(pieces: list[Piece]) -> list[str]:
+        usage = assembler.usage() if parsed.continuous_usage else None  # the tokens received so far
+        return [json.dumps(piece_chunk(parsed, piece, usage)) for piece in pieces]
+
     try:
-        if parsed.kind == "chat":
-            events.append(json.dumps(role_chunk(parsed)))
+        if parsed.kind == "chat":  # before any token, though the first ones have arrived by now
+            usage = assembler.usage() if parsed.continuous_usage else None
+            if usage:
+                usage |= {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+            events.append(json.dumps(role_chunk(parsed, usage)))
         pieces = first
         while True:
-            events += [json.dumps(piece_chunk(parsed, piece)) for piece in pieces]
+            events += chunks(pieces)
             while not run.finished and (event := run.ready_event()) is not None:
-                events += [json.dumps(piece_chunk(parsed, piece)) for piece in assembler.feed(*event)]
+                events += chunks(assembler.feed(*event))
             if run.finished:
                 break
             yield _events(events)

@@ -9,6 +9,7 @@ import pytest
 
 from api.config import ApiConfig
 from api.errors import ApiError
+from api.model_info import ModelInfo
 from api.protocol import parse_chat, parse_completion
 from tests.api_support import MODEL_NAME, tiny_model, tiny_model_dir  # noqa: F401
 from worker.engine.sampling_params import SamplingParams
@@ -121,6 +122,22 @@ def test_chat_parsing(tiny_model):
     assert request.prompt_token_ids == tiny_model.render_chat([{"role": "user", "content": "hi"}])
     assert request.params["max_tokens"] == 7 and request.params["logprobs"] == 0 and parsed.logprobs == 0
     assert parsed.response_id.startswith("chatcmpl-")
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tiny_model_dir):
+    """chat_template_kwargs reach the template as its variables, as Qwen3's enable_thinking does;
+    without them the template sees its own default."""
+    model = ModelInfo.load(str(tiny_model_dir), MODEL_NAME)
+    model.tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}"
+    )  # fmt: skip
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+    plain = parse_chat(body, model).requests[0].prompt_token_ids
+    quiet = parse_chat(body | {"chat_template_kwargs": {"enable_thinking": False}}, model).requests[0].prompt_token_ids
+    assert model.decode(plain, skip_special_tokens=False) == "<|user|>hi\n<|assistant|>"
+    assert model.decode(quiet, skip_special_tokens=False) == "<|user|>hi\n<|assistant|><think></think>"
 
 
 def test_unknown_field_is_named(tiny_model):

@@ -167,3 +167,40 @@ def test_models_and_request_id(start_api):
     replaced = httpx.get(f"{url}/v1/models", headers={"X-Request-Id": "bad id with spaces"})
     assert replaced.headers["x-request-id"] != "bad id with spaces" and len(replaced.headers["x-request-id"]) == 32
     assert httpx.get(f"{url}/nope").headers["x-request-id"]
+
+
+def test_chat_template_switches_render_as_transformers_does(start_api, fake_worker, tiny_model):
+    """add_generation_prompt and continue_final_message (vLLM's extensions) sent through the
+    client's extra_body reach the worker as transformers' own apply_chat_template renders them."""
+    worker = fake_worker()
+    client = _client(start_api())
+    asked = [{"role": "user", "content": "hello"}]
+    begun = asked + [{"role": "assistant", "content": "the quick"}]
+    cases = [
+        (asked, {}, {"add_generation_prompt": True}),
+        (asked, {"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        (begun, {"continue_final_message": True}, {"continue_final_message": True}),
+        (begun, {"continue_final_message": True, "add_generation_prompt": False}, {"continue_final_message": True}),
+    ]
+    for messages, extra, reference in cases:
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, extra_body=extra)
+        text = tiny_model.tokenizer.apply_chat_template(messages, tokenize=False, **reference)
+        assert worker.seen[-1].prompt_token_ids == tiny_model.tokenizer.encode(text, add_special_tokens=False)
+    opened, closed, continued, _ = [m.prompt_token_ids for m in worker.seen]
+    assert tiny_model.decode(continued, skip_special_tokens=False).endswith("<|assistant|>the quick")
+    assert tiny_model.decode(opened).endswith("<|assistant|>") and not tiny_model.decode(closed).endswith("|>")
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(start_api, fake_worker):
+    worker = fake_worker()
+    client = _client(start_api())
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True, stream_options=options))  # fmt: skip
+    prompt = len(worker.seen[0].prompt_token_ids)
+    assert all(c.usage.prompt_tokens == prompt for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == [0, 1, 2, 3, 4]  # the role chunk, then a token each
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == prompt + 4
+    plain = list(client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}))  # fmt: skip
+    assert [c.usage for c in plain[:-1]] == [None, None] and plain[-1].usage.completion_tokens == 2
