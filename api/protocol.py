@@ -21,7 +21,7 @@ from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "n", "ignore_eos", "include_stop_str_in_output",
     "skip_special_tokens",
 }  # fmt: skip
@@ -168,7 +168,7 @@ def _sampling_params(body: dict[str, Any], model: ModelInfo, **extra: Any) -> Sa
     """Typed fields of the body -> SamplingParams, whose own checks give the range errors. A
     sampling field the body leaves out takes the checkpoint's default (ModelInfo.sampling_defaults)."""
     kwargs: dict[str, Any] = dict(model.sampling_defaults)
-    for name in ("max_tokens", "top_k", "n"):
+    for name in ("max_tokens", "min_tokens", "top_k", "n"):
         if (value := _get(body, name, int)) is not None:
             kwargs[name] = value
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

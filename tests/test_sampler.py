@@ -51,7 +51,10 @@ def tensors(rows: int, **fields) -> SamplingTensors:
         full_head=np.zeros(rows, np.int32),
     )
     for name, value in fields.items():
-        base[name] = np.asarray(value, base[name].dtype)
+        if name != "bias_until":
+            base[name] = np.asarray(value, base[name].dtype)
+    # bias entries apply at every output position unless the test says until when
+    base["bias_until"] = np.asarray(fields.get("bias_until", np.full(base["bias_ids"].shape, 2**31 - 1)), np.int32)
     return SamplingTensors(**{k: jnp.asarray(v) for k, v in base.items()})
 
 
@@ -422,3 +425,30 @@ def test_reported_logprobs_are_the_raw_log_softmax_and_its_top_n(kernels):
     order = np.argsort(-raw, axis=-1, kind="stable")[:, :5]
     assert top_ids.tolist() == order.tolist() and order[1, :3].tolist() == [3, 50, 200]
     np.testing.assert_allclose(top_lps, np.take_along_axis(raw, order, -1), atol=1e-6)
+
+
+def test_min_tokens_bans_hold_until_their_output_position_as_transformers_min_new_tokens():
+    """Bias entries with an `until` (min_tokens' bans on EOS and stop ids) against transformers'
+    MinNewTokensLengthLogitsProcessor, over output positions before, at and after the limit."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    logits = random_logits(4, 16, seed=8)
+    eos = [int(logits[0].argmax()), int(np.argsort(logits[0])[-2])]  # the two likeliest tokens of every row
+    logits[1:] = logits[0]
+    prompt_len, min_new = 5, 3
+    out_pos = np.array([0, 2, 3, 7], np.int32)
+    keep = 2**31 - 1
+    plain = int(logits[0].argmin())  # a plain logit_bias entry, too small to win
+    bias_ids = np.array([[eos[0], eos[1], plain]] * 4, np.int32)
+    bias_vals = np.array([[-np.inf, -np.inf, 2.0]] * 4, np.float32)
+    bias_until = np.array([[min_new, min_new, keep]] * 4, np.int32)
+    t = tensors(4, temperature=[0.0] * 4, out_pos=out_pos, bias_ids=bias_ids, bias_vals=bias_vals,
+                bias_until=bias_until)  # fmt: skip
+    tokens = np.asarray(sample(jnp.asarray(logits), t, SamplerFlags(all_greedy=True, bias=True))[0])
+    reference = MinNewTokensLengthLogitsProcessor(prompt_len, min_new, eos)
+    for row, pos in enumerate(out_pos):
+        seen = torch.zeros((1, prompt_len + int(pos)), dtype=torch.long)
+        expected = reference(seen, torch.tensor(logits[row][None]))[0].numpy().copy()
+        expected[plain] += 2.0
+        assert tokens[row] == expected.argmax(), row
+    assert tokens[0] not in eos and tokens[1] not in eos and tokens[2] == eos[0] and tokens[3] == eos[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.engine.stop_checker import StopChecker
+from worker.engine.stop_checker import StopCheck, StopChecker
 
 
 def feed(checker: StopChecker, deltas: list[str]) -> tuple[list[str], str | None]:
@@ -85,3 +85,18 @@ def test_random_chunkings_agree_with_character_by_character():
             cut = next(text.find(s) for s in sorted(stops, key=lambda s: (text.find(s) + len(s), text.find(s)))
                        if s in text and text.find(s) + len(s) == first)
             assert final == (text[:first] if include else text[:cut])
+
+
+def test_unarmed_text_is_held_as_armed_text_is_but_never_matches():
+    """Before min_tokens (or text another worker already checked) a stop string does not end the
+    sequence, while a possible beginning of one is still held back; once armed, only a match that
+    ends in new text counts, even one that began in the held text."""
+    checker = StopChecker(("END", "ab"))
+    assert checker.add("xxENDyyE", armed=False) == StopCheck("xxENDyy", None)  # "E" may begin "END"
+    assert checker.add("N", armed=False) == StopCheck("", None)
+    assert checker.add("D and more") == StopCheck("", "END")  # began unarmed, ends in armed text
+
+    checker = StopChecker(("ab",))
+    assert checker.add("zab", armed=False) == StopCheck("zab", None)
+    assert checker.add("c") == StopCheck("c", None)  # the "ab" before was passed over for good
+    assert checker.add("a") == StopCheck("", None) and checker.add("b") == StopCheck("", "ab")

@@ -412,9 +412,27 @@ def predicts_prompt(chunk: ScheduledChunk) -> bool:
 
 
 def needs_arrays(p) -> bool:
-    """Whether a request's sampling needs arrays sized by the batch (penalties, logit bias): only a
-    variant with the same flags and widths serves it (`SamplerFlags.widths`)."""
-    return has_penalties(p) or bool(p.logit_bias)
+    """Whether a request's sampling needs arrays sized by the batch (penalties, logit bias, or
+    min_tokens' bans, which are bias entries): only a variant with the same flags and widths serves
+    it (`SamplerFlags.widths`)."""
+    return has_penalties(p) or biased(p)
+
+
+def biased(p) -> bool:
+    """Whether a request's rows carry logit-bias entries: its own logit_bias, or min_tokens' bans."""
+    return bool(p.logit_bias) or p.min_tokens > 0
+
+
+BANNED = float("-inf")  # the bias of a token min_tokens holds back
+
+
+def bias_entries(seq) -> list[tuple[int, float, int]]:
+    """A sequence's logit-bias entries as (token id, bias, output position it applies before):
+    the request's logit_bias throughout, then min_tokens' bans on EOS and stop tokens
+    (`Sequence.early_bans`) until it holds min_tokens outputs."""
+    p = seq.params
+    always = np.iinfo(np.int32).max
+    return [(tok, val, always) for tok, val in p.logit_bias] + [(tok, BANNED, p.min_tokens) for tok in seq.early_bans]
 
 
 def sampler_flags(params: list, max_logprobs: int, prompt_top: bool = False) -> SamplerFlags:
@@ -428,7 +446,7 @@ def sampler_flags(params: list, max_logprobs: int, prompt_top: bool = False) -> 
         top_p=not greedy and any(p.top_p < 1.0 for p in params),
         min_p=not greedy and any(p.min_p > 0.0 for p in params),
         penalties=any(has_penalties(p) for p in params),
-        bias=any(p.logit_bias for p in params),
+        bias=any(biased(p) for p in params),
         num_logprobs=max_logprobs if want_top else 0,
         # the sampled tokens' logprobs only: prompt logprobs come from every token's logits
         # (StepShape.prompt_logprobs), so a row asking only for those stays on the screened head
@@ -444,7 +462,7 @@ def sampler_widths(chunks: list[ScheduledChunk], flags: SamplerFlags) -> Sampler
     600-token request, 0.5 s each for the demo model on the 2-core CPU, 25-60 s each on a GPU)."""
     if not (flags.penalties or flags.bias):
         return flags
-    bias_len = max((len(c.seq.params.logit_bias) for c in chunks), default=0)
+    bias_len = max((len(c.seq.params.logit_bias) + len(c.seq.early_bans) for c in chunks), default=0)
     b = next(x for x in LOGIT_BIAS_LADDER + (bias_len,) if x >= bias_len) if bias_len else 1
     penalised = [c.seq for c in chunks if has_penalties(c.seq.params)]
     if not penalised:
@@ -470,7 +488,7 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
     rep = np.ones(r, np.float32)
     i32 = {name: np.zeros(r, np.int32) for name in ("top_k", "choice", "out_pos")}
     seeds = np.zeros(r, np.uint32)
-    bias_ids, bias_vals = np.zeros((r, b), np.int32), np.zeros((r, b), np.float32)
+    bias_ids, bias_vals, bias_until = np.zeros((r, b), np.int32), np.zeros((r, b), np.float32), np.zeros((r, b), np.int32)
     out_ids, prompt_ids = np.full((r, out_len), -1, np.int32), np.full((r, prompt_len), -1, np.int32)
     pending = np.full(r, -1, np.int32)
     full_head = np.zeros(r, np.int32)  # (a bool array could not be packed with the rest)
@@ -484,8 +502,9 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         i32["out_pos"][i] = seq.num_output_tokens + (ahead[i] if ahead is not None and i < len(ahead) else 0)
         seeds[i] = (p.seed or 0) & 0xFFFFFFFF
         full_head[i] = needs_logits(p)
-        for j, (tok, val) in enumerate(p.logit_bias):
-            bias_ids[i, j], bias_vals[i, j] = tok, val
+        if flags.bias:
+            for j, (tok, val, until) in enumerate(bias_entries(seq)):
+                bias_ids[i, j], bias_vals[i, j], bias_until[i, j] = tok, val, until
         if penalties and has_penalties(p):  # (the widths count these rows alone)
             outs = np.asarray(seq.output_token_ids, np.int32)
             out_ids[i, : len(outs)] = outs  # a trailing in-flight token (-1) is filled on device from `pending`
@@ -497,7 +516,7 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
     tensors = SamplingTensors(
         temperature=f["temperature"], top_k=i32["top_k"], top_p=f["top_p"], min_p=f["min_p"], seed=seeds,
         choice=i32["choice"], out_pos=i32["out_pos"], presence=f["presence"], frequency=f["frequency"],
-        repetition=rep, bias_ids=bias_ids, bias_vals=bias_vals, output_ids=out_ids, prompt_ids=prompt_ids,
+        repetition=rep, bias_ids=bias_ids, bias_vals=bias_vals, bias_until=bias_until, output_ids=out_ids, prompt_ids=prompt_ids,
         pending=pending, full_head=full_head,
     )
     return tensors

@@ -144,7 +144,9 @@ class LLMEngine:
             next(self._seq_ids)
         group = SequenceGroup.create(request_id, prompt_token_ids, params, first, arrival_time or time.time())
         self._groups[request_id] = group
+        bans = tuple(dict.fromkeys(self._stop_ids(params))) if params.min_tokens else ()
         for seq in group.sequences:
+            seq.early_bans = bans  # sampled with no chance until min_tokens outputs (batch.bias_entries)
             detok = self._detokenizer(prompt_token_ids, params.skip_special_tokens)
             self._tracks[seq.seq_id] = Track(detok, StopChecker(params.stop, params.include_stop_str_in_output))
         self.scheduler.add(group)
@@ -163,7 +165,7 @@ class LLMEngine:
             track = self._tracks[seq.seq_id]
             track.prompt_sent = True
             cut = len(tokens) - (held or {}).get(seq.index, 0)
-            track.stops.add(track.detok.resume(tokens[:cut], tokens[cut:]))
+            track.stops.add(track.detok.resume(tokens[:cut], tokens[cut:]), armed=False)  # (checked where it ran)
             if finished and seq.index in finished:
                 self.scheduler.finish(seq, finished[seq.index])
                 del self._tracks[seq.seq_id]  # its end was reported by the worker that ran it
@@ -320,7 +322,8 @@ class LLMEngine:
         text, reason = "", None
         for k, token in enumerate(ids):  # a stop string may end the text at an earlier token
             seq.resolve_in_flight([token])
-            text, reason = self._text(track, [token], self._stop_reason(seq, token) if k == end else None, text)
+            armed = seq.num_output_tokens - seq.num_in_flight >= seq.params.min_tokens  # stop strings count from there
+            text, reason = self._text(track, [token], self._stop_reason(seq, token) if k == end else None, text, armed)
             if reason is not None:
                 ids, logprobs = ids[: k + 1], logprobs[: k + 1]
                 break
@@ -334,12 +337,16 @@ class LLMEngine:
         if p.max_tokens is not None and p.max_tokens - outputs - 1 < end:
             end = p.max_tokens - outputs - 1
         end = max(0, end)
-        stops = p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos_ids)
+        stops = self._stop_ids(p)
         if stops:
             end = next((k for k, t in enumerate(tokens[:end]) if t in stops), end)
         return end if end < len(tokens) else None
 
-    def _text(self, track: Track, ids: list[int], reason, text: str):
+    def _stop_ids(self, p: SamplingParams) -> tuple[int, ...]:
+        """The tokens that end a request's sequences: its stop_token_ids, and EOS unless ignore_eos."""
+        return p.stop_token_ids if p.ignore_eos else (*p.stop_token_ids, *self.eos_ids)
+
+    def _text(self, track: Track, ids: list[int], reason, text: str, armed: bool = True):
         """Append the text of `ids` (EOS / stop tokens are not text) through the stop-string check."""
         stop_token = reason is not None and reason[0] == FinishReason.STOP
         delta = track.detok.add(ids[:-1] if stop_token else ids) if ids else ""
@@ -347,7 +354,7 @@ class LLMEngine:
             delta += track.detok.flush()
         if track.stops.idle:  # no stop strings: nothing held back, the text goes out as decoded
             return text + delta, reason
-        check = track.stops.add(delta)
+        check = track.stops.add(delta, armed)
         text += check.text
         if check.stop is not None:
             return text, (FinishReason.STOP, check.stop)

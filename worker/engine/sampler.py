@@ -34,7 +34,7 @@ def needs_logits(p) -> bool:
     move logits the screened head does not see), or, sampled, a top-p or min-p cut (its mass) or a
     top-k past SCREENED_TOP_K. Prompt logprobs come from the prompt's own logits, not these."""
     cut = p.temperature > 0.0 and (p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > SCREENED_TOP_K)
-    return cut or p.logprobs is not None or has_penalties(p) or bool(p.logit_bias)
+    return cut or p.logprobs is not None or has_penalties(p) or bool(p.logit_bias) or p.min_tokens > 0
 
 
 @jax.tree_util.register_dataclass
@@ -54,6 +54,7 @@ class SamplingTensors:
     repetition: jax.Array  # f32[R]
     bias_ids: jax.Array  # i32[R, B]
     bias_vals: jax.Array  # f32[R, B]; padding entries are 0
+    bias_until: jax.Array  # i32[R, B]: an entry applies while out_pos < this (min_tokens' bans on EOS, stop tokens)
     output_ids: jax.Array  # i32[R, L]: generated tokens so far (-1 padding), for penalties
     prompt_ids: jax.Array  # i32[R, Lp]: prompt tokens (-1 padding), for the repetition penalty
     pending: jax.Array  # i32[R]: row of the previous step holding a generated token not yet on the host, or -1
@@ -103,7 +104,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
         logits = apply_penalties(logits, t)
     if flags.bias:
         rows = jnp.arange(r)[:, None]
-        logits = logits.at[rows, t.bias_ids].add(t.bias_vals)
+        logits = logits.at[rows, t.bias_ids].add(jnp.where(t.out_pos[:, None] < t.bias_until, t.bias_vals, 0.0))
     if flags.all_greedy:
         tokens = kernels.argmax(logits) if kernels is not None else first_argmax(logits)
     else:  # (greedy rows among them: the draw's argmax at T = 0, which a cut never changes: it keeps the largest)

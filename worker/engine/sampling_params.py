@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 16
 class SamplingParams:
     n: int = 1  # completions per prompt; they share the prompt's KV pages
     max_tokens: int | None = 16  # new tokens at most; None: until the context limit
+    min_tokens: int = 0  # new tokens at least before EOS, a stop token or a stop string may end the sequence
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
@@ -41,6 +42,11 @@ class SamplingParams:
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
             "max_tokens must be a non-negative integer",
+        )
+        _check(_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be a non-negative integer")
+        _check(
+            self.max_tokens is None or not _int(self.max_tokens) or self.min_tokens <= self.max_tokens,
+            "min_tokens must not exceed max_tokens",
         )
         _check(_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]")
         _check(_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")

@@ -46,6 +46,7 @@ class Sequence:
     cut: tuple[object, int] | None = None  # speculation: (a chunk in flight, how many of its rows still count)
     finish_reason: str | None = None  # "stop", "length", "abort" (worker.contract.FinishReason)
     stop_reason: str | int | None = None  # matched stop string or stop token id
+    early_bans: tuple[int, ...] = ()  # tokens that may not be sampled before params.min_tokens outputs (EOS, stop ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,14 +28,16 @@ class StopChecker:
         """No stop strings to look for: `add` would return its delta as it is."""
         return not self._stop
 
-    def add(self, delta: str) -> StopCheck:
-        """Feed newly decoded text; returns what may be emitted and the match, if any."""
+    def add(self, delta: str, armed: bool = True) -> StopCheck:
+        """Feed newly decoded text; returns what may be emitted and the match, if any. A match must
+        end in `delta`. Unarmed (before min_tokens, or text another worker already checked), text
+        is only held back as it would be, and nothing matches."""
         if self.matched is not None:
             return StopCheck("", self.matched)
         if not self._stop:
             return StopCheck(delta, None)
         text = self._held + delta
-        match = self._first_match(text)
+        match = self._first_match(text, len(self._held)) if armed else None
         if match is not None:
             start, stop = match
             self.matched, self._held = stop, ""
@@ -49,10 +51,11 @@ class StopChecker:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, text: str) -> tuple[int, str] | None:
+    def _first_match(self, text: str, after: int) -> tuple[int, str] | None:
+        """(start, stop string) of the match that ends first past `after` characters, if any."""
         best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self._stop:
-            start = text.find(stop)
+            start = text.find(stop, max(0, after - len(stop) + 1))
             if start >= 0:
                 candidate = (start + len(stop), start, stop)
                 if best is None or candidate[:2] < best[:2]:
