@@ -50,6 +50,9 @@ def create_app(config: ApiConfig, *, model: ModelInfo | None = None, mounts: Seq
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", routes.model, methods=["GET"]),
+        Route("/tokenize", routes.tokenize, methods=["POST"]),
+        Route("/detokenize", routes.detokenize, methods=["POST"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/ready", routes.ready, methods=["GET"]),
     ]

@@ -1,4 +1,5 @@
-"""ASGI middleware: X-Request-Id and last-resort 500s, API key on /v1/*, request body size limit."""
+"""ASGI middleware: X-Request-Id and last-resort 500s, API key on /v1/* (and the tokenizer's
+routes), request body size limit."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from api.errors import ApiError, internal_error
 log = logging.getLogger("redjax.api")
 
 _SANE_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+GUARDED_PATHS = ("/tokenize", "/detokenize")  # outside /v1, as vLLM serves them, but the key guards them too
 
 
 class RequestIdMiddleware:
@@ -53,14 +55,15 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """/v1/* needs `Authorization: Bearer <api_key>`; compared in constant time."""
+    """/v1/*, /tokenize and /detokenize need `Authorization: Bearer <api_key>`; compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path == "/v1" or path.startswith("/v1/") or path in GUARDED_PATHS:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
                 error = ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",

@@ -41,6 +41,10 @@ RESERVED_TEMPLATE_KWARGS = {
 }  # fmt: skip
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SEED_RANGE = (-(2**63), 2**63 - 1)
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_FIELDS = {
+    "model", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "return_token_strs",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,42 @@ def _template_options(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, f"chat_template_kwargs may not set {key!r}{hint}", param=f"chat_template_kwargs.{key}")
     return {"add_generation_prompt": not go_on if prompt is None else prompt, "continue_final_message": go_on,
             "template_kwargs": kwargs}  # fmt: skip
+
+
+def parse_tokenize(body: dict[str, Any], model: ModelInfo) -> tuple[list[int], bool]:
+    """vLLM's /tokenize body -> (the token ids a completions prompt or chat messages become, as
+    the generation endpoints make them; whether the token strings were asked for). `model` may
+    be left out."""
+    chat = "messages" in body
+    _check_fields(body, TOKENIZE_CHAT_FIELDS if chat else TOKENIZE_FIELDS)
+    if body.get("model") is not None:
+        _check_model(body, model)
+    strings = bool(_get(body, "return_token_strs", bool))
+    if chat:
+        if not model.has_chat_template:
+            raise ApiError(400, f"model {model.name} has no chat template", param="messages")
+        messages, template = _messages(_require(body, "messages")), _template_options(body)
+        try:
+            return model.render_chat(messages, **template), strings
+        except Exception as exc:  # (as parse_chat)
+            raise ApiError(400, f"chat template rejected the messages: {exc}", param="messages") from None
+    prompt = _require(body, "prompt")
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string", param="prompt")
+    special = _get(body, "add_special_tokens", bool)
+    return model.encode(prompt, add_special_tokens=True if special is None else special), strings
+
+
+def parse_detokenize(body: dict[str, Any], model: ModelInfo) -> list[int]:
+    """vLLM's /detokenize body -> its token ids, checked against the vocabulary."""
+    _check_fields(body, {"model", "tokens"})
+    if body.get("model") is not None:
+        _check_model(body, model)
+    ids = _list_of(_require(body, "tokens"), int, "tokens", "integers")
+    bad = [t for t in ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary ({model.vocab_size})", param="tokens")
+    return list(ids)
 
 
 def _build(

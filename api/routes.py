@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from api.assembly import Assembler, Piece
 from api.errors import ApiError, redis_unavailable
 from api.generation import Run, unless_disconnected
-from api.protocol import ParsedRequest, parse_chat, parse_completion, parse_json
+from api.protocol import ParsedRequest, parse_chat, parse_completion, parse_detokenize, parse_json, parse_tokenize
 from api.queue import live_workers
 from api.responses import full_response, piece_chunk, role_chunk, usage_chunk
 from api.services import ApiServices
@@ -135,13 +135,42 @@ def _events(payloads: list[str]) -> bytes:
     return "".join(f"data: {p}\n\n" for p in payloads).encode()
 
 
+async def tokenize(request: Request) -> Response:
+    """vLLM's POST /tokenize: a prompt, or chat messages through the template, as token ids; no
+    request is queued."""
+    model = request.app.state.services.model
+    ids, strings = await _parse(await request.body(), parse_tokenize, model)
+    body = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
+    return JSONResponse(body | ({"token_strs": model.token_strings(ids)} if strings else {}))
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's POST /detokenize: token ids back to text (special tokens kept, so it inverts /tokenize)."""
+    model = request.app.state.services.model
+    ids = await _parse(await request.body(), parse_detokenize, model)
+    return JSONResponse({"prompt": model.decode(ids, skip_special_tokens=False)})
+
+
 async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{model}: the served model's card (the openai client's `models.retrieve`)."""
+    card = _model_card(request)
+    name = request.path_params["model"]
+    if name != card["id"]:
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{card['id']}`", param="model",
+                       code="model_not_found")  # fmt: skip
+    return JSONResponse(card)
+
+
+def _model_card(request: Request) -> dict:
     services: ApiServices = request.app.state.services
-    card = {
+    return {
         "id": services.model.name, "object": "model", "created": request.app.state.started_at, "owned_by": "redjax",
         "root": services.model.name, "max_model_len": services.model.max_model_len,
     }  # fmt: skip
-    return JSONResponse({"object": "list", "data": [card]})
 
 
 async def health(request: Request) -> Response:

@@ -144,6 +144,24 @@ def test_malformed_json(api, raw):
 def test_routes_and_methods(api):
     _assert_openai_error(httpx.get(f"{api}/v1/nothing"), 404)
     _assert_openai_error(httpx.get(f"{api}/v1/completions"), 405)
+    _assert_openai_error(httpx.get(f"{api}/tokenize"), 405)
+    assert _assert_openai_error(httpx.get(f"{api}/v1/models/gpt-4"), 404)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": [1, 2]}, "prompt"),
+    ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, "model"),
+    ("/tokenize", {"prompt": "hi", "max_tokens": 3}, "max_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("/detokenize", {"tokens": "hi"}, "tokens"),
+    ("/detokenize", {"tokens": [99999]}, "tokens"),
+    ("/detokenize", {"tokens": [1], "prompt": "x"}, "prompt"),
+])  # fmt: skip
+def test_bad_tokenize_and_detokenize(api, path, body, param):
+    response = httpx.post(f"{api}{path}", json=body)
+    assert _assert_openai_error(response, 404 if param == "model" else 400)["param"] == param
 
 
 def test_body_too_large(start_api, redis_client):
@@ -170,7 +188,11 @@ def test_api_key(start_api, redis_client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
     assert openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0).models.list().data
-    assert httpx.get(f"{url}/health").status_code == 200  # only /v1/* is guarded
+    for path in ("/tokenize", "/detokenize"):  # the tokenizer's routes too, though outside /v1
+        _assert_openai_error(httpx.post(f"{url}{path}", json={"prompt": "hi", "tokens": [1]}), 401)
+    keyed = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekrit"})
+    assert keyed.status_code == 200 and keyed.json()["count"] > 0
+    assert httpx.get(f"{url}/health").status_code == 200  # only /v1/* and those are guarded
     assert redis_client.xlen(contract.REQUESTS) == 0
 
 

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import openai
+import pytest
 
 from tests.api_support import (  # noqa: F401 (fixtures)
     MODEL_NAME, REPLY, eventually, fake_worker, start_api, tiny_model, tiny_model_dir,
@@ -204,3 +205,31 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(start_api, f
     plain = list(client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, stream=True,
                                            stream_options={"include_usage": True}))  # fmt: skip
     assert [c.usage for c in plain[:-1]] == [None, None] and plain[-1].usage.completion_tokens == 2
+
+
+def test_retrieve_model_tokenize_and_detokenize(start_api, fake_worker, tiny_model):
+    """`models.retrieve` through the client; /tokenize gives the ids the generation endpoints
+    enqueue for the same prompt or messages (transformers' encoding), /detokenize inverts it."""
+    worker = fake_worker()
+    url = start_api()
+    client = _client(url)
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+    prompt, messages = "the quick brown fox", [{"role": "user", "content": "hello"}]
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
+    client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    counted = httpx.post(f"{url}/tokenize", json={"model": MODEL_NAME, "prompt": prompt, "return_token_strs": True}).json()
+    assert counted["tokens"] == worker.seen[0].prompt_token_ids == tiny_model.tokenizer(prompt).input_ids
+    assert counted["count"] == len(counted["tokens"]) and counted["max_model_len"] == 128
+    assert counted["token_strs"] == tiny_model.token_strings(counted["tokens"])  # each token's text, as in logprobs
+    assert "".join(counted["token_strs"]).endswith(prompt)
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == worker.seen[1].prompt_token_ids and "token_strs" not in chat
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": prompt, "add_special_tokens": False}).json()["tokens"]
+    assert bare == tiny_model.tokenizer(prompt, add_special_tokens=False).input_ids
+    back = httpx.post(f"{url}/detokenize", json={"model": MODEL_NAME, "tokens": chat["tokens"]}).json()
+    assert back["prompt"] == tiny_model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert len(worker.seen) == 2  # the tokenizer's routes queue nothing
