@@ -98,14 +98,7 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     if top is not None and not want_logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    if not model.has_chat_template:
-        raise ApiError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
-    messages = _messages(_require(body, "messages"))
-    template = _template_options(body)
-    try:
-        ids = model.render_chat(messages, **template)
-    except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order) belong to the client
-        raise ApiError(400, f"chat template rejected the messages: {exc}", param="messages") from None
+    ids = _render_chat(body, model)
     limit = {}  # an explicit max_tokens is read by _sampling_params
     if body.get("max_tokens") is None:
         max_tokens = _get(body, "max_completion_tokens", int)
@@ -115,6 +108,18 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
         limit = {"max_tokens": max_tokens}
     params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **limit)
     return _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
+
+
+def _render_chat(body: dict[str, Any], model: ModelInfo) -> list[int]:
+    """The body's messages through the model's chat template, with its template switches -> prompt ids."""
+    if not model.has_chat_template:
+        raise ApiError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
+    messages = _messages(_require(body, "messages"))
+    template = _template_options(body)
+    try:
+        return model.render_chat(messages, **template)
+    except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order) belong to the client
+        raise ApiError(400, f"chat template rejected the messages: {exc}", param="messages") from None
 
 
 def _template_options(body: dict[str, Any]) -> dict[str, Any]:
@@ -147,13 +152,7 @@ def parse_tokenize(body: dict[str, Any], model: ModelInfo) -> tuple[list[int], b
         _check_model(body, model)
     strings = bool(_get(body, "return_token_strs", bool))
     if chat:
-        if not model.has_chat_template:
-            raise ApiError(400, f"model {model.name} has no chat template", param="messages")
-        messages, template = _messages(_require(body, "messages")), _template_options(body)
-        try:
-            return model.render_chat(messages, **template), strings
-        except Exception as exc:  # (as parse_chat)
-            raise ApiError(400, f"chat template rejected the messages: {exc}", param="messages") from None
+        return _render_chat(body, model), strings
     prompt = _require(body, "prompt")
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string", param="prompt")
