@@ -29,7 +29,7 @@ COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "response_format",
 }  # fmt: skip
 # chat_template_kwargs may not name these: transformers' own apply_chat_template arguments (the
 # request's fields above set the two that matter) and the tokens it gives the template
@@ -98,6 +98,7 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     if top is not None and not want_logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
+    _response_format(body)
     ids = _render_chat(body, model)
     limit = {}  # an explicit max_tokens is read by _sampling_params
     if body.get("max_tokens") is None:
@@ -108,6 +109,20 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
         limit = {"max_tokens": max_tokens}
     params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **limit)
     return _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
+
+
+def _response_format(body: dict[str, Any]) -> None:
+    """Only {"type": "text"}, the default, which some clients send explicitly; JSON modes get a
+    400 that says so rather than text that may not parse."""
+    value = body.get("response_format")
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str):
+        raise ApiError(400, "response_format must be an object with a type", param="response_format")
+    if kind != "text" or set(value) != {"type"}:
+        raise ApiError(400, f"response_format {kind!r} is not supported: this server constrains no output to JSON "
+                       "or a schema; only {\"type\": \"text\"}", param="response_format.type")  # fmt: skip
 
 
 def _render_chat(body: dict[str, Any], model: ModelInfo) -> list[int]:

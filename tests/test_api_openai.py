@@ -47,7 +47,8 @@ def test_chat_stream_matches_plain(start_api, fake_worker):
     fake_worker()
     client = _client(start_api())
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=4)
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=4,
+                                           response_format={"type": "text"})  # the default, sent as some clients do
     assert plain.object == "chat.completion"
     message = plain.choices[0].message
     assert message.role == "assistant" and message.content and REPLY.startswith(message.content)
