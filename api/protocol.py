@@ -21,9 +21,9 @@ from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "n", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens",
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n", "ignore_eos",
+    "include_stop_str_in_output", "skip_special_tokens",
 }  # fmt: skip
 COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}

@@ -488,7 +488,8 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
     rep = np.ones(r, np.float32)
     i32 = {name: np.zeros(r, np.int32) for name in ("top_k", "choice", "out_pos")}
     seeds = np.zeros(r, np.uint32)
-    bias_ids, bias_vals, bias_until = np.zeros((r, b), np.int32), np.zeros((r, b), np.float32), np.zeros((r, b), np.int32)
+    bias_ids, bias_vals = np.zeros((r, b), np.int32), np.zeros((r, b), np.float32)
+    bias_until = np.zeros((r, b), np.int32)  # padding entries: until 0, so never applied
     out_ids, prompt_ids = np.full((r, out_len), -1, np.int32), np.full((r, prompt_len), -1, np.int32)
     pending = np.full(r, -1, np.int32)
     full_head = np.zeros(r, np.int32)  # (a bool array could not be packed with the rest)
@@ -516,7 +517,7 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
     tensors = SamplingTensors(
         temperature=f["temperature"], top_k=i32["top_k"], top_p=f["top_p"], min_p=f["min_p"], seed=seeds,
         choice=i32["choice"], out_pos=i32["out_pos"], presence=f["presence"], frequency=f["frequency"],
-        repetition=rep, bias_ids=bias_ids, bias_vals=bias_vals, bias_until=bias_until, output_ids=out_ids, prompt_ids=prompt_ids,
-        pending=pending, full_head=full_head,
+        repetition=rep, bias_ids=bias_ids, bias_vals=bias_vals, bias_until=bias_until, output_ids=out_ids,
+        prompt_ids=prompt_ids, pending=pending, full_head=full_head,
     )
     return tensors
