@@ -7,6 +7,7 @@ concatenated, so both carry the same text and logprobs by construction.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ class Piece:
     text: str
     logprobs: dict[str, list] | None
     finish_reason: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the calls the choice ends with (tool_calls.py)
 
 
 @dataclass
@@ -45,6 +47,8 @@ class _Request:
 class Assembler:
     parsed: ParsedRequest
     model: ModelInfo
+    # what the pieces pass through before they go out (tool_calls.ToolCallFilter.feed for chats with tools)
+    post: Callable[[list[Piece]], list[Piece]] | None = None
     choices: dict[int, _Choice] = field(default_factory=dict)
     requests: list[_Request] = field(default_factory=list)
 
@@ -76,7 +80,7 @@ class Assembler:
             logprobs = self._format(entries, [e["token_id"] for e in entries], choice.text_len)
             choice.text_len += len(delta.text)
             pieces.append(Piece(index, delta.text, logprobs, delta.finish_reason))
-        return pieces
+        return pieces if self.post is None else self.post(pieces)
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage over the request's prompts; `prompt_tokens_details.cached_tokens` (what the

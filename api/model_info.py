@@ -67,14 +67,20 @@ class ModelInfo:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Chat messages -> prompt token ids, through the model's own jinja2 template (sandboxed by
         transformers). `continue_final_message` leaves the last message open, so the model goes on
         with it (an assistant turn the client began); `template_kwargs` are the template's own
         variables (e.g. Qwen3's `enable_thinking`)."""
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(template_kwargs or {}),
         )  # fmt: skip
         # The template writes BOS itself when the model wants one.

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from api.errors import ApiError
 from api.model_info import ModelInfo
+from api.tools import message_tool_calls, offered_tools, writes_tool_calls
 from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "response_format",
+    "chat_template_kwargs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 # chat_template_kwargs may not name these: transformers' own apply_chat_template arguments (the
 # request's fields above set the two that matter) and the tokens it gives the template
@@ -40,10 +41,12 @@ RESERVED_TEMPLATE_KWARGS = {
     "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
 }  # fmt: skip
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_TOOL_FIELDS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}  # beside role, content and name
 SEED_RANGE = (-(2**63), 2**63 - 1)
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT_FIELDS = {
     "model", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "return_token_strs",
+    "tools",
 }  # fmt: skip
 
 
@@ -61,6 +64,8 @@ class ParsedRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats: the usage so far on every chunk too
     echo: bool  # completions: the prompt is prepended to each choice's text
     logprobs: int | None  # alternatives per token when logprobs were asked for, else None
+    tool_calls: bool = False  # chat: the model was offered tools, so its output is parsed for calls (tool_calls.py)
+    parallel_tool_calls: bool = True  # false: a choice keeps its first call only
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -99,7 +104,10 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
     _response_format(body)
-    ids = _render_chat(body, model)
+    tools = offered_tools(body, writes_tool_calls(model.chat_template))
+    if tools and logprobs is not None:
+        raise ApiError(400, "logprobs cannot be combined with tools", param="logprobs")
+    ids = _render_chat(body, model, tools)
     limit = {}  # an explicit max_tokens is read by _sampling_params
     if body.get("max_tokens") is None:
         max_tokens = _get(body, "max_completion_tokens", int)
@@ -108,7 +116,10 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
             max_tokens = model.max_model_len - len(ids)
         limit = {"max_tokens": max_tokens}
     params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **limit)
-    return _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
+    parsed = _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
+    if not tools:
+        return parsed
+    return dataclasses.replace(parsed, tool_calls=True, parallel_tool_calls=body.get("parallel_tool_calls") is not False)
 
 
 def _response_format(body: dict[str, Any]) -> None:
@@ -125,14 +136,15 @@ def _response_format(body: dict[str, Any]) -> None:
                        "or a schema; only {\"type\": \"text\"}", param="response_format.type")  # fmt: skip
 
 
-def _render_chat(body: dict[str, Any], model: ModelInfo) -> list[int]:
-    """The body's messages through the model's chat template, with its template switches -> prompt ids."""
+def _render_chat(body: dict[str, Any], model: ModelInfo, tools: list[dict[str, Any]] | None) -> list[int]:
+    """The body's messages (and the tools offered) through the model's chat template, with its
+    template switches -> prompt ids."""
     if not model.has_chat_template:
         raise ApiError(400, f"model {model.name} has no chat template; use /v1/completions", param="messages")
     messages = _messages(_require(body, "messages"))
     template = _template_options(body)
     try:
-        return model.render_chat(messages, **template)
+        return model.render_chat(messages, tools=tools, **template)
     except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order) belong to the client
         raise ApiError(400, f"chat template rejected the messages: {exc}", param="messages") from None
 
@@ -167,7 +179,7 @@ def parse_tokenize(body: dict[str, Any], model: ModelInfo) -> tuple[list[int], b
         _check_model(body, model)
     strings = bool(_get(body, "return_token_strs", bool))
     if chat:
-        return _render_chat(body, model), strings
+        return _render_chat(body, model, offered_tools(body, writes_tool_calls(model.chat_template))), strings
     prompt = _require(body, "prompt")
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string", param="prompt")
@@ -373,8 +385,9 @@ def _encode_prompt(prompt: str | list[int], model: ModelInfo) -> list[int]:
     return list(prompt)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages -> [{"role", "content"(, "name")}] with text-only content."""
+def _messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> [{"role", "content"(, "name", "tool_calls", "tool_call_id")}] with
+    text-only content; an assistant message with tool calls may have none."""
     if not isinstance(value, list) or not value:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
     out = []
@@ -382,12 +395,22 @@ def _messages(value: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise ApiError(400, f"{where} must be an object", param=where)
-        extra = sorted(set(message) - {"role", "content", "name"})
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
+        known = {"role", "content", "name"} | MESSAGE_TOOL_FIELDS.get(role, set())
+        extra = sorted(set(message) - known)
         if extra:
             raise ApiError(400, f"unsupported field {where}.{extra[0]}", param=f"{where}.{extra[0]}")
-        if message.get("role") not in CHAT_ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(CHAT_ROLES)}", param=f"{where}.role")
-        entry = {"role": message["role"], "content": _content(message.get("content"), where)}
+        calls = message_tool_calls(message["tool_calls"], where) if message.get("tool_calls") else None
+        content = message.get("content")
+        entry: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _content(content, where)}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool" and message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise ApiError(400, f"{where}.tool_call_id must be a string", param=f"{where}.tool_call_id")
+            entry["tool_call_id"] = message["tool_call_id"]
         if message.get("name") is not None:
             if not isinstance(message["name"], str):
                 raise ApiError(400, f"{where}.name must be a string", param=f"{where}.name")

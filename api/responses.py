@@ -36,6 +36,8 @@ def role_chunk(parsed: ParsedRequest, usage: dict[str, Any] | None = None) -> di
 def piece_chunk(parsed: ParsedRequest, piece: Piece, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     if parsed.kind == "chat":
         delta = {"content": piece.text} if piece.text or not piece.finish_reason else {}
+        if piece.tool_calls:  # each call whole, in one chunk
+            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(piece.tool_calls)]}
         choice = {"index": piece.index, "delta": delta}
     else:
         choice = {"index": piece.index, "text": piece.text}
@@ -57,7 +59,11 @@ def full_response(parsed: ParsedRequest, pieces: list[Piece], usage: dict[str, i
         finish = next((p.finish_reason for p in reversed(own) if p.finish_reason), "stop")
         logprobs = merge_logprobs([p.logprobs for p in own]) if parsed.logprobs is not None else None
         if parsed.kind == "chat":
-            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            calls = [call for p in own for call in p.tool_calls or ()]
+            message = {"role": "assistant", "content": text}
+            if calls:  # OpenAI's content is null beside calls unless the model wrote text first
+                message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+            choice = {"index": index, "message": message}
         else:
             choice = {"index": index, "text": text}
         choices.append(choice | {"logprobs": logprobs, "finish_reason": finish})

@@ -19,6 +19,7 @@ from api.protocol import ParsedRequest, parse_chat, parse_completion, parse_deto
 from api.queue import live_workers
 from api.responses import full_response, piece_chunk, role_chunk, usage_chunk
 from api.services import ApiServices
+from api.tool_calls import ToolCallFilter
 from worker.contract import WorkerState
 
 
@@ -52,7 +53,8 @@ async def _parse(raw: bytes, parse, *args) -> ParsedRequest:
 async def _generate(request: Request, services: ApiServices, parsed: ParsedRequest) -> Response:
     run = Run(services, parsed)
     await run.start(getattr(request.state, "request_id", ""))
-    assembler = Assembler(parsed, services.model)
+    tools = ToolCallFilter(parsed.parallel_tool_calls) if parsed.tool_calls else None
+    assembler = Assembler(parsed, services.model, post=tools.feed if tools else None)
     try:
         if parsed.stream:
             # Wait for the first output before answering 200, so queue-side failures keep their status.

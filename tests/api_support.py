@@ -92,13 +92,14 @@ def heartbeat(client: redis.Redis, name: str, model: str, state: str = contract.
 class FakeWorker:
     """Serves requests from the stream with REPLY's tokens; one delta per token, `delay_s` apart."""
 
-    def __init__(self, redis_url: str, tokenizer, model: str, delay_s: float = 0.0, name: str = "fake-0") -> None:
+    def __init__(self, redis_url: str, tokenizer, model: str, delay_s: float = 0.0, name: str = "fake-0",
+                 reply: str = REPLY) -> None:
         self.client = redis.Redis.from_url(redis_url)
         self.tokenizer = tokenizer
         self.model = model
         self.delay_s = delay_s
         self.name = name
-        self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+        self.reply_ids = tokenizer.encode(reply, add_special_tokens=False)
         self.seen: list[RequestMessage] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -232,11 +233,11 @@ def start_api(redis_client, redis_url, tiny_model_dir, tiny_model):
 
 @pytest.fixture
 def fake_worker(redis_url, tiny_model):
-    """fake_worker(delay_s=0.0) -> a running FakeWorker; stopped after the test."""
+    """fake_worker(delay_s=0.0, reply=REPLY) -> a running FakeWorker; stopped after the test."""
     workers: list[FakeWorker] = []
 
-    def start(delay_s: float = 0.0) -> FakeWorker:
-        workers.append(FakeWorker(redis_url, tiny_model.tokenizer, MODEL_NAME, delay_s=delay_s).__enter__())
+    def start(delay_s: float = 0.0, reply: str = REPLY) -> FakeWorker:
+        workers.append(FakeWorker(redis_url, tiny_model.tokenizer, MODEL_NAME, delay_s=delay_s, reply=reply).__enter__())
         return workers[-1]
 
     yield start

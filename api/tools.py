@@ -1,0 +1,94 @@
+"""The tools a chat request offers, and the tool calls and results in its messages: OpenAI's
+request fields checked and put in the form Hugging Face chat templates render. What the model
+writes back is parsed in tool_calls.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from api.errors import ApiError
+
+START, END = "<tool_call>", "</tool_call>"  # around each call the model writes (Hermes' format)
+TOOL_FIELDS = {"type", "function"}
+FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def writes_tool_calls(chat_template: str | None) -> bool:
+    """Whether a chat template renders tool calls in the format tool_calls.py parses."""
+    return bool(chat_template) and START in chat_template
+
+
+def offered_tools(body: dict[str, Any], template_parses: bool) -> list[dict[str, Any]] | None:
+    """The body's `tools` as the template gets them, or None when the model is not to see any
+    (none given, or tool_choice "none"). `template_parses`: whether the model's
+    template writes calls in a format tool_calls.py parses. tool_choice "required" or a named
+    function would need output constrained to a call, which this server does not do: a 400."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        if choice == "required" or isinstance(choice, dict):
+            raise ApiError(400, f"tool_choice {json.dumps(choice)} is not supported: this server cannot force a "
+                           "call; use 'auto' (the model decides) or 'none'", param="tool_choice")  # fmt: skip
+        raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or a function", param="tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    if tools is None:
+        if choice is not None:
+            raise ApiError(400, "tool_choice requires tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise ApiError(400, "tools must be a non-empty list (leave it out for none)", param="tools")
+    for i, tool in enumerate(tools):
+        _check_tool(tool, f"tools[{i}]")
+    if choice == "none":
+        return None
+    if not template_parses:
+        raise ApiError(400, "this model's chat template writes no tool calls in a format this server parses "
+                       "(Hermes' <tool_call> JSON </tool_call>)", param="tools")  # fmt: skip
+    return tools
+
+
+def _check_tool(tool: Any, where: str) -> None:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise ApiError(400, f"{where} must be an object with type 'function' and a function", param=where)
+    _only(tool, TOOL_FIELDS, where)
+    function = tool["function"]
+    _only(function, FUNCTION_FIELDS, f"{where}.function")
+    if not isinstance(function.get("name"), str) or not NAME.fullmatch(function["name"]):
+        raise ApiError(400, f"{where}.function.name must be 1-64 letters, digits, '_' or '-'",
+                       param=f"{where}.function.name")  # fmt: skip
+    for key, kind, what in (("description", str, "a string"), ("parameters", dict, "an object"),
+                            ("strict", bool, "a boolean")):  # fmt: skip
+        if function.get(key) is not None and not isinstance(function[key], kind):
+            raise ApiError(400, f"{where}.function.{key} must be {what}", param=f"{where}.function.{key}")
+
+
+def message_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` (arguments as JSON text, as OpenAI sends them) -> the
+    form chat templates render (arguments as an object)."""
+    if not isinstance(value, list):
+        raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    out = []
+    for k, call in enumerate(value):
+        at = f"{where}.tool_calls[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{at} must be an object with a function and its name", param=at)
+        _only(call, {"id", "type", "function"}, at)
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            raise ApiError(400, f"{at}.function.arguments must be JSON text", param=f"{at}.function.arguments") from None
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        out.append(entry | ({"id": call["id"]} if isinstance(call.get("id"), str) else {}))
+    return out
+
+
+def _only(value: dict[str, Any], allowed: set[str], where: str) -> None:
+    extra = sorted(set(value) - allowed)
+    if extra:
+        raise ApiError(400, f"unsupported field {where}.{extra[0]}", param=f"{where}.{extra[0]}")

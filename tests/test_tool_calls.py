@@ -1,0 +1,158 @@
+"""Tool calls: the tools a chat offers rendered by the model's template as transformers renders
+them, the Hermes-format calls the model writes parsed into OpenAI's `tool_calls`, streamed and
+not, through the official `openai` client against a live API, real Redis and a fake worker."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from api.assembly import Piece
+from api.model_info import ModelInfo
+from api.tool_calls import ToolCallFilter, parse_calls
+from tests.api_support import (  # noqa: F401 (fixtures)
+    MODEL_NAME, api_server, fake_worker, tiny_model, tiny_model_dir,
+)
+from worker import contract
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>{% for t in tools %}{{ t | tojson }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def _split(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_filter_sends_text_before_the_call_and_parses_the_call_at_the_end(size):
+    tools = ToolCallFilter()
+    text = "Let me look it up. " + CALL + CALL.replace("Paris", "Rome")
+    pieces = [Piece(0, part, None, None) for part in _split(text, size)] + [Piece(0, "", None, "stop")]
+    out = [p for piece in pieces for p in tools.feed([piece])]
+    assert "".join(p.text for p in out) == "Let me look it up. "
+    assert "<" not in "".join(p.text for p in out)  # no part of the tag ever went out as content
+    last = out[-1]
+    assert last.finish_reason == "tool_calls" and [c["function"]["name"] for c in last.tool_calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"]) for c in last.tool_calls] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert len({c["id"] for c in last.tool_calls}) == 2 and all(c["type"] == "function" for c in last.tool_calls)
+
+
+def test_filter_keeps_unparsable_calls_and_lookalikes_as_text_and_honours_parallel():
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    for text in (broken, "a <tool_ca and more", "x < y"):
+        tools = ToolCallFilter()
+        out = tools.feed([Piece(0, text[:5], None, None)]) + tools.feed([Piece(0, text[5:], None, "length")])
+        assert "".join(p.text for p in out) == text and out[-1].finish_reason == "length" and not out[-1].tool_calls
+    single = ToolCallFilter(parallel=False).feed([Piece(0, CALL + CALL, None, "stop")])
+    assert len(single[-1].tool_calls) == 1
+    open_call = parse_calls('<tool_call>{"name": "f", "arguments": "{}"}')  # stopped before its end tag
+    assert open_call and open_call[0]["function"] == {"name": "f", "arguments": "{}"}
+    assert parse_calls('<tool_call>["f"]</tool_call>') is None
+
+
+@pytest.fixture
+def tools_api(redis_url, redis_client, tiny_model_dir, tmp_path):
+    """A live API over the tiny model's tokenizer with a chat template that renders tools and calls,
+    and room for a tool's schema in the prompt (byte-level tokens: about one per character)."""
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "tools-model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
+    model = ModelInfo.load(str(folder), MODEL_NAME)
+    model.tokenizer.chat_template = TOOLS_TEMPLATE
+    with api_server(redis_url, folder, model) as server:
+        yield server.url, model
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def test_calls_come_back_as_tool_calls_streamed_and_not(tools_api, fake_worker):
+    url, model = tools_api
+    worker = fake_worker(reply="Looking. " + CALL)
+    client = _client(url)
+    result = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[WEATHER], max_tokens=100)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Looking. "
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    reference = model.tokenizer.apply_chat_template(ASK, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(reference, add_special_tokens=False)
+
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[WEATHER], max_tokens=100,
+                                                 stream=True))  # fmt: skip
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert content == "Looking. " and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+
+
+def test_a_conversation_with_calls_and_results_renders_as_transformers_does(tools_api, fake_worker):
+    url, model = tools_api
+    worker = fake_worker(reply=" it is sunny")
+    called = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [called]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]  # fmt: skip
+    result = _client(url).chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER], max_tokens=20)
+    assert result.choices[0].message.content == " it is sunny" and result.choices[0].message.tool_calls is None
+    as_dicts = [dict(messages[1], content="", tool_calls=[dict(called, function={"name": "get_weather",
+                                                                                "arguments": {"city": "Paris"}})])]
+    rendered = model.tokenizer.apply_chat_template(ASK + as_dicts + messages[2:], tools=[WEATHER], tokenize=False,
+                                                   add_generation_prompt=True)  # fmt: skip
+    assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(rendered, add_special_tokens=False)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+
+
+def test_tool_choice_none_hides_the_tools_and_parses_nothing(tools_api, fake_worker):
+    url, model = tools_api
+    worker = fake_worker(reply=CALL)
+    result = _client(url).chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                                  max_tokens=100)  # fmt: skip
+    assert result.choices[0].message.content == CALL and result.choices[0].finish_reason == "stop"
+    plain = model.tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(plain, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "logprobs": True}, "logprobs"),
+    ({"tools": {"a": 1}}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [dict(WEATHER, extra=1)]}, "tools[0].extra"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id"),
+])  # fmt: skip
+def test_bad_tool_requests_are_refused_and_queue_nothing(tools_api, redis_client, extra, param):
+    url, _ = tools_api
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL_NAME, "messages": ASK, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert redis_client.xlen(contract.REQUESTS) == 0
+
+
+def test_a_template_without_the_call_format_refuses_tools(redis_url, tiny_model_dir, tiny_model, redis_client):
+    with api_server(redis_url, tiny_model_dir, tiny_model) as server:
+        response = httpx.post(f"{server.url}/v1/chat/completions",
+                              json={"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER]})  # fmt: skip
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    assert "<tool_call>" in response.json()["error"]["message"]
+    assert redis_client.xlen(contract.REQUESTS) == 0
