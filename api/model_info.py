@@ -67,6 +67,11 @@ class ModelInfo:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    def is_special_token(self, text: str) -> bool:
+        """Whether `text` is one special token of the tokenizer (decoding with
+        skip_special_tokens drops it)."""
+        return any(t.special and t.content == text for t in self.tokenizer.added_tokens_decoder.values())
+
     @property
     def chat_template(self) -> str | None:
         template = getattr(self.tokenizer, "chat_template", None)

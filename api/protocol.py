@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from api.errors import ApiError
 from api.model_info import ModelInfo
+from api.tools import START as TOOL_CALL_START
 from api.tools import message_tool_calls, offered_tools, writes_tool_calls
 from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
@@ -108,14 +109,16 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     if tools and logprobs is not None:
         raise ApiError(400, "logprobs cannot be combined with tools", param="logprobs")
     ids = _render_chat(body, model, tools)
-    limit = {}  # an explicit max_tokens is read by _sampling_params
+    extra: dict[str, Any] = {}  # an explicit max_tokens is read by _sampling_params
     if body.get("max_tokens") is None:
         max_tokens = _get(body, "max_completion_tokens", int)
         if max_tokens is None:  # chat default: up to the context limit, which must leave room for a token
             _check_context(len(ids), None, model.max_model_len)
             max_tokens = model.max_model_len - len(ids)
-        limit = {"max_tokens": max_tokens}
-    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **limit)
+        extra["max_tokens"] = max_tokens
+    if tools and body.get("skip_special_tokens") is None and model.is_special_token(TOOL_CALL_START):
+        extra["skip_special_tokens"] = False  # the calls' tags must reach the text the parser reads
+    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **extra)
     parsed = _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
     if not tools:
         return parsed

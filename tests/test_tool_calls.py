@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import httpx
 import openai
@@ -63,15 +64,21 @@ def test_filter_keeps_unparsable_calls_and_lookalikes_as_text_and_honours_parall
     assert parse_calls('<tool_call>["f"]</tool_call>') is None
 
 
-@pytest.fixture
-def tools_api(redis_url, redis_client, tiny_model_dir, tmp_path):
-    """A live API over the tiny model's tokenizer with a chat template that renders tools and calls,
-    and room for a tool's schema in the prompt (byte-level tokens: about one per character)."""
+def _tools_model(tiny_model_dir: Path, tmp_path: Path) -> tuple[Path, ModelInfo]:
+    """The tiny model's tokenizer with a chat template that renders tools and calls, and room for
+    a tool's schema in the prompt (byte-level tokens: about one per character)."""
     folder = shutil.copytree(tiny_model_dir, tmp_path / "tools-model")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
     model = ModelInfo.load(str(folder), MODEL_NAME)
     model.tokenizer.chat_template = TOOLS_TEMPLATE
+    return folder, model
+
+
+@pytest.fixture
+def tools_api(redis_url, redis_client, tiny_model_dir, tmp_path):
+    """A live API over `_tools_model`."""
+    folder, model = _tools_model(tiny_model_dir, tmp_path)
     with api_server(redis_url, folder, model) as server:
         yield server.url, model
 
@@ -156,3 +163,20 @@ def test_a_template_without_the_call_format_refuses_tools(redis_url, tiny_model_
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
     assert "<tool_call>" in response.json()["error"]["message"]
     assert redis_client.xlen(contract.REQUESTS) == 0
+
+
+def test_where_the_tag_is_a_special_token_the_worker_keeps_special_tokens_in_the_text(tiny_model_dir, tmp_path):
+    """Hermes-style tokenizers make <tool_call> a special token, which decoding with
+    skip_special_tokens drops: with tools offered, the request asks the worker to keep them,
+    unless it says otherwise; without tools nothing changes."""
+    from api.protocol import parse_chat
+
+    _, model = _tools_model(tiny_model_dir, tmp_path)
+    body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 8}
+    assert parse_chat(body | {"tools": [WEATHER]}, model).requests[0].params["skip_special_tokens"] is True
+    model.tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    assert model.is_special_token("<tool_call>") and not model.is_special_token("get_weather")
+    assert parse_chat(body | {"tools": [WEATHER]}, model).requests[0].params["skip_special_tokens"] is False
+    asked = parse_chat(body | {"tools": [WEATHER], "skip_special_tokens": True}, model).requests[0]
+    assert asked.params["skip_special_tokens"] is True and parse_chat(body, model).requests[0].params[
+        "skip_special_tokens"] is True
