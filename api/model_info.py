@@ -74,7 +74,11 @@ class ModelInfo:
 
     @property
     def chat_template(self) -> str | None:
+        """The template's text; a tokenizer with named templates (a "tool_use" one beside the
+        default, which transformers picks when tools are given) gives them all, joined."""
         template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):
+            return "\n".join(t for t in template.values() if isinstance(t, str)) or None
         return template if isinstance(template, str) else None
 
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,

@@ -180,3 +180,17 @@ def test_where_the_tag_is_a_special_token_the_worker_keeps_special_tokens_in_the
     asked = parse_chat(body | {"tools": [WEATHER], "skip_special_tokens": True}, model).requests[0]
     assert asked.params["skip_special_tokens"] is True and parse_chat(body, model).requests[0].params[
         "skip_special_tokens"] is True
+
+
+def test_named_templates_take_tools_through_the_tool_use_one(tiny_model_dir, tmp_path):
+    """A tokenizer with named chat templates: transformers renders a chat with tools through its
+    "tool_use" template, and that one's call format is what counts."""
+    from api.protocol import parse_chat
+
+    _, model = _tools_model(tiny_model_dir, tmp_path)
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    model.tokenizer.chat_template = {"default": plain, "tool_use": TOOLS_TEMPLATE}
+    body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 8}
+    with_tools = parse_chat(body | {"tools": [WEATHER]}, model)
+    assert with_tools.tool_calls and "get_weather" in model.decode(with_tools.requests[0].prompt_token_ids)
+    assert model.decode(parse_chat(body, model).requests[0].prompt_token_ids) == "weather in Paris?"
