@@ -18,7 +18,7 @@ from typing import Any, Literal
 from api.errors import ApiError
 from api.model_info import ModelInfo
 from api.tools import START as TOOL_CALL_START
-from api.tools import message_tool_calls, offered_tools, writes_tool_calls
+from api.tools import message_tool_calls, offered_tools
 from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
 
@@ -105,7 +105,7 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
     _response_format(body)
-    tools = offered_tools(body, writes_tool_calls(model.chat_template))
+    tools = offered_tools(body, model.chat_template)
     if tools and logprobs is not None:
         raise ApiError(400, "logprobs cannot be combined with tools", param="logprobs")
     ids = _render_chat(body, model, tools)
@@ -182,7 +182,7 @@ def parse_tokenize(body: dict[str, Any], model: ModelInfo) -> tuple[list[int], b
         _check_model(body, model)
     strings = bool(_get(body, "return_token_strs", bool))
     if chat:
-        return _render_chat(body, model, offered_tools(body, writes_tool_calls(model.chat_template))), strings
+        return _render_chat(body, model, offered_tools(body, model.chat_template)), strings
     prompt = _require(body, "prompt")
     if not isinstance(prompt, str):
         raise ApiError(400, "prompt must be a string", param="prompt")

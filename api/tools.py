@@ -22,10 +22,10 @@ def writes_tool_calls(chat_template: str | None) -> bool:
     return bool(chat_template) and START in chat_template
 
 
-def offered_tools(body: dict[str, Any], template_parses: bool) -> list[dict[str, Any]] | None:
+def offered_tools(body: dict[str, Any], chat_template: str | None) -> list[dict[str, Any]] | None:
     """The body's `tools` as the template gets them, or None when the model is not to see any
-    (none given, or tool_choice "none"). `template_parses`: whether the model's
-    template writes calls in a format tool_calls.py parses. tool_choice "required" or a named
+    (none given, or tool_choice "none"); the model's template must write calls in a format
+    tool_calls.py parses. tool_choice "required" or a named
     function would need output constrained to a call, which this server does not do: a 400."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto"):
@@ -46,7 +46,7 @@ def offered_tools(body: dict[str, Any], template_parses: bool) -> list[dict[str,
         _check_tool(tool, f"tools[{i}]")
     if choice == "none":
         return None
-    if not template_parses:
+    if not writes_tool_calls(chat_template):
         raise ApiError(400, "this model's chat template writes no tool calls in a format this server parses "
                        "(Hermes' <tool_call> JSON </tool_call>)", param="tools")  # fmt: skip
     return tools

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 
-from worker.engine.sampler import SPLIT_SHARE, SamplerFlags, SamplingTensors, has_penalties, needs_logits
+from worker.engine.sampler import SPLIT_SHARE, SamplerFlags, SamplingTensors, biased, has_penalties, needs_logits
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 from worker.engine.sequence import IN_FLIGHT
 
@@ -416,11 +416,6 @@ def needs_arrays(p) -> bool:
     min_tokens' bans, which are bias entries): only a variant with the same flags and widths serves
     it (`SamplerFlags.widths`)."""
     return has_penalties(p) or biased(p)
-
-
-def biased(p) -> bool:
-    """Whether a request's rows carry logit-bias entries: its own logit_bias, or min_tokens' bans."""
-    return bool(p.logit_bias) or p.min_tokens > 0
 
 
 BANNED = float("-inf")  # the bias of a token min_tokens holds back

@@ -34,7 +34,13 @@ def needs_logits(p) -> bool:
     move logits the screened head does not see), or, sampled, a top-p or min-p cut (its mass) or a
     top-k past SCREENED_TOP_K. Prompt logprobs come from the prompt's own logits, not these."""
     cut = p.temperature > 0.0 and (p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > SCREENED_TOP_K)
-    return cut or p.logprobs is not None or has_penalties(p) or bool(p.logit_bias) or p.min_tokens > 0
+    return cut or p.logprobs is not None or has_penalties(p) or biased(p)
+
+
+def biased(p) -> bool:
+    """Whether a request's rows carry logit-bias entries: its own logit_bias, or min_tokens' bans
+    (batch.bias_entries)."""
+    return bool(p.logit_bias) or p.min_tokens > 0
 
 
 @jax.tree_util.register_dataclass
