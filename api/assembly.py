@@ -99,10 +99,22 @@ class Assembler:
             out["prompt_tokens_details"] = {"cached_tokens": cached}
         return out
 
+    def prompt_logprobs(self) -> list[list[dict[str, dict[str, Any]] | None]] | None:
+        """vLLM's `prompt_logprobs` of each prompt, once its run is done (None unless asked for):
+        per prompt token, null for the first, then {token id: {logprob, rank, decoded_token}} for
+        the token and the alternatives asked for, the token first."""
+        n = self.parsed.prompt_logprobs
+        if n is None:
+            return None
+        return [[None if e is None else _scored_entry(e, n, self.model) for e in request.prompt_logprobs or []]
+                for request in self.requests]  # fmt: skip
+
     def _echo_piece(self, sub: int, index: int, choice: _Choice) -> Piece:
         text = self.parsed.prompt_texts[sub]
         ids = self.parsed.requests[sub].prompt_token_ids
-        entries = self.requests[sub].prompt_logprobs or [None] * len(ids)
+        n = self.parsed.logprobs or 0  # the engine's alternatives may be more, for prompt_logprobs
+        computed = self.requests[sub].prompt_logprobs or [None] * len(ids)
+        entries = [None if e is None else {**e, "top": e.get("top", [])[:n]} for e in computed]
         logprobs = self._format(entries, ids, 0)
         choice.text_len = len(text)
         return Piece(index, text, logprobs, None)
@@ -142,6 +154,17 @@ def _chat_logprob(entry: dict[str, Any], model: ModelInfo) -> dict[str, Any]:
         for s, (_, lp) in zip(model.token_strings(top_ids), entry.get("top", []))
     ]
     return {"token": token, "logprob": _finite(entry["logprob"]), "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def _scored_entry(entry: dict[str, Any], n: int, model: ModelInfo) -> dict[str, dict[str, Any]]:
+    """One prompt token's vLLM entry: the token, then its first n alternatives (ranked 1...), by id."""
+    top = entry.get("top", [])[:n]
+    ids = [int(entry["token_id"])] + [int(t) for t, _ in top]
+    values = [(entry["logprob"], entry["rank"])] + [(lp, k) for k, (_, lp) in enumerate(top, start=1)]
+    out: dict[str, dict[str, Any]] = {}
+    for token_id, text, (logprob, rank) in zip(ids, model.token_strings(ids), values):
+        out.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": int(rank), "decoded_token": text})
+    return out
 
 
 def _finite(value: float) -> float:

@@ -28,10 +28,10 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output", "skip_special_tokens",
 }  # fmt: skip
 COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template_kwargs", "response_format", "tools", "tool_choice", "parallel_tool_calls", "prompt_logprobs",
 }  # fmt: skip
 # chat_template_kwargs may not name these: transformers' own apply_chat_template arguments (the
 # request's fields above set the two that matter) and the tokens it gives the template
@@ -67,6 +67,7 @@ class ParsedRequest:
     logprobs: int | None  # alternatives per token when logprobs were asked for, else None
     tool_calls: bool = False  # chat: the model was offered tools, so its output is parsed for calls (tool_calls.py)
     parallel_tool_calls: bool = True  # false: a choice keeps its first call only
+    prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and this many alternatives
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -84,14 +85,17 @@ def parse_completion(body: dict[str, Any], model: ModelInfo, max_prompts: int) -
     _check_model(body, model)
     logprobs = _get(body, "logprobs", int)
     echo = bool(_get(body, "echo", bool))
-    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+    scored = _prompt_logprobs(body)
+    wanted = [n for n in (logprobs if echo else None, scored) if n is not None]  # the engine computes the wider
+    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=max(wanted) if wanted else None)
     raw_prompts = _prompts(_require(body, "prompt"))
     if len(raw_prompts) > max_prompts:
         raise ApiError(400, f"at most {max_prompts} prompts per request (got {len(raw_prompts)})", param="prompt")
     prompt_ids = [_encode_prompt(p, model) for p in raw_prompts]
     texts = [p if isinstance(p, str) else model.decode(ids, skip_special_tokens=False)
              for p, ids in zip(raw_prompts, prompt_ids)]  # fmt: skip
-    return _build("completion", body, model, params, prompt_ids, texts, echo=echo, logprobs=logprobs)
+    return _build("completion", body, model, params, prompt_ids, texts, echo=echo, logprobs=logprobs,
+                  prompt_logprobs=scored)
 
 
 def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
@@ -118,11 +122,22 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
         extra["max_tokens"] = max_tokens
     if tools and body.get("skip_special_tokens") is None and model.is_special_token(TOOL_CALL_START):
         extra["skip_special_tokens"] = False  # the calls' tags must reach the text the parser reads
-    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=None, **extra)
-    parsed = _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs)
+    scored = _prompt_logprobs(body)
+    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=scored, **extra)
+    parsed = _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs, prompt_logprobs=scored)
     if not tools:
         return parsed
     return dataclasses.replace(parsed, tool_calls=True, parallel_tool_calls=body.get("parallel_tool_calls") is not False)
+
+
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's `prompt_logprobs`: the logprob of every prompt token after the first, with this many
+    alternatives (SamplingParams checks the range). Like vLLM, only in a whole response: a stream
+    would carry the prompt's entries before its first token."""
+    scored = _get(body, "prompt_logprobs", int)
+    if scored is not None and _get(body, "stream", bool):
+        raise ApiError(400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    return scored
 
 
 def _response_format(body: dict[str, Any]) -> None:
@@ -212,6 +227,7 @@ def _build(
     *,
     echo: bool,
     logprobs: int | None,
+    prompt_logprobs: int | None,
 ) -> ParsedRequest:
     for ids in prompt_ids:
         _check_context(len(ids), params.max_tokens, model.max_model_len)
@@ -229,7 +245,7 @@ def _build(
     return ParsedRequest(
         kind=kind, response_id=prefix + requests[0].id, created=int(now), model=model.name, requests=requests,
         prompt_texts=texts, n=params.n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
-        echo=echo, logprobs=logprobs,
+        echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
 
 

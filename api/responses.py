@@ -50,8 +50,10 @@ def usage_chunk(parsed: ParsedRequest, usage: dict[str, int]) -> dict[str, Any]:
     return {**_envelope(parsed, True), "choices": [], "usage": usage}
 
 
-def full_response(parsed: ParsedRequest, pieces: list[Piece], usage: dict[str, int]) -> dict[str, Any]:
-    """The non-streamed body: each choice's pieces joined."""
+def full_response(parsed: ParsedRequest, pieces: list[Piece], usage: dict[str, int],
+                  prompt_logprobs: list[list | None] | None = None) -> dict[str, Any]:
+    """The non-streamed body: each choice's pieces joined; `prompt_logprobs` (Assembler's, one
+    list per prompt) on each completion choice, or beside a chat's choices, as vLLM puts them."""
     choices = []
     for index in range(parsed.n * len(parsed.requests)):
         own = [p for p in pieces if p.index == index]
@@ -66,5 +68,11 @@ def full_response(parsed: ParsedRequest, pieces: list[Piece], usage: dict[str, i
             choice = {"index": index, "message": message}
         else:
             choice = {"index": index, "text": text}
-        choices.append(choice | {"logprobs": logprobs, "finish_reason": finish})
-    return {**_envelope(parsed, False), "choices": choices, "usage": usage}
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
+        if prompt_logprobs is not None and parsed.kind == "completion":
+            choice["prompt_logprobs"] = prompt_logprobs[index // parsed.n]
+        choices.append(choice)
+    body = {**_envelope(parsed, False), "choices": choices, "usage": usage}
+    if prompt_logprobs is not None and parsed.kind == "chat":
+        body["prompt_logprobs"] = prompt_logprobs[0]
+    return body

@@ -71,7 +71,7 @@ async def _generate(request: Request, services: ApiServices, parsed: ParsedReque
         await run.close()
         raise
     await run.close()
-    return JSONResponse(full_response(parsed, pieces, assembler.usage()))
+    return JSONResponse(full_response(parsed, pieces, assembler.usage(), assembler.prompt_logprobs()))
 
 
 async def _next_pieces(run: Run, assembler: Assembler) -> list[Piece]:

@@ -138,7 +138,8 @@ class FakeWorker:
         seq = 0
         if params.prompt_logprobs is not None:
             rest = message.prompt_token_ids[1:]
-            entries = [None] + [_entry(t, -1.0 - 0.1 * i, params.prompt_logprobs) for i, t in enumerate(rest)]
+            entries = [None] + [{**_entry(t, -1.0 - 0.1 * i, params.prompt_logprobs), "rank": 1 + i % 3}
+                                for i, t in enumerate(rest)]  # fmt: skip
             self._emit(message, OutputDelta(seq=seq, prompt_logprobs=entries).encode())
             seq += 1
         budget = params.max_tokens if params.max_tokens is not None else len(self.reply_ids)

@@ -137,6 +137,43 @@ def test_echo_logprobs_scoring_format(start_api, fake_worker, tiny_model):
     assert result.usage.completion_tokens == 0 and result.usage.prompt_tokens == len(ids)
 
 
+def test_prompt_logprobs_in_vllm_format(start_api, fake_worker, tiny_model):
+    """vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the token
+    first, on each completion choice and beside a chat's choices; the engine computes the wider of
+    it and echo's logprobs, and each is cut to its own count."""
+    worker = fake_worker()
+    client = _client(start_api())
+    result = client.completions.create(model=MODEL_NAME, prompt=["hello there", "fox"], max_tokens=1, n=2,
+                                       extra_body={"prompt_logprobs": 2})  # fmt: skip
+    sent = worker.seen[-2:]
+    assert [m.params["prompt_logprobs"] for m in sent] == [2, 2] and sent[0].params["logprobs"] is None
+    assert [c.index for c in result.choices] == [0, 1, 2, 3] and result.choices[0].logprobs is None
+    for choice in result.choices:
+        ids = sent[choice.index // 2].prompt_token_ids
+        scored = choice.prompt_logprobs
+        assert len(scored) == len(ids) and scored[0] is None
+        for i, (token, entry) in enumerate(zip(ids[1:], scored[1:])):
+            alternative = (token + 1) % 300  # the fake worker's second choice
+            assert list(entry) == [str(token), str(alternative)]
+            assert entry[str(token)] == {"logprob": pytest.approx(-1.0 - 0.1 * i), "rank": 1 + i % 3,
+                                         "decoded_token": tiny_model.token_strings([token])[0]}  # fmt: skip
+            assert entry[str(alternative)]["rank"] == 2
+    echoed = client.completions.create(model=MODEL_NAME, prompt="hello there", max_tokens=0, echo=True, logprobs=1,
+                                       extra_body={"prompt_logprobs": 0})  # fmt: skip
+    assert worker.seen[-1].params["prompt_logprobs"] == 1  # the wider of the two
+    assert all(len(entry) == 1 for entry in echoed.choices[0].prompt_logprobs[1:])
+    assert all(len(top) == 1 for top in echoed.choices[0].logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": 1})  # fmt: skip
+    ids = worker.seen[-1].prompt_token_ids
+    assert worker.seen[-1].params["prompt_logprobs"] == 1 and chat.choices[0].logprobs is None
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == len(ids)
+    assert [list(e)[0] for e in chat.prompt_logprobs[1:]] == [str(t) for t in ids[1:]]
+    assert all(len(e) == 1 for e in chat.prompt_logprobs[1:])  # the alternative is the token itself here
+    plain = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra and worker.seen[-1].params["prompt_logprobs"] is None
+
+
 def test_echo_with_generation_and_logprobs(start_api, fake_worker):
     fake_worker()
     client = _client(start_api())

@@ -334,6 +334,9 @@ def test_prompt_logprobs_equal_the_plain_forward(model, tokenizer, hf, prompts, 
             row = ref[pos - 1]
             assert entry["token_id"] == prompt[pos]
             assert entry["logprob"] == pytest.approx(row[prompt[pos]], abs=2e-4), (rid, pos)
+            # rank: 1 + the tokens likelier than it, within the logprobs' tolerance of a tie
+            lp = row[prompt[pos]]
+            assert 1 + (row > lp + 2e-4).sum() <= entry["rank"] <= 1 + (row > lp - 2e-4).sum(), (rid, pos)
             top = np.argsort(-row)[:n]
             assert [t for t, _ in entry["top"]] == top.tolist(), (rid, pos)
             np.testing.assert_allclose([lp for _, lp in entry["top"]], row[top], atol=2e-4)

@@ -299,6 +299,38 @@ def test_echo_logprobs_equal_transformers(stack):
     assert "".join(lp.tokens) == out.choices[0].text
 
 
+def test_prompt_logprobs_equal_transformers(stack):
+    """vLLM's prompt_logprobs through the `openai` client: each prompt token's logprob, its rank in
+    the vocabulary and the top 3 against a torch forward, for a completion and a chat."""
+    import numpy as np
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(stack.model_dir), torch_dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(stack.model_dir))
+    ids = ids_of(stack, "the quick brown fox jumps over the lazy dog")
+    messages = [{"role": "user", "content": "a fox"}]
+    out = stack.client.completions.create(model=stack.model, prompt=ids, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 3})  # fmt: skip
+    chat = stack.client.chat.completions.create(model=stack.model, messages=messages, max_tokens=1,
+                                                extra_body={"prompt_logprobs": 3})  # fmt: skip
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for prompt, scored in ((ids, out.choices[0].prompt_logprobs), (chat_ids, chat.prompt_logprobs)):
+        assert len(scored) == len(prompt) and scored[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+        for pos, entry in enumerate(scored[1:], start=1):
+            row, token = ref[pos - 1], prompt[pos]
+            top = [int(t) for t in np.argsort(-row)[:3]]
+            assert [int(t) for t in entry] == [token] + [t for t in top if t != token]  # the token first
+            own = entry[str(token)]
+            assert own["logprob"] == pytest.approx(row[token], abs=2e-3)
+            assert 1 + (row > row[token] + 2e-3).sum() <= own["rank"] <= 1 + (row > row[token] - 2e-3).sum()
+            assert own["decoded_token"] == tokenizer.decode([token])
+            for rank, t in enumerate(top, start=1):
+                assert entry[str(t)]["logprob"] == pytest.approx(row[t], abs=2e-3) and entry[str(t)]["rank"] == rank
+
+
 # ---- 7. dashboard and /metrics against the live stack ----
 
 

@@ -157,7 +157,8 @@ class OutputDelta:
     token_ids: list[int] = field(default_factory=list)
     # per token: {"token_id", "logprob", "top": [[token_id, logprob], ...]}; only when requested
     logprobs: list[dict[str, Any]] | None = None
-    # first entry only when prompt logprobs were requested: one dict per prompt token (first is null)
+    # first entry only when prompt logprobs were requested: one dict per prompt token (first is null),
+    # as above with "rank" too (the token's rank in the vocabulary, 1 for the likeliest)
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it

@@ -32,7 +32,7 @@ from worker.engine.batch import (MIN_DECODE_ROWS, DeviceBatch, StepShape, build_
                                  needs_arrays, pack, predicts_prompt, step_cost, unpack)
 from worker.engine.kv_cache import KVCache
 from worker.engine.paged_attention import JNP, AttentionOps
-from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties, log_probs
+from worker.engine.sampler import SamplerFlags, SamplingKernels, SamplingTensors, has_penalties, log_probs, token_ranks
 from worker.engine.scheduler import ScheduledBatch, ScheduledChunk
 from worker.engine.variant_compiles import CompileCounts, log_variant, timed_compile
 from worker.engine.variant_serves import serves, wider
@@ -72,6 +72,7 @@ class StepOutput:
     prompt_logprobs: jax.Array  # f32[S] (or [0]): logprob of the next prompt token after each scored token
     prompt_top_ids: jax.Array  # i32[S, N]
     prompt_top_logprobs: jax.Array  # f32[S, N]
+    prompt_ranks: jax.Array  # i32[S]: the next prompt token's rank among the vocabulary (1: the likeliest)
 
 
 @dataclass
@@ -355,7 +356,7 @@ def planned_output(shape: StepShape, flags: SamplerFlags) -> StepOutput:
     k, r, n = shape.decode_steps, shape.max_rows, flags.num_logprobs
     t = shape.scored if shape.prompt_logprobs else 0
     i32, f32 = (lambda *dims: np.zeros(dims, np.int32)), (lambda *dims: np.zeros(dims, np.float32))  # noqa: E731
-    return StepOutput(i32(k, r), f32(k, r), i32(k, r, n), f32(k, r, n), f32(t), i32(t, n), f32(t, n))
+    return StepOutput(i32(k, r), f32(k, r), i32(k, r, n), f32(k, r, n), f32(t), i32(t, n), f32(t, n), i32(t))
 
 
 @lru_cache(maxsize=8)
@@ -437,8 +438,9 @@ def _step(graphdef, param_def, attention: AttentionOps, sampling_kernels, params
         stacked = [a[None] for a in sampled[0]]
     pad = shape.max_rows - stacked[0].shape[1]
     stacked = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in stacked]
-    prompt = (log_probs(full, jnp.maximum(db.targets, 0), flags.num_logprobs, sampling_kernels) if full is not None
-              else _no_prompt(flags))  # full f32[S, V], targets i32[S] (-1: none)
+    targets = jnp.maximum(db.targets, 0)  # i32[S] (-1: none)
+    prompt = ((*log_probs(full, targets, flags.num_logprobs, sampling_kernels), token_ranks(full, targets))
+              if full is not None else _no_prompt(flags))  # full f32[S, V]
     # each row's newest token again, as its own output: the next step's `prev_tokens` without a
     # host-side slice of `tokens` (an op dispatch of its own, ~0.2 ms per call). In a fused call it
     # is the token of the row's own last step, not of the call's: a row given fewer steps (pages
@@ -467,7 +469,8 @@ def _attend_groups(q, k_pages, v_pages, page_tables, positions, context_lens, sh
 
 
 def _no_prompt(flags: SamplerFlags):
-    return jnp.zeros((0,)), jnp.zeros((0, flags.num_logprobs), jnp.int32), jnp.zeros((0, flags.num_logprobs))
+    n = flags.num_logprobs
+    return jnp.zeros((0,)), jnp.zeros((0, n), jnp.int32), jnp.zeros((0, n)), jnp.zeros((0,), jnp.int32)
 
 
 def landed(out: StepOutput | Future) -> StepOutput:
@@ -483,7 +486,7 @@ def to_host(out: StepOutput | Future, logprobs: bool = True, prompt: bool = True
     out = landed(out)
     names = ["tokens"]
     names += ["logprobs", "top_ids", "top_logprobs"] if logprobs else []
-    names += ["prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs"] if prompt else []
+    names += ["prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs", "prompt_ranks"] if prompt else []
     values = jax.device_get(tuple(getattr(out, n) for n in names))
     fields = dict.fromkeys(vars(out))
     fields.update((n, np.asarray(v)) for n, v in zip(names, values))

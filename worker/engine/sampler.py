@@ -140,6 +140,13 @@ def log_probs(logits: jax.Array, ids: jax.Array, n: int, kernels: SamplingKernel
     return chosen, top_ids.astype(jnp.int32), top_logits - norm[:, None]
 
 
+def token_ranks(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """logits f32[R, V], ids i32[R] -> i32[R]: each id's rank in its row, 1 for the likeliest
+    (1 + the tokens strictly likelier; tied ones share the better rank), as vLLM reports it."""
+    chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)  # f32[R, 1]
+    return 1 + jnp.sum(logits > chosen, axis=-1, dtype=jnp.int32)
+
+
 def scale(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     """logits f32[R, V] / temperature f32[R] (at least 1e-5), as XLA computes a division by a
     broadcast value anyway: times the float32 reciprocal. Written out, so the screened head

@@ -27,14 +27,15 @@ class Track:
             return
         n, rows = seq.params.prompt_logprobs, slice(first_row, first_row + chunk.num_tokens)
         # the chunk's numbers as Python ones, one conversion an array
-        lps, ids, tops = (out.prompt_logprobs[rows].tolist(), out.prompt_top_ids[rows, :n].tolist(),
-                          out.prompt_top_logprobs[rows, :n].tolist())
+        lps, ids, tops, ranks = (out.prompt_logprobs[rows].tolist(), out.prompt_top_ids[rows, :n].tolist(),
+                                 out.prompt_top_logprobs[rows, :n].tolist(), out.prompt_ranks[rows].tolist())
         for i in range(chunk.num_tokens):
             pos = chunk.start + i
             if pos + 1 >= seq.num_prompt_tokens or len(self.prompt_logprobs) > pos + 1:
                 continue
             top = [[a, b] for a, b in zip(ids[i], tops[i])]
-            self.prompt_logprobs.append({"token_id": seq.prompt_token_ids[pos + 1], "logprob": lps[i], "top": top})
+            self.prompt_logprobs.append({"token_id": seq.prompt_token_ids[pos + 1], "logprob": lps[i], "rank": ranks[i],
+                                         "top": top})
 
     def take_prompt_logprobs(self, seq) -> list | None:
         """Prompt logprobs go out once, with the choice's first output."""
