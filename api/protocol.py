@@ -17,8 +17,7 @@ from typing import Any, Literal
 
 from api.errors import ApiError
 from api.model_info import ModelInfo
-from api.tools import START as TOOL_CALL_START
-from api.tools import message_tool_calls, offered_tools
+from api.tools import CallFormat, call_format, message_tool_calls, offered_tools
 from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
 
@@ -65,7 +64,8 @@ class ParsedRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats: the usage so far on every chunk too
     echo: bool  # completions: the prompt is prepended to each choice's text
     logprobs: int | None  # alternatives per token when logprobs were asked for, else None
-    tool_calls: bool = False  # chat: the model was offered tools, so its output is parsed for calls (tool_calls.py)
+    # chat with tools: the format the model writes its calls in, so its output is parsed for them (tool_calls.py)
+    tool_calls: CallFormat | None = None
     parallel_tool_calls: bool = True  # false: a choice keeps its first call only
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and this many alternatives
 
@@ -120,14 +120,15 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
             _check_context(len(ids), None, model.max_model_len)
             max_tokens = model.max_model_len - len(ids)
         extra["max_tokens"] = max_tokens
-    if tools and body.get("skip_special_tokens") is None and model.is_special_token(TOOL_CALL_START):
+    form = call_format(model.chat_template) if tools else None
+    if form and body.get("skip_special_tokens") is None and model.is_special_token(form.tag):
         extra["skip_special_tokens"] = False  # the calls' tags must reach the text the parser reads
     scored = _prompt_logprobs(body)
     params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=scored, **extra)
     parsed = _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs, prompt_logprobs=scored)
-    if not tools:
+    if not form:
         return parsed
-    return dataclasses.replace(parsed, tool_calls=True, parallel_tool_calls=body.get("parallel_tool_calls") is not False)
+    return dataclasses.replace(parsed, tool_calls=form, parallel_tool_calls=body.get("parallel_tool_calls") is not False)
 
 
 def _prompt_logprobs(body: dict[str, Any]) -> int | None:

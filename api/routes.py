@@ -53,7 +53,7 @@ async def _parse(raw: bytes, parse, *args) -> ParsedRequest:
 async def _generate(request: Request, services: ApiServices, parsed: ParsedRequest) -> Response:
     run = Run(services, parsed)
     await run.start(getattr(request.state, "request_id", ""))
-    tools = ToolCallFilter(parsed.parallel_tool_calls) if parsed.tool_calls else None
+    tools = ToolCallFilter(parsed.tool_calls, parsed.parallel_tool_calls) if parsed.tool_calls else None
     assembler = Assembler(parsed, services.model, post=tools.feed if tools else None)
     try:
         if parsed.stream:

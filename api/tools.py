@@ -1,31 +1,60 @@
 """The tools a chat request offers, and the tool calls and results in its messages: OpenAI's
-request fields checked and put in the form Hugging Face chat templates render. What the model
-writes back is parsed in tool_calls.py.
+request fields checked and put in the form Hugging Face chat templates render, and the format the
+model's template has it write its calls in. What the model writes back is parsed in tool_calls.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from api.errors import ApiError
 
 START, END = "<tool_call>", "</tool_call>"  # around each call the model writes (Hermes' format)
+PYTHON_TAG = "<|python_tag|>"  # may open a Llama 3 model's calls
+# Llama 3.1-3.3's templates ask for calls with this sentence: the sign of their JSON format
+LLAMA3_ASK = '"parameters": dictionary of argument name and its value'
 TOOL_FIELDS = {"type", "function"}
 FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def writes_tool_calls(chat_template: str | None) -> bool:
-    """Whether a chat template renders tool calls in the format tool_calls.py parses."""
-    return bool(chat_template) and START in chat_template
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model family writes its tool calls (tool_calls.py reads them back)."""
+
+    name: str
+    opens: tuple[str, ...]  # text that opens a reply's calls
+    anywhere: bool  # calls may follow text of the model's own; else only the reply's start opens them
+    tag: str  # the opening tag: where it is a special token, requests with tools keep special tokens
+    shown: str  # how errors name it
+
+
+# Qwen2.5, Qwen3, Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, each call
+HERMES = CallFormat("hermes", (START,), anywhere=True, tag=START, shown="Hermes' <tool_call> JSON </tool_call>")
+# Llama 3.1-3.3: the reply is the calls, {"name": ..., "parameters": {...}}, separated by ";"
+LLAMA3_JSON = CallFormat("llama3_json", (PYTHON_TAG, "{"), anywhere=False, tag=PYTHON_TAG,
+                         shown='Llama 3\'s {"name": ..., "parameters": ...}')
+FORMATS = (HERMES, LLAMA3_JSON)
+
+
+def call_format(chat_template: str | None) -> CallFormat | None:
+    """The format a chat template has its model write tool calls in, if one tool_calls.py reads."""
+    if not chat_template:
+        return None
+    if START in chat_template:
+        return HERMES
+    if LLAMA3_ASK in chat_template:
+        return LLAMA3_JSON
+    return None
 
 
 def offered_tools(body: dict[str, Any], chat_template: str | None) -> list[dict[str, Any]] | None:
     """The body's `tools` as the template gets them, or None when the model is not to see any
     (none given, or tool_choice "none"); the model's template must write calls in a format
-    tool_calls.py parses. tool_choice "required" or a named
+    tool_calls.py parses (`call_format`). tool_choice "required" or a named
     function would need output constrained to a call, which this server does not do: a 400."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto"):
@@ -46,9 +75,10 @@ def offered_tools(body: dict[str, Any], chat_template: str | None) -> list[dict[
         _check_tool(tool, f"tools[{i}]")
     if choice == "none":
         return None
-    if not writes_tool_calls(chat_template):
-        raise ApiError(400, "this model's chat template writes no tool calls in a format this server parses "
-                       "(Hermes' <tool_call> JSON </tool_call>)", param="tools")  # fmt: skip
+    if call_format(chat_template) is None:
+        known = "; ".join(f.shown for f in FORMATS)
+        raise ApiError(400, f"this model's chat template writes no tool calls in a format this server parses "
+                       f"({known})", param="tools")  # fmt: skip
     return tools
 
 

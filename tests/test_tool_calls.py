@@ -1,6 +1,7 @@
 """Tool calls: the tools a chat offers rendered by the model's template as transformers renders
-them, the Hermes-format calls the model writes parsed into OpenAI's `tool_calls`, streamed and
-not, through the official `openai` client against a live API, real Redis and a fake worker."""
+them, the calls the model writes (Hermes' and Llama 3's formats) parsed into OpenAI's
+`tool_calls`, streamed and not, through the official `openai` client against a live API, real
+Redis and a fake worker."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from api.assembly import Piece
 from api.model_info import ModelInfo
 from api.tool_calls import ToolCallFilter, parse_calls
+from api.tools import LLAMA3_JSON, call_format
 from tests.api_support import (  # noqa: F401 (fixtures)
     MODEL_NAME, api_server, fake_worker, tiny_model, tiny_model_dir,
 )
@@ -27,9 +29,25 @@ TOOLS_TEMPLATE = (
     " | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# shaped as Meta's Llama 3.1-3.3 templates: the tools in the first user message, asked for with
+# their sentence, a call as {"name", "parameters"}, a tool's result as the ipython role's output
+LLAMA3_TEMPLATE = (
+    "{% set first = messages[0] %}{% set rest = messages[1:] if tools else messages %}"
+    "{% if tools %}<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, respond with "
+    "a JSON for a function call. Respond in the format {\"name\": function name, \"parameters\": dictionary of "
+    "argument name and its value}.\n\n{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}"
+    "{{ first['content'] }}<|eot_id|>{% endif %}"
+    "{% for m in rest %}{% if m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m.tool_calls %}{{ '{\"name\": \"' + c.function.name + '\", \"parameters\": ' }}"
+    "{{ c.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ {'output': m.content} | tojson }}"
+    "<|eot_id|>{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+LLAMA3_CALLS = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
@@ -64,14 +82,49 @@ def test_filter_keeps_unparsable_calls_and_lookalikes_as_text_and_honours_parall
     assert parse_calls('<tool_call>["f"]</tool_call>') is None
 
 
-def _tools_model(tiny_model_dir: Path, tmp_path: Path) -> tuple[Path, ModelInfo]:
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+@pytest.mark.parametrize("opening", ["", "<|python_tag|>", "\n "])
+def test_llama3_calls_are_the_whole_reply_and_parse_at_the_end(size, opening):
+    tools = ToolCallFilter(LLAMA3_JSON)
+    text = opening + LLAMA3_CALLS
+    pieces = [Piece(0, part, None, None) for part in _split(text, size)] + [Piece(0, "", None, "stop")]
+    out = [p for piece in pieces for p in tools.feed([piece])]
+    assert "".join(p.text for p in out) == ""  # nothing went out as content
+    last = out[-1]
+    assert last.finish_reason == "tool_calls" and [c["function"]["name"] for c in last.tool_calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"]) for c in last.tool_calls] == [{"city": "Paris"}, {"city": "Rome"}]
+
+
+def test_llama3_text_streams_at_once_and_what_does_not_parse_stays_text():
+    tools = ToolCallFilter(LLAMA3_JSON)
+    first = tools.feed([Piece(0, "Sure", None, None)])
+    assert [p.text for p in first] == ["Sure"]  # a reply that opens with words is no call: sent as it comes
+    rest = tools.feed([Piece(0, ' {"name": "get_weather", "parameters": {}}', None, "stop")])
+    assert rest[0].text.startswith(" {") and rest[0].finish_reason == "stop" and not rest[0].tool_calls
+    for text in ('{"a": 1}', '{"name": "f", "parameters": {', '<|python_tag|>brave_search.call(query="x")',
+                 '{"name": "f", "parameters": {}} and then words', "<|pyth"):
+        tools = ToolCallFilter(LLAMA3_JSON)
+        out = tools.feed([Piece(0, text[:3], None, None)]) + tools.feed([Piece(0, text[3:], None, "length")])
+        assert "".join(p.text for p in out) == text and out[-1].finish_reason == "length" and not out[-1].tool_calls
+    single = ToolCallFilter(LLAMA3_JSON, parallel=False).feed([Piece(0, LLAMA3_CALLS, None, "stop")])
+    assert len(single[-1].tool_calls) == 1
+    arguments = parse_calls('{"name": "f", "arguments": "{\\"x\\": 1}"}', LLAMA3_JSON)[0]["function"]["arguments"]
+    assert json.loads(arguments) == {"x": 1}  # arguments given as JSON text pass through
+
+
+def test_the_call_format_is_read_from_the_template():
+    assert call_format(TOOLS_TEMPLATE).name == "hermes" and call_format(LLAMA3_TEMPLATE).name == "llama3_json"
+    assert call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None and call_format(None) is None
+
+
+def _tools_model(tiny_model_dir: Path, tmp_path: Path, template: str = TOOLS_TEMPLATE) -> tuple[Path, ModelInfo]:
     """The tiny model's tokenizer with a chat template that renders tools and calls, and room for
     a tool's schema in the prompt (byte-level tokens: about one per character)."""
     folder = shutil.copytree(tiny_model_dir, tmp_path / "tools-model")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 2048}))
     model = ModelInfo.load(str(folder), MODEL_NAME)
-    model.tokenizer.chat_template = TOOLS_TEMPLATE
+    model.tokenizer.chat_template = template
     return folder, model
 
 
@@ -79,6 +132,14 @@ def _tools_model(tiny_model_dir: Path, tmp_path: Path) -> tuple[Path, ModelInfo]
 def tools_api(redis_url, redis_client, tiny_model_dir, tmp_path):
     """A live API over `_tools_model`."""
     folder, model = _tools_model(tiny_model_dir, tmp_path)
+    with api_server(redis_url, folder, model) as server:
+        yield server.url, model
+
+
+@pytest.fixture
+def llama3_api(redis_url, redis_client, tiny_model_dir, tmp_path):
+    """A live API over `_tools_model` with a Llama 3 template."""
+    folder, model = _tools_model(tiny_model_dir, tmp_path, LLAMA3_TEMPLATE)
     with api_server(redis_url, folder, model) as server:
         yield server.url, model
 
@@ -122,6 +183,45 @@ def test_a_conversation_with_calls_and_results_renders_as_transformers_does(tool
                                                    add_generation_prompt=True)  # fmt: skip
     assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(rendered, add_special_tokens=False)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+
+
+def test_llama3_calls_come_back_as_tool_calls_streamed_and_not(llama3_api, fake_worker):
+    url, model = llama3_api
+    worker = fake_worker(reply=LLAMA3_CALLS)
+    client = _client(url)
+    want = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    result = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[WEATHER], max_tokens=300)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == want
+    reference = model.tokenizer.apply_chat_template(ASK, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert "Given the following functions" in reference and '"get_weather"' in reference
+    assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(reference, add_special_tokens=False)
+
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=[WEATHER], max_tokens=300,
+                                                 stream=True))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (k, *call) for k, call in enumerate(want)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_llama3_conversation_with_a_call_and_its_result_renders_as_transformers_does(llama3_api, fake_worker):
+    url, model = llama3_api
+    worker = fake_worker(reply="It is sunny.")
+    called = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [called]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]  # fmt: skip
+    result = _client(url).chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER], max_tokens=20)
+    assert result.choices[0].message.content == "It is sunny." and result.choices[0].finish_reason == "stop"
+    as_dicts = [dict(messages[1], content="", tool_calls=[dict(called, function={"name": "get_weather",
+                                                                                "arguments": {"city": "Paris"}})])]
+    rendered = model.tokenizer.apply_chat_template(ASK + as_dicts + messages[2:], tools=[WEATHER], tokenize=False,
+                                                   add_generation_prompt=True)  # fmt: skip
+    assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(rendered, add_special_tokens=False)
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in rendered
+    assert '{"output": "sunny, 21 C"}' in rendered
 
 
 def test_tool_choice_none_hides_the_tools_and_parses_nothing(tools_api, fake_worker):
@@ -177,6 +277,9 @@ def test_where_the_tag_is_a_special_token_the_worker_keeps_special_tokens_in_the
     model.tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     assert model.is_special_token("<tool_call>") and not model.is_special_token("get_weather")
     assert parse_chat(body | {"tools": [WEATHER]}, model).requests[0].params["skip_special_tokens"] is False
+    _, llama = _tools_model(tiny_model_dir, tmp_path / "llama", LLAMA3_TEMPLATE)
+    llama.tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    assert parse_chat(body | {"tools": [WEATHER]}, llama).requests[0].params["skip_special_tokens"] is False
     asked = parse_chat(body | {"tools": [WEATHER], "skip_special_tokens": True}, model).requests[0]
     assert asked.params["skip_special_tokens"] is True and parse_chat(body, model).requests[0].params[
         "skip_special_tokens"] is True
