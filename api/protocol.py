@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from api.errors import ApiError
 from api.model_info import ModelInfo
+from api.structured import request_grammar
 from api.tools import CallFormat, call_format, message_tool_calls, offered_tools
 from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
@@ -26,11 +27,11 @@ SAMPLING_FIELDS = {
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens",
 }  # fmt: skip
-COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user"}
+COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user", "response_format", "structured_outputs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "response_format", "tools", "tool_choice", "parallel_tool_calls", "prompt_logprobs",
+    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "prompt_logprobs",
 }  # fmt: skip
 # chat_template_kwargs may not name these: transformers' own apply_chat_template arguments (the
 # request's fields above set the two that matter) and the tokens it gives the template
@@ -87,7 +88,8 @@ def parse_completion(body: dict[str, Any], model: ModelInfo, max_prompts: int) -
     echo = bool(_get(body, "echo", bool))
     scored = _prompt_logprobs(body)
     wanted = [n for n in (logprobs if echo else None, scored) if n is not None]  # the engine computes the wider
-    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=max(wanted) if wanted else None)
+    params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=max(wanted) if wanted else None,
+                              grammar=request_grammar(body))  # fmt: skip
     raw_prompts = _prompts(_require(body, "prompt"))
     if len(raw_prompts) > max_prompts:
         raise ApiError(400, f"at most {max_prompts} prompts per request (got {len(raw_prompts)})", param="prompt")
@@ -108,12 +110,12 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     if top is not None and not want_logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    _response_format(body)
+    grammar = request_grammar(body)
     tools = offered_tools(body, model.chat_template)
     if tools and logprobs is not None:
         raise ApiError(400, "logprobs cannot be combined with tools", param="logprobs")
     ids = _render_chat(body, model, tools)
-    extra: dict[str, Any] = {}  # an explicit max_tokens is read by _sampling_params
+    extra: dict[str, Any] = {"grammar": grammar}  # an explicit max_tokens is read by _sampling_params
     if body.get("max_tokens") is None:
         max_tokens = _get(body, "max_completion_tokens", int)
         if max_tokens is None:  # chat default: up to the context limit, which must leave room for a token
@@ -139,20 +141,6 @@ def _prompt_logprobs(body: dict[str, Any]) -> int | None:
     if scored is not None and _get(body, "stream", bool):
         raise ApiError(400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs")
     return scored
-
-
-def _response_format(body: dict[str, Any]) -> None:
-    """Only {"type": "text"}, the default, which some clients send explicitly; JSON modes get a
-    400 that says so rather than text that may not parse."""
-    value = body.get("response_format")
-    if value is None:
-        return
-    kind = value.get("type") if isinstance(value, dict) else None
-    if not isinstance(kind, str):
-        raise ApiError(400, "response_format must be an object with a type", param="response_format")
-    if kind != "text" or set(value) != {"type"}:
-        raise ApiError(400, f"response_format {kind!r} is not supported: this server constrains no output to JSON "
-                       "or a schema; only {\"type\": \"text\"}", param="response_format.type")  # fmt: skip
 
 
 def _render_chat(body: dict[str, Any], model: ModelInfo, tools: list[dict[str, Any]] | None) -> list[int]:

@@ -48,7 +48,7 @@ def tensors(rows: int, **fields) -> SamplingTensors:
         repetition=np.ones(rows, np.float32), bias_ids=np.zeros((rows, 1), np.int32),
         bias_vals=np.zeros((rows, 1), np.float32), output_ids=np.full((rows, 1), -1, np.int32),
         prompt_ids=np.full((rows, 1), -1, np.int32), pending=np.full(rows, -1, np.int32),
-        full_head=np.zeros(rows, np.int32),
+        full_head=np.zeros(rows, np.int32), allowed=np.full((rows, 0), -1, np.int32),
     )
     for name, value in fields.items():
         if name != "bias_until":
@@ -452,3 +452,35 @@ def test_min_tokens_bans_hold_until_their_output_position_as_transformers_min_ne
         expected[plain] += 2.0
         assert tokens[row] == expected.argmax(), row
     assert tokens[0] not in eos and tokens[1] not in eos and tokens[2] == eos[0] and tokens[3] == eos[0]
+
+
+@pytest.mark.parametrize("v", [64, 100])  # (100: a last word only part used)
+def test_a_grammar_mask_limits_greedy_and_sampled_rows_to_its_tokens(kernels, v):
+    """Bitmask rows as llguidance writes them (token t: bit t % 32 of word t // 32): greedy rows
+    take the likeliest allowed token, sampled rows draw only allowed ones, an all-ones row is
+    unconstrained, and the reported logprobs stay the model's own."""
+    import llguidance.numpy
+
+    rng = np.random.default_rng(3)
+    allowed = [rng.choice(v, size=k, replace=False) for k in (1, 5, 17)] + [np.arange(v)]
+    words = -(-v // 32)
+    masks = np.zeros((4, words), np.int32)
+    for row, ids in enumerate(allowed):
+        for t in ids:
+            masks[row, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    reference = np.zeros((4, v), np.float32)
+    llguidance.numpy.apply_token_bitmask_inplace(reference, masks)  # the bit layout is llguidance's own
+    np.testing.assert_array_equal(np.isfinite(reference), [np.isin(np.arange(v), ids) for ids in allowed])
+    logits = random_logits(4, v, seed=4)
+    for greedy in (True, False):
+        flags = SamplerFlags(all_greedy=greedy, logprobs=True, mask_words=words)
+        for draw in range(1 if greedy else 20):
+            t = tensors(4, temperature=[0.0 if greedy else 1.0] * 4, seed=[draw] * 4, allowed=masks)
+            tokens, lps, _, _ = sampler.sample(jnp.asarray(logits), t, flags, kernels)
+            for row, ids in enumerate(allowed):
+                assert int(tokens[row]) in ids
+                if greedy:
+                    assert int(tokens[row]) == ids[np.argmax(logits[row, ids])]
+            raw = jax.nn.log_softmax(logits, axis=-1)[np.arange(4), np.asarray(tokens)]
+            np.testing.assert_allclose(np.asarray(lps), raw, rtol=1e-5)
+

@@ -297,6 +297,7 @@ def build_batch(batch: ScheduledBatch, prev_rows: dict[int, int], page_size: int
         raise ValueError(f"{shape.num_rows} rows exceed the runner's {max_rows}")
     prompt_top = any(c.seq.params.prompt_logprobs > 0 for c in scoring)
     flags = sampler_widths(batch.chunks, sampler_flags([c.seq.params for c in batch.chunks], max_logprobs, prompt_top))
+    flags = replace(flags, mask_words=max((c.seq.grammar.words for c in batch.chunks if c.seq.grammar), default=0))
     if split:
         logit_rows = sum(needs_logits(c.seq.params) for c in decode + prefill)  # sampled rows (a draft's too)
         flags = replace(flags, apart=0 < logit_rows <= shape.num_rows // SPLIT_SHARE)
@@ -413,9 +414,9 @@ def predicts_prompt(chunk: ScheduledChunk) -> bool:
 
 def needs_arrays(p) -> bool:
     """Whether a request's sampling needs arrays sized by the batch (penalties, logit bias, or
-    min_tokens' bans, which are bias entries): only a variant with the same flags and widths serves
-    it (`SamplerFlags.widths`)."""
-    return has_penalties(p) or biased(p)
+    min_tokens' bans, which are bias entries; a grammar's mask): only a variant with the same
+    flags and widths serves it (`SamplerFlags.widths`, `mask_words`)."""
+    return has_penalties(p) or biased(p) or p.grammar is not None
 
 
 BANNED = float("-inf")  # the bias of a token min_tokens holds back
@@ -488,6 +489,7 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
     out_ids, prompt_ids = np.full((r, out_len), -1, np.int32), np.full((r, prompt_len), -1, np.int32)
     pending = np.full(r, -1, np.int32)
     full_head = np.zeros(r, np.int32)  # (a bool array could not be packed with the rest)
+    allowed = np.full((r, flags.mask_words), -1, np.int32)  # every bit set: any token
     for i, c in enumerate(rows):
         if c is None:
             continue
@@ -498,6 +500,8 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         i32["out_pos"][i] = seq.num_output_tokens + (ahead[i] if ahead is not None and i < len(ahead) else 0)
         seeds[i] = (p.seed or 0) & 0xFFFFFFFF
         full_head[i] = needs_logits(p)
+        if seq.grammar is not None and c.samples:  # (the engine read its last token back first)
+            seq.grammar.fill(allowed, i)
         if flags.bias:
             for j, (tok, val, until) in enumerate(bias_entries(seq)):
                 bias_ids[i, j], bias_vals[i, j], bias_until[i, j] = tok, val, until
@@ -513,6 +517,6 @@ def _sampling(rows: list[ScheduledChunk | None], flags: SamplerFlags, prev_rows:
         temperature=f["temperature"], top_k=i32["top_k"], top_p=f["top_p"], min_p=f["min_p"], seed=seeds,
         choice=i32["choice"], out_pos=i32["out_pos"], presence=f["presence"], frequency=f["frequency"],
         repetition=rep, bias_ids=bias_ids, bias_vals=bias_vals, bias_until=bias_until, output_ids=out_ids,
-        prompt_ids=prompt_ids, pending=pending, full_head=full_head,
+        prompt_ids=prompt_ids, pending=pending, full_head=full_head, allowed=allowed,
     )
     return tensors

@@ -27,6 +27,7 @@ from worker.engine import cpu_layer_ops, cpu_matmul, cpu_sampling, projections, 
 from worker.engine.attention_choice import choose_attention
 from worker.engine.detokenizer import detokenizers
 from worker.engine.draft_gate import DraftGate
+from worker.engine.grammar import GrammarCompiler
 from worker.engine.idle_compiles import widest_sampling
 from worker.engine.kv_cache import RESERVED_PAGES, KVCache, choose_num_pages, element_bytes
 from worker.engine.page_allocator import PageAllocator
@@ -98,6 +99,7 @@ class LLMEngine:
                                   kernels, config.launch_thread, config.min_decode_rows)
         self.runner.background_compiles = config.compile_threads or COMPILE_THREADS
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, tuple(sorted(self.eos_ids)))  # structured output
         self._groups: dict[str, SequenceGroup] = {}
         self._tracks: dict[int, Track] = {}
         self._detokenizer = detokenizers(tokenizer)  # (prompt ids, skip specials) -> a sequence's detokenizer
@@ -143,8 +145,10 @@ class LLMEngine:
         for _ in range(params.n - 1):
             next(self._seq_ids)
         group = SequenceGroup.create(request_id, prompt_token_ids, params, first, arrival_time or time.time())
-        self._groups[request_id] = group
         bans = tuple(dict.fromkeys(self._stop_ids(params))) if params.min_tokens else ()
+        for seq in group.sequences:  # (a grammar that does not compile raises before anything is held)
+            seq.grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        self._groups[request_id] = group
         for seq in group.sequences:
             seq.early_bans = bans  # sampled with no chance until min_tokens outputs (batch.bias_entries)
             detok = self._detokenizer(prompt_token_ids, params.skip_special_tokens)
@@ -162,6 +166,8 @@ class LLMEngine:
         for seq in self._groups[request_id].sequences:
             tokens = emitted.get(seq.index, [])
             seq.output_token_ids.extend(tokens)
+            if seq.grammar is not None and not seq.grammar.consume(tokens):  # (followed it where it ran)
+                raise ValueError(f"the tokens already sent break the request's grammar: {seq.grammar.error}")
             track = self._tracks[seq.seq_id]
             track.prompt_sent = True
             cut = len(tokens) - (held or {}).get(seq.index, 0)
@@ -202,7 +208,8 @@ class LLMEngine:
         the step itself."""
         outputs: list[RequestOutput] = []
         # read back first: penalties count every earlier token; drafts are looked up past one step's tokens, not a fused call's
-        if self._inflight is not None and (self._inflight.penalised or self.scheduler.must_read_back()):
+        flight = self._inflight
+        if flight is not None and (flight.penalised or flight.constrained or self.scheduler.must_read_back()):
             outputs += self._postprocess(self._inflight)
             self._inflight = None
         elif self._inflight is not None and not self._dispatch_ahead():
@@ -310,6 +317,8 @@ class LLMEngine:
         lists cut to the request's `logprobs`, only when the request asks for logprobs."""
         end = self._first_stop(seq, tokens)
         ids = tokens if end is None else tokens[: end + 1]
+        if seq.grammar is not None and not seq.grammar.consume(ids):  # the mask allowed only what it takes
+            raise RuntimeError(f"sequence {seq.seq_id} drew a token its grammar does not allow: {seq.grammar.error}")
         logprobs = []
         if lps is not None:
             for token, (lp, top_ids, top_lps) in zip(ids, lps):

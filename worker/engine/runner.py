@@ -92,6 +92,12 @@ class InFlight:
         whose penalties count each earlier token (only the newest comes from the device: `pending`)."""
         return self.shape.decode_steps > 1 and any(c is not None and has_penalties(c.seq.params) for c in self.rows)
 
+    @property
+    def constrained(self) -> bool:
+        """A call holding a sequence that follows a grammar: read back before the next batch is
+        built, whose mask for it follows the token this call draws (grammar.py)."""
+        return any(c is not None and c.seq.grammar is not None for c in self.rows)
+
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, page_size: int, max_rows: int, max_logprobs: int, fused_steps: int = 1,
@@ -230,7 +236,7 @@ class ModelRunner:
                     and s.decode_steps == exact.decode_steps and s.prompt_logprobs == exact.prompt_logprobs
                     and s.scored >= exact.scored
                     and s.drafts >= exact.drafts and fits(s, num_decode, lengths, pages)]
-        if flags.penalties or flags.bias:  # only a variant with such arrays, as wide, serves these
+        if flags.penalties or flags.bias or flags.mask_words:  # only a variant with such arrays, as wide, serves these
             held, others = "sampler", plain  # (others: chunks that could run without the waiting ones)
         elif exact.prompt_logprobs:
             held, others = "prompt logprobs", num_decode + len(lengths) - scored

@@ -31,10 +31,10 @@ def has_penalties(p) -> bool:
 def needs_logits(p) -> bool:
     """Whether a request's sampled rows need every logit of the float32 head (SamplingParams `p`):
     logprobs of the sampled token (a log-softmax over the row), penalties or a logit bias (they
-    move logits the screened head does not see), or, sampled, a top-p or min-p cut (its mass) or a
+    move logits the screened head does not see), a grammar (its mask does too), or, sampled, a top-p or min-p cut (its mass) or a
     top-k past SCREENED_TOP_K. Prompt logprobs come from the prompt's own logits, not these."""
     cut = p.temperature > 0.0 and (p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > SCREENED_TOP_K)
-    return cut or p.logprobs is not None or has_penalties(p) or biased(p)
+    return cut or p.logprobs is not None or has_penalties(p) or biased(p) or p.grammar is not None
 
 
 def biased(p) -> bool:
@@ -65,6 +65,7 @@ class SamplingTensors:
     prompt_ids: jax.Array  # i32[R, Lp]: prompt tokens (-1 padding), for the repetition penalty
     pending: jax.Array  # i32[R]: row of the previous step holding a generated token not yet on the host, or -1
     full_head: jax.Array  # i32[R]: 1 where the row needs every logit of the float32 head (needs_logits; head_choice.py)
+    allowed: jax.Array  # i32[R, W]: structured output's bitmask of the tokens a row may take (grammar.py; all ones: any)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class SamplerFlags:
     # (output ids, prompt ids, logit-bias entries) per row: the widths of the penalty and bias arrays,
     # (1, 1, 1) without them. In the key, so a variant with penalties can be compiled ahead like any other
     widths: tuple[int, int, int] = (1, 1, 1)
+    mask_words: int = 0  # W: some row follows a grammar (the `allowed` bitmask's words a row); 0: none does
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags, kernels: 
     if flags.bias:
         rows = jnp.arange(r)[:, None]
         logits = logits.at[rows, t.bias_ids].add(jnp.where(t.out_pos[:, None] < t.bias_until, t.bias_vals, 0.0))
+    if flags.mask_words:
+        logits = jnp.where(allowed_tokens(t.allowed, v), logits, -jnp.inf)
     if flags.all_greedy:
         tokens = kernels.argmax(logits) if kernels is not None else first_argmax(logits)
     else:  # (greedy rows among them: the draw's argmax at T = 0, which a cut never changes: it keeps the largest)
@@ -138,6 +142,12 @@ def log_probs(logits: jax.Array, ids: jax.Array, n: int, kernels: SamplingKernel
     top = kernels.top_n if kernels is not None else jax.lax.top_k
     top_logits, top_ids = top(logits, n)
     return chosen, top_ids.astype(jnp.int32), top_logits - norm[:, None]
+
+
+def allowed_tokens(allowed: jax.Array, v: int) -> jax.Array:
+    """Bitmask rows i32[R, W] -> bool[R, V]: token t is bit t % 32 of word t // 32."""
+    ids = jnp.arange(v)
+    return ((jnp.take(allowed, ids // 32, axis=1) >> (ids % 32)) & 1) == 1
 
 
 def token_ranks(logits: jax.Array, ids: jax.Array) -> jax.Array:

@@ -36,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # logprob of each sampled token plus this many alternatives
     prompt_logprobs: int | None = None  # logprobs of prompt tokens plus this many alternatives
     skip_special_tokens: bool = True  # drop special tokens from decoded text
+    # structured output: the grammar the tokens must follow, in llguidance's JSON form (api/structured.py)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}]")
@@ -76,6 +78,10 @@ class SamplingParams:
             isinstance(self.stop_token_ids, tuple) and all(_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",
         )
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar), "grammar must be a string")
+        # a finished grammar allows only an end-of-sequence token: neither may hold that back
+        _check(self.grammar is None or not (self.min_tokens or self.ignore_eos),
+               "min_tokens and ignore_eos cannot be combined with structured output (a grammar)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(

@@ -190,7 +190,8 @@ class Scheduler:
         if not stalled:
             budget = self._schedule_waiting(chunks, finished, budget, prompt)
         full = len(self.running) >= self.config.max_num_seqs
-        fusable = max_decode_steps > 1 and (full or not self.waiting) and chunks and all(c.is_decode for c in chunks)
+        fusable = (max_decode_steps > 1 and (full or not self.waiting) and chunks
+                   and all(c.is_decode and c.seq.grammar is None for c in chunks))  # (a grammar: a token a call)
         if self.config.speculative_tokens and (not fusable or self.gate.drafts(len(chunks))):
             chunks = self._add_drafts(chunks, budget)
         if fusable and not any(c.drafts for c in chunks):
@@ -447,4 +448,4 @@ def _flight_tail(seq: Sequence) -> tuple[int, ...] | None:
 def _draftable(seq: Sequence) -> bool:
     """Speculation: a sequence without penalties (a draft row's penalty would have to count the
     drafts before it) that is not backing off (`speculation.back_off`)."""
-    return not seq.params.penalised and seq.num_tokens >= seq.drafts_from
+    return not seq.params.penalised and seq.grammar is None and seq.num_tokens >= seq.drafts_from

@@ -342,7 +342,7 @@ def _unpack_bf16(panels: jax.Array, v: int, k: int) -> jax.Array:
 
 def serves(flags: SamplerFlags) -> bool:
     """Whether a step of these sampler flags may take every row's token from the screened head:
-    nothing that needs every logit of a row (logprobs, penalties, logit bias). A top-k cut needs
+    nothing that needs every logit of a row (logprobs, penalties, logit bias, a grammar's mask). A top-k cut needs
     only the few logits that can reach the k-th largest; rows needing every logit take the float32
     head apart where they are few (`SamplerFlags.apart`, head_choice.py)."""
-    return not (flags.logprobs or flags.penalties or flags.bias)
+    return not (flags.logprobs or flags.penalties or flags.bias or flags.mask_words)

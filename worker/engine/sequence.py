@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.speculation import DraftIndex
+
+if TYPE_CHECKING:
+    from worker.engine.grammar import Grammar
 
 IN_FLIGHT = -1  # output token sampled on device, not read back yet
 
@@ -47,6 +51,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" (worker.contract.FinishReason)
     stop_reason: str | int | None = None  # matched stop string or stop token id
     early_bans: tuple[int, ...] = ()  # tokens that may not be sampled before params.min_tokens outputs (EOS, stop ids)
+    grammar: Grammar | None = None  # structured output: where its tokens stand in the request's grammar
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -61,7 +61,8 @@ def log_variant(what: str, shape, flags, seconds: float | None = None, level: in
     out_ids, prompt_ids, bias = flags.widths
     parts = {"top-k/top-p": flags.needs_cut, "top-p": flags.top_p, "min-p": flags.min_p, "rows apart": flags.apart,
              f"logprobs {flags.num_logprobs}": flags.logprobs,
-             f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias}
+             f"penalties {out_ids}x{prompt_ids}": flags.penalties, f"logit bias {bias}": flags.bias,
+             "grammar mask": flags.mask_words}
     sampler = ["greedy" if flags.all_greedy else "sampled"] + [name for name, on in parts.items() if on]
     prefill += f", prompt logprobs {flags.num_logprobs} over {shape.scored} tokens" if shape.prompt_logprobs else ""
     prefill += ", drafts" if shape.drafts else ""

@@ -21,6 +21,8 @@ def serves(compiled: SamplerFlags, needed: SamplerFlags) -> bool:
         if (not (needed.penalties or needed.bias) or needed.penalties > compiled.penalties
                 or needed.bias > compiled.bias or any(c < n for c, n in zip(compiled.widths, needed.widths))):
             return False
+    if compiled.mask_words != needed.mask_words:  # a grammar's mask: only its own arrays serve it
+        return False
     if compiled.apart and not needed.apart:  # (its float32 head draws a few rows apart: too few for more)
         return False
     return ((needed.all_greedy or not compiled.all_greedy) and compiled.needs_cut >= needed.needs_cut
