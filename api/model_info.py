@@ -70,7 +70,11 @@ class ModelInfo:
     def is_special_token(self, text: str) -> bool:
         """Whether `text` is one special token of the tokenizer (decoding with
         skip_special_tokens drops it)."""
-        return any(t.special and t.content == text for t in self.tokenizer.added_tokens_decoder.values())
+        return self.special_token_id(text) is not None
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text`, or None where there is none."""
+        return next((i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special and t.content == text), None)
 
     @property
     def chat_template(self) -> str | None:

@@ -18,7 +18,8 @@ from typing import Any, Literal
 from api.errors import ApiError
 from api.model_info import ModelInfo
 from api.structured import request_grammar
-from api.tools import CallFormat, call_format, message_tool_calls, offered_tools
+from api.tool_grammar import call_grammar
+from api.tools import CallFormat, call_format, forced_tools, message_tool_calls, offered_tools
 from worker.contract import RequestMessage
 from worker.engine.sampling_params import SamplingParams
 
@@ -125,6 +126,9 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     form = call_format(model.chat_template) if tools else None
     if form and body.get("skip_special_tokens") is None and model.is_special_token(form.tag):
         extra["skip_special_tokens"] = False  # the calls' tags must reach the text the parser reads
+    if form and (forced := forced_tools(body, tools)):  # tool_choice required or a function: the reply calls
+        several = body.get("tool_choice") == "required" and body.get("parallel_tool_calls") is not False
+        extra["grammar"] = call_grammar(forced, form, several, model.special_token_id)
     scored = _prompt_logprobs(body)
     params = _sampling_params(body, model, logprobs=logprobs, prompt_logprobs=scored, **extra)
     parsed = _build("chat", body, model, params, [ids], [""], echo=False, logprobs=logprobs, prompt_logprobs=scored)

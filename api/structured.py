@@ -13,9 +13,10 @@ import llguidance
 from api.errors import ApiError
 
 ANY_OBJECT = {"type": "object"}  # response_format json_object: some JSON object
-# JSON with fixed separators (", ", ": ") and no other blanks, unless a schema's own "x-guidance" says
-# otherwise: free whitespace let a weak model write blank lines until max_tokens
-JSON_DEFAULTS = {"whitespace_flexible": False}
+# JSON with fixed separators (", ", ": ", as json.dumps and chat templates' tojson write it) and no
+# other blanks, unless a schema's own "x-guidance" says otherwise: free whitespace let a weak model
+# write blank lines until max_tokens
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 REGEX_META = set("\\.+*?()|[]{}^$#&-~")  # what a literal escapes in llguidance's (Rust's) regular expressions
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs fields
 
@@ -85,11 +86,11 @@ def _structured(value: Any) -> str:
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(s, str) and s for s in spec):
             raise ApiError(400, "structured_outputs.choice must be a list of non-empty strings", param=where)
-        return _compiled(make.grammar_from_regex("|".join(f"(?:{_literal(s)})" for s in spec)), where)
+        return compiled(make.grammar_from_regex("|".join(f"(?:{_literal(s)})" for s in spec)), where)
     if not isinstance(spec, str) or not spec:
         raise ApiError(400, f"{where} must be a non-empty string", param=where)
     grammar = make.grammar_from_regex(spec) if kind == "regex" else make.grammar_from_lark(spec)
-    return _compiled(grammar, where)
+    return compiled(grammar, where)
 
 
 def _literal(text: str) -> str:
@@ -101,11 +102,12 @@ def _schema(schema: dict[str, Any], where: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"the JSON schema is not supported: {exc}", param=where) from None
-    return _compiled(grammar, where)
+    return compiled(grammar, where)
 
 
-def _compiled(grammar: str, where: str) -> str:
-    """The grammar, once llguidance has compiled it (a 400 naming what it could not)."""
+def compiled(grammar: str, where: str) -> str:
+    """The grammar (llguidance's JSON form, or Lark text), once llguidance has compiled it (a 400
+    naming what it could not)."""
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise ApiError(400, f"{where} does not compile: {error.strip()}", param=where)

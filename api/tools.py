@@ -54,14 +54,12 @@ def call_format(chat_template: str | None) -> CallFormat | None:
 def offered_tools(body: dict[str, Any], chat_template: str | None) -> list[dict[str, Any]] | None:
     """The body's `tools` as the template gets them, or None when the model is not to see any
     (none given, or tool_choice "none"); the model's template must write calls in a format
-    tool_calls.py parses (`call_format`). tool_choice "required" or a named
-    function would need output constrained to a call, which this server does not do: a 400."""
+    tool_calls.py parses (`call_format`). tool_choice "required" or a named function is checked
+    here and forced by a grammar (tool_grammar.py)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        if choice == "required" or isinstance(choice, dict):
-            raise ApiError(400, f"tool_choice {json.dumps(choice)} is not supported: this server cannot force a "
-                           "call; use 'auto' (the model decides) or 'none'", param="tool_choice")  # fmt: skip
-        raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or a function", param="tool_choice")
+    if choice is not None and choice not in ("none", "auto", "required") and _named(choice) is None:
+        raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", param="tool_choice")  # fmt: skip
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be a boolean", param="parallel_tool_calls")
@@ -73,6 +71,9 @@ def offered_tools(body: dict[str, Any], chat_template: str | None) -> list[dict[
         raise ApiError(400, "tools must be a non-empty list (leave it out for none)", param="tools")
     for i, tool in enumerate(tools):
         _check_tool(tool, f"tools[{i}]")
+    if _named(choice) is not None and _named(choice) not in {t["function"]["name"] for t in tools}:
+        raise ApiError(400, f"tool_choice names {_named(choice)!r}, which is not among the tools",
+                       param="tool_choice.function.name")  # fmt: skip
     if choice == "none":
         return None
     if call_format(chat_template) is None:
@@ -80,6 +81,24 @@ def offered_tools(body: dict[str, Any], chat_template: str | None) -> list[dict[
         raise ApiError(400, f"this model's chat template writes no tool calls in a format this server parses "
                        f"({known})", param="tools")  # fmt: skip
     return tools
+
+
+def forced_tools(body: dict[str, Any], tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The tools a reply must call one or more of: all with tool_choice "required", the one named
+    by a function tool_choice; None where the model decides."""
+    choice = body.get("tool_choice")
+    if choice == "required":
+        return tools
+    name = _named(choice)
+    return None if name is None else [t for t in tools if t["function"]["name"] == name]
+
+
+def _named(choice: Any) -> str | None:
+    """The function name of a tool_choice {"type": "function", "function": {"name": ...}}, else None."""
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)):
+        return None
+    name = choice["function"].get("name")
+    return name if isinstance(name, str) else None
 
 
 def _check_tool(tool: Any, where: str) -> None:

@@ -148,3 +148,27 @@ def test_a_request_resumed_elsewhere_follows_its_grammar_from_where_it_was(demo)
     assert whole[:5] + rest == whole
     with pytest.raises(ValueError, match="grammar"):  # tokens the grammar never allowed
         engine.resume_request("bad", tok(PROMPT).input_ids, params, emitted={0: tok(" was", add_special_tokens=False).input_ids})
+
+
+@pytest.mark.parametrize("form", ["hermes", "llama3_json"])
+def test_a_forced_tool_call_from_the_engine_parses_into_a_call_of_the_named_function(demo, form):
+    """tool_choice's grammar (api/tool_grammar.py) on the real model: whatever it would have
+    written, the reply is a call of the function, with arguments that keep to its parameters."""
+    from api.tool_calls import parse_calls
+    from api.tool_grammar import call_grammar
+    from api.tools import FORMATS
+
+    engine, tok, _ = demo
+    fmt = next(f for f in FORMATS if f.name == form)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+    grammar = call_grammar([weather], fmt, False, lambda text: None)
+    engine.add_request("call", tok(PROMPT).input_ids, SamplingParams(temperature=0.0, max_tokens=60, grammar=grammar))
+    got = drain(engine)[("call", 0)]
+    assert got.finish_reason == "stop", got.text
+    (call,) = parse_calls(got.text, fmt)
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and set(arguments) == {"city", "days"}
+    assert 1 <= arguments["days"] <= 7 and len(arguments["city"]) <= 16

@@ -15,6 +15,7 @@ import pytest
 
 from api.assembly import Piece
 from api.model_info import ModelInfo
+from api.protocol import parse_chat
 from api.tool_calls import ToolCallFilter, parse_calls
 from api.tools import LLAMA3_JSON, call_format
 from tests.api_support import (  # noqa: F401 (fixtures)
@@ -224,6 +225,52 @@ def test_a_llama3_conversation_with_a_call_and_its_result_renders_as_transformer
     assert '{"output": "sunny, 21 C"}' in rendered
 
 
+def _accepts(model: ModelInfo, grammar: str, text: str) -> bool:
+    """Whether llguidance's matcher of `grammar` takes `text` (the tiny model's tokens) whole."""
+    import llguidance
+    import llguidance.hf
+
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(model.tokenizer, n_vocab=model.vocab_size), grammar)
+    ok = all(matcher.consume_token(t) for t in model.tokenizer.encode(text, add_special_tokens=False))
+    return ok and matcher.is_accepting()
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["hermes", "llama3"])
+def test_a_required_or_named_tool_choice_is_a_grammar_of_calls(redis_url, tiny_model_dir, tmp_path, fake_worker,
+                                                                form):  # fmt: skip
+    """tool_choice "required" lets the reply call any tool, one or more (one without parallel
+    calls); a named function only that one, with arguments that keep to its parameters; the
+    reply comes back as tool_calls."""
+    template = TOOLS_TEMPLATE if form == "hermes" else LLAMA3_TEMPLATE
+    paris = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' if form == "hermes"
+             else '{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    utc = paris.replace("get_weather", "get_time").replace('"city": "Paris"', '"zone": "utc"')
+    folder, model = _tools_model(tiny_model_dir, tmp_path, template)
+    worker = fake_worker(reply=paris)
+    with api_server(redis_url, folder, model) as server:
+        client = _client(server.url)
+        ask = dict(model=MODEL_NAME, messages=ASK, tools=[WEATHER, TIME], max_tokens=300)
+        result = client.chat.completions.create(**ask, tool_choice="required")
+        named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        single = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False)
+    assert result.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in result.choices[0].message.tool_calls] == ["get_weather"]
+    required, only_time, one = (m.params["grammar"] for m in worker.seen)
+    both = paris + ("\n" if form == "hermes" else "; ") + utc
+    assert _accepts(model, required, paris) and _accepts(model, required, utc) and _accepts(model, required, both)
+    assert _accepts(model, one, paris) and not _accepts(model, one, both)
+    assert _accepts(model, only_time, utc) and not _accepts(model, only_time, paris)
+    for grammar in (required, only_time):
+        assert not _accepts(model, grammar, "It is sunny.")
+        assert not _accepts(model, grammar, utc.replace("utc", "mars"))  # outside the parameters' enum
+    plain = parse_chat({"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER]}, model)
+    assert plain.requests[0].params["grammar"] is None  # auto: the model decides
+
+
 def test_tool_choice_none_hides_the_tools_and_parses_nothing(tools_api, fake_worker):
     url, model = tools_api
     worker = fake_worker(reply=CALL)
@@ -235,8 +282,11 @@ def test_tool_choice_none_hides_the_tools_and_parses_nothing(tools_api, fake_wor
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "min_tokens": 3}, "min_tokens"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": [WEATHER], "logprobs": True}, "logprobs"),
     ({"tools": {"a": 1}}, "tools"),

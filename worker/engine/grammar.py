@@ -1,4 +1,4 @@
-"""Structured output on the host: a request's grammar (llguidance's JSON form: a JSON schema, a
+"""Structured output on the host: a request's grammar (as llguidance takes it: a JSON schema, a
 regular expression or a Lark grammar, made by the API) held per sequence as a matcher that gives
 the bitmask of the tokens its next sample may take and follows the tokens it took. No JAX.
 
@@ -29,7 +29,7 @@ class GrammarCompiler:
         self._tokens: llguidance.LLTokenizer | None = None
 
     def matcher(self, grammar: str) -> Grammar:
-        """A fresh matcher of `grammar` (llguidance's JSON form); ValueError if it does not compile."""
+        """A fresh matcher of `grammar`; ValueError if it does not compile."""
         if self._tokens is None:  # any end-of-sequence id ends a finished grammar
             self._tokens = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
                                                         eos_token=list(self.eos_ids))  # fmt: skip

@@ -36,7 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # logprob of each sampled token plus this many alternatives
     prompt_logprobs: int | None = None  # logprobs of prompt tokens plus this many alternatives
     skip_special_tokens: bool = True  # drop special tokens from decoded text
-    # structured output: the grammar the tokens must follow, in llguidance's JSON form (api/structured.py)
+    # structured output: the grammar the tokens must follow, as llguidance takes it (its JSON form or Lark
+    # text; api/structured.py, api/tool_grammar.py)
     grammar: str | None = None
 
     def __post_init__(self) -> None:
