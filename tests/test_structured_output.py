@@ -146,8 +146,9 @@ def test_a_request_resumed_elsewhere_follows_its_grammar_from_where_it_was(demo)
     engine.resume_request("rest", tok(PROMPT).input_ids, params, emitted={0: whole[:5]})
     rest = drain(engine)[("rest", 0)].token_ids
     assert whole[:5] + rest == whole
-    with pytest.raises(ValueError, match="grammar"):  # tokens the grammar never allowed
+    with pytest.raises(ValueError, match="grammar"):  # tokens the grammar never allowed: refused, nothing held
         engine.resume_request("bad", tok(PROMPT).input_ids, params, emitted={0: tok(" was", add_special_tokens=False).input_ids})
+    assert not engine.has_unfinished() and engine.allocator.num_free_pages == engine.allocator.num_pages - 1
 
 
 @pytest.mark.parametrize("form", ["hermes", "llama3_json"])

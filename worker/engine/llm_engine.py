@@ -167,7 +167,9 @@ class LLMEngine:
             tokens = emitted.get(seq.index, [])
             seq.output_token_ids.extend(tokens)
             if seq.grammar is not None and not seq.grammar.consume(tokens):  # (followed it where it ran)
-                raise ValueError(f"the tokens already sent break the request's grammar: {seq.grammar.error}")
+                error = seq.grammar.error
+                self.abort(request_id)  # nothing of it stays held
+                raise ValueError(f"the tokens already sent break the request's grammar: {error}")
             track = self._tracks[seq.seq_id]
             track.prompt_sent = True
             cut = len(tokens) - (held or {}).get(seq.index, 0)
