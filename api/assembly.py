@@ -106,7 +106,8 @@ class Assembler:
         n = self.parsed.prompt_logprobs
         if n is None:
             return None
-        return [[None if e is None else _scored_entry(e, n, self.model) for e in request.prompt_logprobs or []]
+        names = _id_names if self.parsed.ids_as_tokens else self.model.token_strings
+        return [[None if e is None else _scored_entry(e, n, names) for e in request.prompt_logprobs or []]
                 for request in self.requests]  # fmt: skip
 
     def _echo_piece(self, sub: int, index: int, choice: _Choice) -> Piece:
@@ -122,16 +123,24 @@ class Assembler:
     def _format(self, entries: list[dict[str, Any] | None], ids: list[int], offset: int) -> dict[str, list] | None:
         if self.parsed.logprobs is None:
             return None
+        names = _id_names if self.parsed.ids_as_tokens else self.model.token_strings
         if self.parsed.kind == "chat":
-            return {"content": [_chat_logprob(e, self.model) for e in entries if e is not None]}
-        return _completion_logprobs(entries, ids, offset, self.model)
+            return {"content": [_chat_logprob(e, names) for e in entries if e is not None]}
+        return _completion_logprobs(entries, ids, offset, self.model, names)
 
 
-def _completion_logprobs(entries: list[dict[str, Any] | None], ids: list[int], offset: int, model: ModelInfo) -> dict:
-    """OpenAI legacy format: tokens, token_logprobs, top_logprobs, text_offset (None where unknown)."""
-    strings = model.token_strings(ids)
-    out: dict[str, list] = {"tokens": strings, "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for entry, string in zip(entries, strings):
+def _id_names(ids: list[int]) -> list[str]:
+    """vLLM's return_tokens_as_token_ids: each token named by its id, whatever its text."""
+    return [f"token_id:{t}" for t in ids]
+
+
+def _completion_logprobs(entries: list[dict[str, Any] | None], ids: list[int], offset: int, model: ModelInfo,
+                         names: Callable[[list[int]], list[str]]) -> dict:
+    """OpenAI legacy format: tokens, token_logprobs, top_logprobs, text_offset (None where unknown);
+    `names` gives the tokens' names (their text, or their ids), the offsets count their text."""
+    shown = names(ids)
+    out: dict[str, list] = {"tokens": shown, "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry, string, name in zip(entries, model.token_strings(ids), shown):
         out["text_offset"].append(offset)
         offset += len(string)
         if entry is None:
@@ -140,29 +149,29 @@ def _completion_logprobs(entries: list[dict[str, Any] | None], ids: list[int], o
             continue
         out["token_logprobs"].append(_finite(entry["logprob"]))
         top_ids = [int(t) for t, _ in entry.get("top", [])]
-        top = dict(zip(model.token_strings(top_ids), (_finite(lp) for _, lp in entry.get("top", []))))
-        top.setdefault(string, _finite(entry["logprob"]))
+        top = dict(zip(names(top_ids), (_finite(lp) for _, lp in entry.get("top", []))))
+        top.setdefault(name, _finite(entry["logprob"]))
         out["top_logprobs"].append(top)
     return out
 
 
-def _chat_logprob(entry: dict[str, Any], model: ModelInfo) -> dict[str, Any]:
-    token = model.token_strings([entry["token_id"]])[0]
+def _chat_logprob(entry: dict[str, Any], names: Callable[[list[int]], list[str]]) -> dict[str, Any]:
+    token = names([entry["token_id"]])[0]
     top_ids = [int(t) for t, _ in entry.get("top", [])]
     top = [
         {"token": s, "logprob": _finite(lp), "bytes": list(s.encode())}
-        for s, (_, lp) in zip(model.token_strings(top_ids), entry.get("top", []))
+        for s, (_, lp) in zip(names(top_ids), entry.get("top", []))
     ]
     return {"token": token, "logprob": _finite(entry["logprob"]), "bytes": list(token.encode()), "top_logprobs": top}
 
 
-def _scored_entry(entry: dict[str, Any], n: int, model: ModelInfo) -> dict[str, dict[str, Any]]:
+def _scored_entry(entry: dict[str, Any], n: int, names: Callable[[list[int]], list[str]]) -> dict[str, dict[str, Any]]:
     """One prompt token's vLLM entry: the token, then its first n alternatives (ranked 1...), by id."""
     top = entry.get("top", [])[:n]
     ids = [int(entry["token_id"])] + [int(t) for t, _ in top]
     values = [(entry["logprob"], entry["rank"])] + [(lp, k) for k, (_, lp) in enumerate(top, start=1)]
     out: dict[str, dict[str, Any]] = {}
-    for token_id, text, (logprob, rank) in zip(ids, model.token_strings(ids), values):
+    for token_id, text, (logprob, rank) in zip(ids, names(ids), values):
         out.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": int(rank), "decoded_token": text})
     return out
 

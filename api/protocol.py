@@ -28,11 +28,12 @@ SAMPLING_FIELDS = {
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens",
 }  # fmt: skip
-COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user", "response_format", "structured_outputs"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"}
+COMMON_FIELDS = SAMPLING_FIELDS | {"model", "stream", "stream_options", "user", "response_format", "structured_outputs",
+                                   "truncate_prompt_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs", "return_tokens_as_token_ids"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "prompt_logprobs",
+    "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "prompt_logprobs", "return_tokens_as_token_ids",
 }  # fmt: skip
 # chat_template_kwargs may not name these: transformers' own apply_chat_template arguments (the
 # request's fields above set the two that matter) and the tokens it gives the template
@@ -70,6 +71,7 @@ class ParsedRequest:
     tool_calls: CallFormat | None = None
     parallel_tool_calls: bool = True  # false: a choice keeps its first call only
     prompt_logprobs: int | None = None  # vLLM's extension: each prompt token's logprob and this many alternatives
+    ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -94,9 +96,11 @@ def parse_completion(body: dict[str, Any], model: ModelInfo, max_prompts: int) -
     raw_prompts = _prompts(_require(body, "prompt"))
     if len(raw_prompts) > max_prompts:
         raise ApiError(400, f"at most {max_prompts} prompts per request (got {len(raw_prompts)})", param="prompt")
-    prompt_ids = [_encode_prompt(p, model) for p in raw_prompts]
-    texts = [p if isinstance(p, str) else model.decode(ids, skip_special_tokens=False)
-             for p, ids in zip(raw_prompts, prompt_ids)]  # fmt: skip
+    keep = _truncation(body, model)
+    encoded = [_encode_prompt(p, model) for p in raw_prompts]
+    prompt_ids = [ids[-keep:] if keep else ids for ids in encoded]
+    texts = [p if isinstance(p, str) and len(ids) == len(whole) else model.decode(ids, skip_special_tokens=False)
+             for p, ids, whole in zip(raw_prompts, prompt_ids, encoded)]  # fmt: skip
     return _build("completion", body, model, params, prompt_ids, texts, echo=echo, logprobs=logprobs,
                   prompt_logprobs=scored)
 
@@ -116,6 +120,8 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     if tools and logprobs is not None:
         raise ApiError(400, "logprobs cannot be combined with tools", param="logprobs")
     ids = _render_chat(body, model, tools)
+    if keep := _truncation(body, model):
+        ids = ids[-keep:]
     extra: dict[str, Any] = {"grammar": grammar}  # an explicit max_tokens is read by _sampling_params
     if body.get("max_tokens") is None:
         max_tokens = _get(body, "max_completion_tokens", int)
@@ -135,6 +141,20 @@ def parse_chat(body: dict[str, Any], model: ModelInfo) -> ParsedRequest:
     if not form:
         return parsed
     return dataclasses.replace(parsed, tool_calls=form, parallel_tool_calls=body.get("parallel_tool_calls") is not False)
+
+
+def _truncation(body: dict[str, Any], model: ModelInfo) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: a longer prompt keeps its last this many tokens (-1: as
+    many as the model's context allows); None where the body leaves it out."""
+    keep = _get(body, "truncate_prompt_tokens", int)
+    if keep is None:
+        return None
+    if keep == -1:
+        return model.max_model_len
+    if not 1 <= keep <= model.max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens must be -1 or in [1, {model.max_model_len}] (the model's context)",
+                       param="truncate_prompt_tokens")  # fmt: skip
+    return keep
 
 
 def _prompt_logprobs(body: dict[str, Any]) -> int | None:
@@ -239,6 +259,7 @@ def _build(
         kind=kind, response_id=prefix + requests[0].id, created=int(now), model=model.name, requests=requests,
         prompt_texts=texts, n=params.n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
         echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        ids_as_tokens=bool(_get(body, "return_tokens_as_token_ids", bool)),
     )  # fmt: skip
 
 

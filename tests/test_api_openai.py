@@ -174,6 +174,42 @@ def test_prompt_logprobs_in_vllm_format(start_api, fake_worker, tiny_model):
     assert "prompt_logprobs" not in plain.choices[0].model_extra and worker.seen[-1].params["prompt_logprobs"] is None
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(start_api, fake_worker, tiny_model):
+    worker = fake_worker()
+    client = _client(start_api())
+    ids = tiny_model.encode("the quick brown fox jumps over the lazy dog", add_special_tokens=True)
+    result = client.completions.create(model=MODEL_NAME, prompt="the quick brown fox jumps over the lazy dog",
+                                       max_tokens=1, echo=True, extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    assert worker.seen[-1].prompt_token_ids == ids[-5:] and result.usage.prompt_tokens == 5
+    assert result.choices[0].text.startswith(tiny_model.decode(ids[-5:], skip_special_tokens=False))
+    short = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    assert worker.seen[-1].prompt_token_ids == [5, 6, 7] and short.usage.prompt_tokens == 3
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hello there"}],
+                                   max_tokens=1, extra_body={"truncate_prompt_tokens": 4})  # fmt: skip
+    whole = tiny_model.render_chat([{"role": "user", "content": "hello there"}])
+    assert worker.seen[-1].prompt_token_ids == whole[-4:]
+
+
+def test_return_tokens_as_token_ids_names_every_token_by_its_id(start_api, fake_worker):
+    worker = fake_worker()
+    client = _client(start_api())
+    result = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=3, logprobs=2, echo=True,
+                                       extra_body={"return_tokens_as_token_ids": True, "prompt_logprobs": 1})
+    ids = worker.seen[-1].prompt_token_ids
+    lp = result.choices[0].logprobs
+    assert lp.tokens[: len(ids)] == [f"token_id:{t}" for t in ids] and all(t.startswith("token_id:") for t in lp.tokens)
+    assert all(key.startswith("token_id:") for top in lp.top_logprobs[1:] for key in top)
+    assert lp.text_offset[len(ids)] == len("hello")  # offsets still count the text
+    assert all(v["decoded_token"] == f"token_id:{k}" for e in result.choices[0].prompt_logprobs[1:] for k, v in e.items())
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert all(c.token.startswith("token_id:") and all(t.token.startswith("token_id:") for t in c.top_logprobs)
+               for c in content)  # fmt: skip
+
+
 def test_echo_with_generation_and_logprobs(start_api, fake_worker):
     fake_worker()
     client = _client(start_api())
