@@ -1,7 +1,7 @@
-"""What structured output costs the requests beside it: the demo engine on 64 prompts, all plain,
-against the same 64 with every 8th following a JSON schema, alternating in one process.
+"""What structured output costs the requests beside it: the demo engine on 256 prompts (64 at a
+time), all plain, against the same with every 8th following a JSON schema, alternating in one process.
 
-    python scripts/structured_cost.py [--rounds 3] [--every 8]
+    python scripts/structured_cost.py [--rounds 3] [--every 8] [--num-prompts 256]
 
 A sequence with a grammar takes one token a call, so while one runs its batch's decode steps are
 not fused; this prints both halves' output tokens/s and their ratio. Plain requests run 128 tokens
@@ -46,11 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=256)
     args = parser.parse_args()
     engine = LLMEngine.from_path(str(DEMO_MODEL), EngineConfig(max_num_seqs=64))
     engine.warmup()
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 4096, 128).tolist() for _ in range(64)]
+    prompts = [rng.integers(2, 4096, 128).tolist() for _ in range(args.num_prompts)]
     run(engine, prompts, None, "a"), run(engine, prompts, args.every, "b")  # warm-up: the masked variants compile
     ratios = []
     for r in range(args.rounds):
