@@ -170,20 +170,29 @@ def test_calls_come_back_as_tool_calls_streamed_and_not(tools_api, fake_worker):
         (0, "get_weather", {"city": "Paris"})]
 
 
-def test_a_conversation_with_calls_and_results_renders_as_transformers_does(tools_api, fake_worker):
-    url, model = tools_api
-    worker = fake_worker(reply=" it is sunny")
+@pytest.mark.parametrize("form", ["hermes", "llama3"])
+def test_a_conversation_with_a_call_and_its_result_renders_as_transformers_does(redis_url, tiny_model_dir, tmp_path,
+                                                                                fake_worker, form):  # fmt: skip
+    folder, model = _tools_model(tiny_model_dir, tmp_path, TOOLS_TEMPLATE if form == "hermes" else LLAMA3_TEMPLATE)
+    worker = fake_worker(reply="It is sunny.")
     called = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [called]},
                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]  # fmt: skip
-    result = _client(url).chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER], max_tokens=20)
-    assert result.choices[0].message.content == " it is sunny" and result.choices[0].message.tool_calls is None
+    with api_server(redis_url, folder, model) as server:
+        result = _client(server.url).chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER],
+                                                             max_tokens=20)  # fmt: skip
+    choice = result.choices[0]
+    assert choice.message.content == "It is sunny." and choice.message.tool_calls is None and choice.finish_reason == "stop"
     as_dicts = [dict(messages[1], content="", tool_calls=[dict(called, function={"name": "get_weather",
                                                                                 "arguments": {"city": "Paris"}})])]
     rendered = model.tokenizer.apply_chat_template(ASK + as_dicts + messages[2:], tools=[WEATHER], tokenize=False,
                                                    add_generation_prompt=True)  # fmt: skip
     assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(rendered, add_special_tokens=False)
-    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+    if form == "hermes":
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered
+    else:
+        assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in rendered
+        assert '{"output": "sunny, 21 C"}' in rendered
 
 
 def test_llama3_calls_come_back_as_tool_calls_streamed_and_not(llama3_api, fake_worker):
@@ -206,23 +215,6 @@ def test_llama3_calls_come_back_as_tool_calls_streamed_and_not(llama3_api, fake_
     assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
         (k, *call) for k, call in enumerate(want)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-
-def test_a_llama3_conversation_with_a_call_and_its_result_renders_as_transformers_does(llama3_api, fake_worker):
-    url, model = llama3_api
-    worker = fake_worker(reply="It is sunny.")
-    called = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [called]},
-                      {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]  # fmt: skip
-    result = _client(url).chat.completions.create(model=MODEL_NAME, messages=messages, tools=[WEATHER], max_tokens=20)
-    assert result.choices[0].message.content == "It is sunny." and result.choices[0].finish_reason == "stop"
-    as_dicts = [dict(messages[1], content="", tool_calls=[dict(called, function={"name": "get_weather",
-                                                                                "arguments": {"city": "Paris"}})])]
-    rendered = model.tokenizer.apply_chat_template(ASK + as_dicts + messages[2:], tools=[WEATHER], tokenize=False,
-                                                   add_generation_prompt=True)  # fmt: skip
-    assert worker.seen[0].prompt_token_ids == model.tokenizer.encode(rendered, add_special_tokens=False)
-    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in rendered
-    assert '{"output": "sunny, 21 C"}' in rendered
 
 
 def _accepts(model: ModelInfo, grammar: str, text: str) -> bool:
